@@ -1,0 +1,2 @@
+"""GRPO fine-tuning from the command line."""
+__version__ = "0.1.0"
