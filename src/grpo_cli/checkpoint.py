@@ -1,0 +1,131 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the adapter (safetensors), the optimiser and
+scheduler state (`trainer_state.pt`, tensors only, loaded with weights_only=True), RNG states and the step
+(`state.json`), and the metrics written so far. It is written under a temporary name and renamed into
+place, so a crash mid-write leaves the previous checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PREFIX = "step-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message is one line for the user."""
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": _jsonable(random.getstate()),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+
+
+def _jsonable(obj):
+    return [_jsonable(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def _tupled(obj):
+    return tuple(_tupled(x) for x in obj) if isinstance(obj, list) else obj
+
+
+def restore_rng(state: dict, torch_state: dict) -> None:
+    random.setstate(_tupled(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch_state["torch"])
+    if torch.cuda.is_available() and "cuda" in torch_state:
+        torch.cuda.set_rng_state_all(torch_state["cuda"])
+
+
+def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: dict, keep_last: int) -> Path:
+    """Write the state after `step` steps (so resume starts at `step`) and prune old checkpoints."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp / "adapter")
+        torch_state = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            torch_state["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": torch_state},
+                   tmp / "trainer_state.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, "rng": rng_state(), **extra}))
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file():
+            shutil.copy2(metrics, tmp / "metrics.jsonl")
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"writing checkpoint {final} failed ({err.strerror or err}); the previous checkpoint is intact, free space and resume with trainer.resume=auto"
+        ) from None
+    for old in sorted(root.glob(PREFIX + "*"))[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    for file in folder.rglob("*"):
+        if file.is_file():
+            with file.open("rb") as f:
+                os.fsync(f.fileno())
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint (temporary folders of an interrupted write are ignored)."""
+    candidates = [p for p in sorted(checkpoint_root(run_dir).glob(PREFIX + "*")) if (p / "state.json").is_file()]
+    return candidates[-1] if candidates else None
+
+
+def find(run_dir: Path, resume: str) -> Path | None:
+    """Resolve `trainer.resume` (auto or a path) to a checkpoint folder; None = start fresh."""
+    if resume == "auto":
+        return latest(run_dir)
+    path = Path(resume).expanduser()
+    if path.is_dir() and not (path / "state.json").is_file():
+        path = latest(path) or path  # a run dir was given
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"trainer.resume={resume} is not a checkpoint (no state.json); use auto or a checkpoints/step-N folder")
+    return path
+
+
+def load(path: Path, model, optimizer, scheduler) -> dict:
+    """Restore adapter weights, optimiser, scheduler and RNG in place; return state.json."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    adapter_file = path / "adapter" / "adapter_model.safetensors"
+    if not adapter_file.is_file():
+        raise CheckpointError(f"{adapter_file} is missing; the checkpoint is incomplete, resume from an older one")
+    set_peft_model_state_dict(model, load_file(adapter_file, device=str(next(model.parameters()).device)))
+    try:
+        trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"{path / 'trainer_state.pt'} was refused ({type(err).__name__}): only plain tensors load; it may be tampered with") from None
+    optimizer.load_state_dict(trainer_state["optimizer"])
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    state = json.loads((path / "state.json").read_text())
+    restore_rng(state["rng"], trainer_state["rng"])
+    return state

@@ -1,0 +1,124 @@
+"""Prompt sources: reasoning-gym generators, GSM8K (hub or local jsonl), and any jsonl of rows.
+
+A source is a list of rows; each row has `messages` (the chat prompt) and the fields rewards receive
+(e.g. `answer`). Batches are a pure function of (seed, step), so a resumed run sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """Bad data or data config; the message is one line meant for the user."""
+
+
+def gold_from_gsm8k(answer: str) -> str:
+    """GSM8K's `answer` ends with `#### N`; the gold answer is N without thousands separators."""
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return messages + [{"role": "user", "content": question + (suffix or "")}]
+
+
+def read_jsonl(path: str | Path, required: Sequence[str]) -> list[dict]:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist; pass an existing file with data.path=FILE.jsonl")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
+            missing = [k for k in required if k not in row]
+            if missing:
+                raise DataError(f"{path}:{lineno} lacks field(s) {', '.join(missing)}; every row needs {', '.join(required)}")
+            rows.append(row)
+    if not rows:
+        raise DataError(f"data file {path} holds no rows; point data.path at a non-empty jsonl file")
+    return rows
+
+
+def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix: str, system_prompt) -> list[dict]:
+    import reasoning_gym
+
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_args)
+    except Exception as err:  # reasoning-gym raises several types for an unknown task or bad args
+        raise DataError(f"data.task={task} with {task_args} failed in reasoning-gym ({err}); check the task name and args") from None
+    return [{"messages": _messages(x["question"], system_prompt, suffix), "answer": str(x["answer"])} for x in dataset]
+
+
+def _gsm8k_rows(path: str | None, split: str, system_prompt, suffix: str) -> list[dict]:
+    if path:
+        raw = read_jsonl(path, ("question", "answer"))
+    else:
+        try:
+            import datasets
+
+            raw = list(datasets.load_dataset("openai/gsm8k", "main", split=split))
+        except Exception as err:
+            raise DataError(
+                f"openai/gsm8k could not be loaded from the hub ({str(err).splitlines()[0][:120]}); offline, pass "
+                "data.path=FILE.jsonl (e.g. ../shared/data/gsm8k/train.jsonl) and data.eval_path=..."
+            ) from None
+    return [{"messages": _messages(r["question"], system_prompt, suffix), "answer": gold_from_gsm8k(r["answer"])} for r in raw]
+
+
+def _jsonl_rows(path: str, system_prompt, suffix: str) -> list[dict]:
+    rows = read_jsonl(path, ("prompt",))
+    return [{**{k: v for k, v in r.items() if k != "prompt"}, "messages": _messages(r["prompt"], system_prompt, suffix)} for r in rows]
+
+
+def load_rows(cfg_data, *, split: str = "train", seed: int = 0) -> list[dict]:
+    """Rows of the configured source for `split` (train or test)."""
+    source = cfg_data.source
+    path = cfg_data.get("path") if split == "train" else cfg_data.get("eval_path")
+    system_prompt = cfg_data.get("system_prompt")
+    suffix = cfg_data.get("question_suffix") or ""
+    if source == "reasoning_gym":
+        size = cfg_data.size if split == "train" else cfg_data.get("eval_size", 200)
+        # a different seed for the held-out split so its questions are not the training ones
+        return _reasoning_gym_rows(cfg_data.task, size, seed if split == "train" else seed + 10_007,
+                                   dict(cfg_data.get("task_args") or {}), suffix, system_prompt)
+    if source == "gsm8k":
+        return _gsm8k_rows(path, split, system_prompt, suffix)
+    if source == "jsonl":
+        if not path:
+            raise DataError(f"data.source=jsonl needs data.{'path' if split == 'train' else 'eval_path'}=FILE.jsonl")
+        return _jsonl_rows(path, system_prompt, suffix)
+    raise DataError(f"data.source={source} is unknown; use reasoning_gym, gsm8k or jsonl")
+
+
+@dataclass
+class PromptSampler:
+    """Epoch-wise shuffled batches; batch(step) depends only on (seed, step), which makes resume exact."""
+
+    rows: list[dict]
+    batch_size: int
+    seed: int
+
+    def batch(self, step: int) -> list[dict]:
+        n = len(self.rows)
+        out = []
+        for k in range(step * self.batch_size, (step + 1) * self.batch_size):
+            epoch, pos = divmod(k, n)
+            out.append(self.rows[self._order(epoch)[pos]])
+        return out
+
+    def _order(self, epoch: int) -> list[int]:
+        if getattr(self, "_cached_epoch", None) != epoch:
+            order = list(range(len(self.rows)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._cached_epoch, self._cached_order = epoch, order
+        return self._cached_order

