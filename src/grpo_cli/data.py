@@ -12,14 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo_cli.rewards.parsing import gold_answer
+
 
 class DataError(ValueError):
     """Bad data or data config; the message is one line meant for the user."""
-
-
-def gold_from_gsm8k(answer: str) -> str:
-    """GSM8K's `answer` ends with `#### N`; the gold answer is N without thousands separators."""
-    return answer.split("####")[-1].strip().replace(",", "")
 
 
 def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
@@ -72,7 +69,7 @@ def _gsm8k_rows(path: str | None, split: str, system_prompt, suffix: str) -> lis
                 f"openai/gsm8k could not be loaded from the hub ({str(err).splitlines()[0][:120]}); offline, pass "
                 "data.path=FILE.jsonl (e.g. ../shared/data/gsm8k/train.jsonl) and data.eval_path=..."
             ) from None
-    return [{"messages": _messages(r["question"], system_prompt, suffix), "answer": gold_from_gsm8k(r["answer"])} for r in raw]
+    return [{"messages": _messages(r["question"], system_prompt, suffix), "answer": gold_answer(r["answer"])} for r in raw]
 
 
 def _jsonl_rows(path: str, system_prompt, suffix: str) -> list[dict]:

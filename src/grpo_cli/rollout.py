@@ -18,20 +18,15 @@ class EncodedPrompts:
 
 @dataclass
 class Rollout:
-    prompt_ids: torch.Tensor       # [N, Lp] left-padded
-    prompt_mask: torch.Tensor      # [N, Lp]
+    """G completions for each of P prompts; completion row i belongs to prompt i // G."""
+
+    prompt_ids: torch.Tensor       # [P, Lp] left-padded, one row per prompt (shared by its G completions)
+    prompt_mask: torch.Tensor      # [P, Lp]
     completion_ids: torch.Tensor   # [N, T] right-padded
     completion_mask: torch.Tensor  # [N, T] 1 on real tokens up to and including EOS
     truncated: torch.Tensor        # [N] bool: hit max_new_tokens without EOS
     texts: list[str]
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+    group_size: int
 
 
 def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int, overlong: str = "truncate") -> EncodedPrompts:
@@ -76,32 +71,68 @@ def completion_masks(completion_ids: torch.Tensor, eos: list[int]) -> tuple[torc
     return (~seen_before).long(), ~is_eos.any(dim=1)
 
 
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: 0 at each row's first real token."""
+    return (mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """One forward over the P prompts; returns (logits at each prompt's last position [P, 1, V], KV cache).
+    Gradients flow through the cache when grad is enabled, so G completions can share one prompt pass."""
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    return out.logits, out.past_key_values
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: int, max_new_tokens: int,
              min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
              device=None) -> Rollout:
-    """G completions for each prompt, ordered so rows g*G .. g*G+G-1 share prompt g."""
+    """G completions for each prompt, ordered so rows g*G .. g*G+G-1 share prompt g.
+
+    The prompts are prefilled once and their KV cache repeated G times, instead of prefilling every
+    prompt G times as `num_return_sequences` would."""
     device = device or next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, device)
     eos = eos_ids(model, tokenizer)
     was_training = model.training
     model.eval()
+    cache = None
+    if ids.shape[1] > 1:
+        _, cache = prefill(model, ids[:, :-1], mask[:, :-1])
+        cache.batch_repeat_interleave(num_generations)
     sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-        num_return_sequences=num_generations, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-        do_sample=not greedy, **sampling,
+        input_ids=ids.repeat_interleave(num_generations, dim=0),
+        attention_mask=mask.repeat_interleave(num_generations, dim=0), past_key_values=cache,
+        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos, do_sample=not greedy, **sampling,
     )
     model.train(was_training)
     completion = out[:, ids.shape[1]:]
     cmask, truncated = completion_masks(completion, eos)
     completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
     texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
-    return Rollout(
-        prompt_ids=ids.repeat_interleave(num_generations, dim=0),
-        prompt_mask=mask.repeat_interleave(num_generations, dim=0),
-        completion_ids=completion,
-        completion_mask=cmask,
-        truncated=truncated,
-        texts=texts,
-    )
+    return Rollout(ids, mask, completion, cmask, truncated, texts, num_generations)
+
+
+def completion_logits(model, rollout: Rollout, rows: slice) -> torch.Tensor:
+    """Logits [R, T, V] that predict the completion tokens of `rows`, computed only at completion positions.
+
+    The prompts of `rows` are run once each (not once per completion) and their KV cache is indexed out
+    to the rows; the gradient through the shared prompt pass is the sum over its rows, as with copies."""
+    G = rollout.group_size
+    first, last = rows.start // G, (rows.stop - 1) // G
+    p_ids, p_mask = rollout.prompt_ids[first:last + 1], rollout.prompt_mask[first:last + 1]
+    prompt_logits, cache = prefill(model, p_ids, p_mask)
+    owner = torch.arange(rows.start, rows.stop, device=p_ids.device) // G - first
+    cache.reorder_cache(owner)
+    c_ids = rollout.completion_ids[rows]
+    first_logits = prompt_logits[owner]
+    if c_ids.shape[1] == 1:
+        return first_logits
+    full_mask = torch.cat([p_mask[owner], rollout.completion_mask[rows]], dim=1)
+    c_pos = p_mask[owner].sum(dim=1, keepdim=True) + torch.arange(c_ids.shape[1] - 1, device=c_ids.device)
+    out = model(input_ids=c_ids[:, :-1], attention_mask=full_mask[:, :-1], position_ids=c_pos,
+                past_key_values=cache, use_cache=True)
+    return torch.cat([first_logits, out.logits], dim=1)

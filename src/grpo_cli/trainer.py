@@ -22,7 +22,7 @@ from grpo_cli import algorithm, checkpoint
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.models import LoadedModel, load_policy
 from grpo_cli.rewards import RewardSet
-from grpo_cli.rollout import Rollout, encode_prompts, generate
+from grpo_cli.rollout import Rollout, completion_logits, encode_prompts, generate
 from grpo_cli.tracking import Tracker
 
 
@@ -55,16 +55,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def completion_logprobs(model, batch_ids: torch.Tensor, attention: torch.Tensor, completion_ids: torch.Tensor,
-                        temperature: float, chunk_size: int | None, with_entropy: bool = False):
-    """Per-token log-probs of the completion tokens; logits are computed only at completion positions."""
-    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    width = completion_ids.shape[1]
-    logits = model(input_ids=batch_ids, attention_mask=attention, position_ids=positions,
-                   logits_to_keep=width + 1, use_cache=False).logits[:, :-1]
+def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float, chunk_size: int | None,
+                        with_entropy: bool = False):
+    """Per-token log-probs (and entropy) of the completion tokens of `rows` under `model`."""
+    logits = completion_logits(model, rollout, rows)
     if with_entropy:
-        return algorithm.token_logprobs_and_entropy(logits, completion_ids, temperature=temperature, chunk_size=chunk_size)
-    return algorithm.token_logprobs(logits, completion_ids, temperature=temperature, chunk_size=chunk_size), None
+        return algorithm.token_logprobs_and_entropy(logits, rollout.completion_ids[rows], temperature=temperature,
+                                                    chunk_size=chunk_size)
+    return algorithm.token_logprobs(logits, rollout.completion_ids[rows], temperature=temperature,
+                                    chunk_size=chunk_size), None
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -140,10 +139,9 @@ class GRPOTrainer:
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
     def _logprobs(self, batch: Batch, rows: slice, *, grad: bool, with_entropy: bool = False):
-        r = batch.rollout
         with torch.set_grad_enabled(grad):
-            return completion_logprobs(self.model, r.input_ids[rows], r.attention_mask[rows], r.completion_ids[rows],
-                                       self.roll.temperature, self.tcfg.logprob_chunk_size, with_entropy)
+            return completion_logprobs(self.model, batch.rollout, rows, self.roll.temperature,
+                                       self.tcfg.logprob_chunk_size, with_entropy)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, batch: Batch, parts: list[slice], adapter: bool) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""Accuracy of a policy on held-out prompts: greedy pass@1, and with k samples pass@k and majority@k.
+
+Used by `grpo-eval` (base model or a trained adapter) and by the trainer every `eval.every` steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from grpo_cli.config import resolve_callable
+from grpo_cli.data import load_rows
+from grpo_cli.rewards.parsing import extract_final_answer, parse_number
+from grpo_cli.rollout import encode_prompts, generate
+
+EVAL_BATCH_PROMPTS = 16
+
+
+def accuracy_function(cfg_reward):
+    """The reward function that judges correctness (0/1), named by `reward.accuracy`."""
+    name = cfg_reward.get("accuracy")
+    if name is None or name not in cfg_reward.functions:
+        from grpo_cli.config import ConfigError
+
+        raise ConfigError(f"reward.accuracy={name} is invalid: name one of reward.functions ({', '.join(cfg_reward.functions)})")
+    return resolve_callable(cfg_reward.functions[name]["_target_"])
+
+
+def _vote(texts: list[str]):
+    parsed = [parse_number(a) for a in (extract_final_answer(t) or "" for t in texts)]
+    counts = Counter(p for p in parsed if p is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+class Evaluator:
+    def __init__(self, rows: list[dict], tokenizer, judge, *, samples: int, temperature: float, max_new_tokens: int,
+                 max_prompt_tokens: int):
+        self.rows, self.tokenizer, self.judge = rows, tokenizer, judge
+        self.samples, self.temperature, self.max_new_tokens = samples, temperature, max_new_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer) -> Evaluator:
+        rows = load_rows(cfg.data, split="test", seed=cfg.trainer.seed)[: cfg.eval.num_prompts]
+        return cls(rows, tokenizer, accuracy_function(cfg.reward), samples=cfg.eval.samples,
+                   temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens,
+                   max_prompt_tokens=cfg.data.max_prompt_tokens)
+
+    @classmethod
+    def for_training(cls, cfg, lm) -> Evaluator:
+        return cls.from_config(cfg, lm.tokenizer)
+
+    def _score(self, texts: list[str], rows: list[dict]) -> list[float]:
+        fields = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
+        return [float(s) for s in self.judge([None] * len(texts), texts, **fields)]
+
+    def run(self, model) -> dict:
+        """Metrics under the `eval/` prefix; the sampled part only when samples > 1."""
+        greedy_correct, pass_k, majority_k, examples = [], [], [], []
+        for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
+            rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
+            ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
+            roll = generate(model, self.tokenizer, ids, num_generations=1, max_new_tokens=self.max_new_tokens, greedy=True)
+            greedy_correct += self._score(roll.texts, rows)
+            examples += roll.texts[:2] if start == 0 else []
+            if self.samples > 1:
+                k = self.samples
+                sampled = generate(model, self.tokenizer, ids, num_generations=k, max_new_tokens=self.max_new_tokens,
+                                   temperature=self.temperature)
+                scores = self._score(sampled.texts, [r for r in rows for _ in range(k)])
+                for i, row in enumerate(rows):
+                    group = sampled.texts[i * k:(i + 1) * k]
+                    pass_k.append(float(max(scores[i * k:(i + 1) * k])))
+                    vote = _vote(group)
+                    majority_k.append(0.0 if vote is None else self._score([str(vote)], [row])[0])
+        n = len(greedy_correct)
+        result = {"eval/accuracy": sum(greedy_correct) / n, "eval/num_prompts": n}
+        if self.samples > 1:
+            result[f"eval/pass@{self.samples}"] = sum(pass_k) / n
+            result[f"eval/majority@{self.samples}"] = sum(majority_k) / n
+        return result
+
+    def __call__(self, model) -> dict:
+        return self.run(model)
+
+
+def run_eval(cfg, run_dir: Path) -> dict:
+    """`grpo-eval`: load the base model (and `eval.adapter` if given), evaluate, print a table, write eval.json."""
+    from grpo_cli.models import ModelLoadError, load_base_model, load_tokenizer, resolve_device
+
+    device, dtype = resolve_device(cfg.trainer.device)
+    torch.manual_seed(cfg.trainer.seed)
+    tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.get("trust_remote_code", False))
+    evaluator = Evaluator.from_config(cfg, tokenizer)
+    model = load_base_model(cfg.model.name_or_path, tokenizer, dtype, trust_remote_code=cfg.model.get("trust_remote_code", False),
+                            tiny=dict(cfg.model.get("tiny") or {}), seed=cfg.trainer.seed)
+    label = "base"
+    if cfg.eval.get("adapter"):
+        from peft import PeftModel
+
+        adapter = Path(cfg.eval.adapter).expanduser()
+        if not (adapter / "adapter_config.json").is_file():
+            raise ModelLoadError(f"eval.adapter={adapter} holds no adapter_config.json; point it at a run's adapter/ folder")
+        model = PeftModel.from_pretrained(model, adapter)
+        label = str(adapter)
+    model.to(device).eval()
+    result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(model)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+    table = Table(title=f"grpo-eval: {cfg.model.name_or_path} + {label}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        if key.startswith("eval/"):
+            table.add_row(key[5:], f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    result["accuracy"] = result["eval/accuracy"]
+    return result

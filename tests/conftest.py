@@ -1,0 +1,51 @@
+"""Shared helpers: run the real console scripts in a subprocess, read run outputs, build in-process configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+BIN = Path(sys.executable).parent
+
+
+def script(name: str) -> str:
+    path = BIN / name
+    return str(path) if path.exists() else shutil.which(name) or name
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None, command: str = "grpo-train"):
+    """Run a console script for real; returns CompletedProcess with text output."""
+    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env.pop("WANDB_API_KEY", None)
+    return subprocess.run([script(command), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def compose():
+    """Compose the packaged config like grpo-train does, without running it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from grpo_cli.config import CONF_DIR, register_recipes
+
+    register_recipes()
+
+    def _compose(overrides: list[str]):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose("config", overrides=overrides)
+
+    return _compose

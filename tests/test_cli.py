@@ -1,0 +1,79 @@
+"""The real grpo-train console script in a subprocess, from a directory outside the repository."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import read_jsonl, run_cli
+
+METRIC_KEYS = {
+    "step", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_fraction", "loss", "grad_norm",
+    "entropy", "completion_len", "truncated_frac", "lr", "step_time_s", "gen_tokens_per_s",
+}
+TINY = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("outside")
+    run_dir = cwd / "run"
+    proc = run_cli([*TINY, "trainer.max_steps=2", "trainer.log_samples_every=1", f"hydra.run.dir={run_dir}"], cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_metrics_have_every_contract_key(tiny_run):
+    rows = read_jsonl(tiny_run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert METRIC_KEYS <= row.keys()
+        assert {"reward/correct", "reward/bare"} <= row.keys()
+
+
+def test_kl_is_zero_at_step_zero(tiny_run):
+    assert read_jsonl(tiny_run / "metrics.jsonl")[0]["kl"] == 0.0
+
+
+def test_adapter_and_samples_written(tiny_run):
+    assert (tiny_run / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tiny_run / "adapter" / "adapter_config.json").is_file()
+    samples = read_jsonl(tiny_run / "samples.jsonl")
+    assert {s["step"] for s in samples} == {0, 1} and {"prompt", "completion", "reward"} <= samples[0].keys()
+    assert (tiny_run / ".hydra" / "config.yaml").is_file()
+
+
+def test_issue_acceptance_command_outside_repo(tmp_path):
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "trainer.max_steps=2", "algo.beta=0.0", "algo.clip_eps=0.1",
+                    "rollout.max_new_tokens=4"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "outputs").glob("*/*/metrics.jsonl"))
+    assert len(runs) == 1 and len(read_jsonl(runs[0])) == 2
+
+
+def test_user_recipe_in_working_directory(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: tiny\nalgo:\n  num_generations: 3\n")
+    proc = run_cli(["+recipe=mine", "--cfg", "job"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "num_generations: 3" in proc.stdout and "tiny-random" in proc.stdout
+
+
+def test_hydra_help_lists_groups(tmp_path):
+    proc = run_cli(["--help"], tmp_path, timeout=120)
+    assert proc.returncode == 0
+    assert "model: " in proc.stdout and "tiny" in proc.stdout
+
+
+def test_unknown_recipe_is_one_line(tmp_path):
+    proc = run_cli(["+recipe=nope"], tmp_path, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nope" in lines[0] and "quickstart" in lines[0]
+
+
+def test_bad_value_is_one_line_before_model_load(tmp_path):
+    proc = run_cli(["+recipe=quickstart", "algo.clip_eps=2"], tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["grpo-train: algo.clip_eps=2 is invalid: needs 0 < clip_eps < 1"]
