@@ -17,11 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grpo_cli.errors import CheckpointError
+
 PREFIX = "step-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read; the message is one line for the user."""
 
 
 def checkpoint_root(run_dir: Path) -> Path:

@@ -7,20 +7,10 @@ import signal
 import sys
 from pathlib import Path
 
-from grpo_cli.config import CONF_DIR, ConfigError, available_recipes, register_recipes, validate
+from grpo_cli.config import CONF_DIR, available_recipes, register_recipes, validate
+from grpo_cli.errors import Interrupted, RunError, UserError
 
-# Errors whose message is a complete one-line explanation for the user (no traceback).
-EXIT_BAD_INPUT = 2
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from grpo_cli.checkpoint import CheckpointError
-    from grpo_cli.data import DataError
-    from grpo_cli.models import ModelLoadError
-    from grpo_cli.rewards import RewardError
-    from grpo_cli.trainer import InvariantError
-
-    return ConfigError, DataError, ModelLoadError, RewardError, CheckpointError, InvariantError
+EXIT_BAD_INPUT = UserError.exit_code
 
 
 def _is_multirun() -> bool:
@@ -30,49 +20,72 @@ def _is_multirun() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _fail(prog: str, err: Exception) -> None:
+def _fail(prog: str, err: UserError | RunError) -> None:
     """One line on stderr and exit 2 (bad input) or 1 (a failed run); in a sweep, let Hydra record it."""
-    from grpo_cli.config import ConfigError as _CE
-    from grpo_cli.data import DataError
-    from grpo_cli.models import ModelLoadError
-
     line = f"{prog}: {err}"
     if _is_multirun():
         raise RuntimeError(line) from None
     print(line, file=sys.stderr, flush=True)
-    sys.exit(EXIT_BAD_INPUT if isinstance(err, (_CE, DataError, ModelLoadError)) else 1)
+    sys.exit(err.exit_code)
 
 
-def _precheck_recipe(argv: list[str]) -> None:
-    """Hydra's own message for an unknown recipe is a page long; say it in one line first."""
+def _precheck(prog: str, argv: list[str]) -> None:
+    """Hydra's own messages for an unknown recipe, group option or key run to a page and exit 1; say it
+    in one line, exit 2. A single run is composed once here for that; sweeps are left to Hydra."""
     known = available_recipes()
     for arg in argv:
         if arg.lstrip("+~").startswith("recipe="):
-            names = arg.split("=", 1)[1]
-            for name in names.split(","):
+            for name in arg.split("=", 1)[1].split(","):
                 if name and name not in known:
-                    print(f"grpo-train: recipe {name!r} not found; known recipes: {', '.join(sorted(known))} "
-                          f"(or put {name}.yaml in ./recipes/)", file=sys.stderr)
-                    sys.exit(EXIT_BAD_INPUT)
+                    _bad_input(f"{prog}: recipe {name!r} not found; known recipes: {', '.join(sorted(known))} "
+                               f"(or put {name}.yaml in ./recipes/)")
+    if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "-sc", "--shell-completion") for a in argv):
+        return
+    overrides = [a for a in argv if not a.startswith("-") and "=" in a]
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose("config", overrides=overrides)
+    except Exception as err:  # Hydra raises several types; all are a bad override here
+        first = " ".join(str(err).split()).split(" Config search path")[0]
+        _bad_input(f"{prog}: {first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys")
+
+
+def _bad_input(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 def _hydra_app(task, prog: str):
     import hydra
 
     register_recipes()
-    _precheck_recipe(sys.argv[1:])
-    # `prog` names the app in Hydra's help and in the run dir's .hydra files
+    _precheck(prog, sys.argv[1:])
     return hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(task)
+
+
+def _quiet_libraries() -> None:
+    """Library deprecation chatter and load progress bars would bury the one line that matters."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def _train_task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
 
-    from grpo_cli.trainer import GRPOTrainer, Interrupted
-
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         warnings = validate(cfg)
+        _quiet_libraries()  # heavy imports only after the config is known good
+        from grpo_cli.trainer import GRPOTrainer
+
         trainer = GRPOTrainer(cfg, run_dir)
         trainer.startup_warnings = warnings
         if cfg.eval.every:
@@ -85,7 +98,7 @@ def _train_task(cfg) -> float:
         print(f"grpo-train: stopped by {name}; checkpoint {stop.checkpoint_dir}; resume with the same command plus "
               f"trainer.resume=auto hydra.run.dir={run_dir}", file=sys.stderr, flush=True)
         sys.exit(128 + stop.signum)
-    except _user_errors() as err:
+    except (UserError, RunError) as err:
         _fail("grpo-train", err)
     return float(summary["final_reward"])
 
@@ -102,8 +115,9 @@ def _eval_task(cfg) -> float:
 
     try:
         validate(cfg)
+        _quiet_libraries()
         result = run_eval(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except _user_errors() as err:
+    except (UserError, RunError) as err:
         _fail("grpo-eval", err)
     return float(result["accuracy"])
 

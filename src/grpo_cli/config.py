@@ -7,6 +7,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from grpo_cli.errors import ConfigError
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"
 RECIPES_DIR = PACKAGE_DIR / "recipes"
@@ -15,10 +17,6 @@ SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 RATIO_LEVELS = ("token", "sequence")
 SCHEDULES = ("constant", "linear", "cosine")
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line: the key, the value, what is allowed."""
 
 
 def recipe_dirs() -> list[Path]:
@@ -124,6 +122,9 @@ def validate(cfg: DictConfig) -> list[str]:
     r(cfg, "model.lora.dropout", lambda v: 0 <= v < 1, "needs 0 <= dropout < 1")
     if lora.dropout > 0 and cfg.algo.num_iterations > 1 and cfg.algo.check:
         warnings.append("model.lora.dropout > 0 with num_iterations > 1: the ratio == 1 check is relaxed by dropout noise")
+    resume = cfg.trainer.get("resume")
+    if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
+        _fail("trainer.resume", resume, "no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
     _check_choice(cfg, "reward.on_error", ("raise", "zero"))
     _validate_rewards(cfg)
     return warnings

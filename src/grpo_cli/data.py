@@ -12,11 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo_cli.errors import DataError
 from grpo_cli.rewards.parsing import gold_answer
-
-
-class DataError(ValueError):
-    """Bad data or data config; the message is one line meant for the user."""
 
 
 def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
@@ -56,6 +53,13 @@ def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix
     return [{"messages": _messages(x["question"], system_prompt, suffix), "answer": str(x["answer"])} for x in dataset]
 
 
+def _sum_rows(size: int, seed: int, low: int, high: int, suffix: str, system_prompt) -> list[dict]:
+    """`What is a + b?` with a, b drawn from [low, high]: the quickstart's task."""
+    rng = random.Random(seed)
+    pairs = [(rng.randint(low, high), rng.randint(low, high)) for _ in range(size)]
+    return [{"messages": _messages(f"What is {a} + {b}?", system_prompt, suffix), "answer": str(a + b)} for a, b in pairs]
+
+
 def _gsm8k_rows(path: str | None, split: str, system_prompt, suffix: str) -> list[dict]:
     if path:
         raw = read_jsonl(path, ("question", "answer"))
@@ -88,13 +92,16 @@ def load_rows(cfg_data, *, split: str = "train", seed: int = 0) -> list[dict]:
         # a different seed for the held-out split so its questions are not the training ones
         return _reasoning_gym_rows(cfg_data.task, size, seed if split == "train" else seed + 10_007,
                                    dict(cfg_data.get("task_args") or {}), suffix, system_prompt)
+    if source == "sums":
+        size = cfg_data.size if split == "train" else cfg_data.get("eval_size", 200)
+        return _sum_rows(size, seed if split == "train" else seed + 10_007, cfg_data.low, cfg_data.high, suffix, system_prompt)
     if source == "gsm8k":
         return _gsm8k_rows(path, split, system_prompt, suffix)
     if source == "jsonl":
         if not path:
             raise DataError(f"data.source=jsonl needs data.{'path' if split == 'train' else 'eval_path'}=FILE.jsonl")
         return _jsonl_rows(path, system_prompt, suffix)
-    raise DataError(f"data.source={source} is unknown; use reasoning_gym, gsm8k or jsonl")
+    raise DataError(f"data.source={source} is unknown; use reasoning_gym, sums, gsm8k or jsonl")
 
 
 @dataclass

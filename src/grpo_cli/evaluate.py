@@ -15,6 +15,7 @@ from rich.table import Table
 
 from grpo_cli.config import resolve_callable
 from grpo_cli.data import load_rows
+from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.parsing import extract_final_answer, parse_number
 from grpo_cli.rollout import encode_prompts, generate
 
@@ -25,8 +26,6 @@ def accuracy_function(cfg_reward):
     """The reward function that judges correctness (0/1), named by `reward.accuracy`."""
     name = cfg_reward.get("accuracy")
     if name is None or name not in cfg_reward.functions:
-        from grpo_cli.config import ConfigError
-
         raise ConfigError(f"reward.accuracy={name} is invalid: name one of reward.functions ({', '.join(cfg_reward.functions)})")
     return resolve_callable(cfg_reward.functions[name]["_target_"])
 
@@ -91,7 +90,8 @@ class Evaluator:
 
 def run_eval(cfg, run_dir: Path) -> dict:
     """`grpo-eval`: load the base model (and `eval.adapter` if given), evaluate, print a table, write eval.json."""
-    from grpo_cli.models import ModelLoadError, load_base_model, load_tokenizer, resolve_device
+    from grpo_cli.errors import ModelLoadError
+    from grpo_cli.models import load_base_model, load_tokenizer, resolve_device
 
     device, dtype = resolve_device(cfg.trainer.device)
     torch.manual_seed(cfg.trainer.seed)

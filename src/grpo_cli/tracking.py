@@ -1,29 +1,80 @@
-"""Metric sinks: metrics.jsonl (always), W&B (logger=wandb), and the rich console."""
+"""Metric sinks: metrics.jsonl (always), W&B (logger=wandb), and the rich console.
+
+`Tracker` fans every step's row out to the sinks. metrics.jsonl is the source of truth; W&B and the console
+are best effort: a W&B failure (no credentials, a server that cannot be reached or is slow) is a warning,
+never the end of a run.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
+import math
+import netrc
 import os
+import re
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")
+SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd")  # anywhere in a key
+# ...and keys that end in one of these words: hf_token, access_token, token; not max_new_tokens or tokenizer
+SECRET_SUFFIX = re.compile(r"(^|[^a-z0-9])(token|access_?key|private_?key|credentials?)$")
+SECRET_ENV = ("WANDB_API_KEY",)
+REDACTED = "<redacted>"
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+DEFAULT_PROJECT = "grpo-cli"
 
 
-def scrub_secrets(obj):
-    """Drop any config entry whose key looks like a credential, at any depth."""
+# ---- secrets -------------------------------------------------------------------------------------
+def secret_values() -> list[str]:
+    """The credential values of this process's environment (never printed, never written)."""
+    return [v for v in (os.environ.get(k, "") for k in SECRET_ENV) if len(v) >= 8]
+
+
+def redact(text: str, values: list[str] | None = None) -> str:
+    for value in secret_values() if values is None else values:
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def is_secret_key(key) -> bool:
+    key = str(key).lower()
+    return any(m in key for m in SECRET_MARKERS) or bool(SECRET_SUFFIX.search(key))
+
+
+def scrub_secrets(obj, values: list[str] | None = None):
+    """Drop any config entry whose key looks like a credential, at any depth, and blank out any string that
+    contains a credential value from the environment (e.g. an override that pasted WANDB_API_KEY)."""
+    values = secret_values() if values is None else values
     if isinstance(obj, dict):
-        return {k: scrub_secrets(v) for k, v in obj.items() if not any(m in str(k).lower() for m in SECRET_MARKERS)}
-    if isinstance(obj, list):
-        return [scrub_secrets(v) for v in obj]
+        return {k: scrub_secrets(v, values) for k, v in obj.items() if not is_secret_key(k)}
+    if isinstance(obj, (list, tuple)):
+        return [scrub_secrets(v, values) for v in obj]
+    if isinstance(obj, str):
+        return redact(obj, values)
     return obj
 
 
+def _plain(obj):
+    """A DictConfig/ListConfig (or anything else) as plain Python containers."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(obj, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf comes with hydra
+        pass
+    return obj
+
+
+# ---- metrics.jsonl -------------------------------------------------------------------------------
 class JsonlSink:
     def __init__(self, path: Path):
         self.path = path
@@ -35,96 +86,313 @@ class JsonlSink:
             os.fsync(f.fileno())
 
 
-class WandbSink:
-    """W&B with `mode=auto`: online when credentials exist, else offline. A W&B failure never stops training."""
+# ---- W&B -----------------------------------------------------------------------------------------
+def _wandb_host() -> tuple[str, str]:
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    return url.hostname or "api.wandb.ai", url.netloc or "api.wandb.ai"
 
-    def __init__(self, cfg_wandb: dict, run_dir: Path, config: dict, console: Console):
+
+def has_wandb_credentials() -> bool:
+    """WANDB_API_KEY, or a netrc entry for the W&B server (what `wandb login` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    home = Path(os.environ.get("HOME") or Path.home())
+    files = [Path(os.environ["NETRC"])] if os.environ.get("NETRC") else [home / ".netrc", home / "_netrc"]
+    hosts = set(_wandb_host())
+    for file in files:
+        if not file.is_file():
+            continue
+        try:
+            entries = netrc.netrc(str(file)).hosts
+            if any(h in entries and entries[h][2] for h in hosts):
+                return True
+        except (netrc.NetrcParseError, OSError):
+            text = file.read_text(errors="ignore")
+            if any(re.search(rf"machine\s+{re.escape(h)}\b", text) for h in hosts):
+                return True
+    return False
+
+
+_has_wandb_credentials = has_wandb_credentials  # the draft's name
+
+
+def resolve_wandb_mode(mode: str | None) -> tuple[str, str | None]:
+    """(mode to start W&B in, a warning or None). `auto` honours WANDB_MODE when it is set, else goes online
+    only with credentials; `online` without credentials would prompt or fail, so it is offline with a warning."""
+    from grpo_cli.config import ConfigError
+
+    mode = str(mode or "auto").lower()
+    if mode not in WANDB_MODES:
+        raise ConfigError(f"logger.wandb.mode={mode} is invalid: use one of {', '.join(WANDB_MODES)}")
+    if mode == "auto":
+        env = os.environ.get("WANDB_MODE", "").lower()
+        env = {"dryrun": "offline", "run": "online"}.get(env, env)
+        if env in ("offline", "disabled"):
+            return env, None
+        return ("online" if has_wandb_credentials() else "offline"), None
+    if mode == "online" and not has_wandb_credentials():
+        return "offline", ("logger.wandb.mode=online but no W&B credentials were found (set WANDB_API_KEY or run "
+                           "`wandb login`); logging offline instead")
+    return mode, None
+
+
+def _hydra_names(cfg_wandb: dict) -> tuple[str | None, str | None]:
+    """Default W&B name and group from the Hydra job: name = the job's overrides joined (as Hydra's
+    override_dirname, logger.* and the recipe left out), group = the recipe, plus the sweep dir in a multirun."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized():
+            return None, None
+        hc = HydraConfig.get()
+    except Exception:
+        return None, None
+    try:
+        recipe = (hc.runtime.choices or {}).get("recipe")
+    except Exception:
+        recipe = None
+    overrides = [str(o) for o in (hc.overrides.task or [])]
+    if recipe is None:
+        for line in overrides:
+            key, _, value = line.partition("=")
+            if key.lstrip("+~") == "recipe":
+                recipe = value
+    try:
+        dirname_cfg = hc.job.config.override_dirname
+        kv_sep, item_sep, exclude = dirname_cfg.kv_sep, dirname_cfg.item_sep, set(dirname_cfg.exclude_keys or [])
+    except Exception:
+        kv_sep, item_sep, exclude = "=", ",", set()
+    kept = []
+    for line in overrides:
+        key = line.partition("=")[0].lstrip("+~")
+        if key in exclude or key == "recipe" or key == "logger" or key.startswith("logger."):
+            continue
+        kept.append(line.lstrip("+"))
+    name = re.sub("=", kv_sep, item_sep.join(sorted(kept))) if kept else recipe
+    group = recipe
+    try:
+        if hc.mode == RunMode.MULTIRUN:
+            sweep = Path(str(hc.sweep.dir))
+            sweep_id = sweep.name
+            if re.fullmatch(r"[\d_:.-]+", sweep_id) and sweep.parent.name not in ("", "."):
+                sweep_id = f"{sweep.parent.name}_{sweep_id}"  # the default multirun/DATE/TIME
+            group = f"{recipe}-{sweep_id}" if recipe else f"sweep-{sweep_id}"
+    except Exception:
+        pass
+    return (name[:128] if name else None), (group[:128] if group else None)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return redact(text.splitlines()[0] if text else type(err).__name__)[:160]
+
+
+class WandbSink:
+    """One W&B run: its config is the resolved (scrubbed) Hydra config, its history one row per step."""
+
+    def __init__(self, cfg_wandb: dict, run_dir: Path, config: dict, console: Console, mode: str):
+        # Before W&B starts its service (which inherits the environment): its own banner lines stay off, and so
+        # does its crash reporting to Sentry, which off the network holds the process ~20 s at exit after a
+        # failed online init. Either can be turned back on by setting the variable.
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         import wandb
 
-        self.wandb, self.console = wandb, console
-        mode = cfg_wandb.get("mode", "auto")
-        if mode == "auto":
-            mode = "online" if _has_wandb_credentials() else "offline"
-            if mode == "offline":
-                console.print(f"W&B: no credentials, logging offline; sync later with `wandb sync {run_dir}/wandb/offline-run-*`")
-        kwargs = dict(
-            project=cfg_wandb.get("project") or "grpo-cli", entity=cfg_wandb.get("entity"),
-            name=cfg_wandb.get("name"), group=cfg_wandb.get("group"), tags=list(cfg_wandb.get("tags") or []),
-            dir=str(run_dir), config=scrub_secrets(config), job_type="train",
+        self.wandb, self.console, self.run_dir = wandb, console, run_dir
+        name, group = _hydra_names(cfg_wandb)
+        self.kwargs = dict(
+            project=cfg_wandb.get("project") or DEFAULT_PROJECT, entity=cfg_wandb.get("entity") or None,
+            name=cfg_wandb.get("name") or name, group=cfg_wandb.get("group") or group,
+            tags=[str(t) for t in (cfg_wandb.get("tags") or [])], dir=str(run_dir),
+            config=scrub_secrets(config), job_type="train",
         )
+        self.init_timeout = float(cfg_wandb.get("init_timeout") or 60)
+        self.finish_timeout = float(cfg_wandb.get("finish_timeout") or 300)
         try:
-            self.run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=60, silent=True), **kwargs)
-        except Exception as err:  # unreachable or slow server: keep the data locally instead
+            self.run = self._init(mode)
+        except Exception as err:  # unreachable or slow server, bad key: keep the data locally instead
             if mode != "online":
                 raise
-            console.print(f"[yellow]W&B online init failed ({str(err).splitlines()[0][:120]}); logging offline instead[/]")
-            self.run = wandb.init(mode="offline", settings=wandb.Settings(silent=True), **kwargs)
+            console.print(f"[yellow]warning:[/] W&B online init failed ({escape(_first_line(err))}); "
+                          "logging offline instead", highlight=False, soft_wrap=True)
+            mode = "offline"
+            self.run = self._init(mode)
+        self.mode = mode
+        if mode == "offline":
+            self.location = f"wandb sync {self.sync_dir()}"
+            console.print(f"W&B: logging offline to {escape(self.sync_dir())}; upload it later with "
+                          f"`{escape(self.location)}`", highlight=False, soft_wrap=True)
+        else:
+            self.location = str(getattr(self.run, "url", None) or "")
+            if self.location:
+                console.print(f"W&B: {escape(self.location)}", highlight=False, soft_wrap=True)
+
+    def _init(self, mode: str):
+        settings = self.wandb.Settings(silent=True, console="off", init_timeout=self.init_timeout,
+                                       finish_timeout=self.finish_timeout)
+        return self.wandb.init(mode=mode, settings=settings, **self.kwargs)
+
+    def sync_dir(self) -> str:
+        sync_dir = getattr(self.run.settings, "sync_dir", None)
+        return str(sync_dir or Path(self.run_dir) / "wandb")
 
     def log(self, row: dict) -> None:
-        self.run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        data = {k: v for k, v in row.items()
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.run.log(data, step=int(row["step"]))
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        columns = list(rows[0].keys())
-        table = self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
-        self.run.log({"samples": table}, step=step)
+        if not rows:
+            return
+        columns: list[str] = []
+        for r in rows:
+            columns += [c for c in r if c not in columns]
+        data = [[redact(v) if isinstance(v, str) else v for v in (r.get(c) for c in columns)] for r in rows]
+        self.run.log({"samples": self.wandb.Table(columns=columns, data=data)}, step=int(step))
 
-    def close(self) -> None:
+    def close(self, summary: dict | None = None) -> None:
+        if summary:
+            for key, value in summary.items():
+                if isinstance(value, (int, float, str)) and key != "steps":
+                    self.run.summary[key] = value
         self.run.finish()
 
 
-def _has_wandb_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+# ---- console -------------------------------------------------------------------------------------
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+SUMMARY_LABELS = {
+    "steps": "steps",
+    "first_reward": "reward, first 10 steps",
+    "last_reward": "reward, last 10 steps",
+    "final_reward": "final reward (last 10%)",
+    "time_s": "total time",
+    "adapter": "adapter",
+}
+
+
+def _default_console() -> Console:
+    """stdout; off a terminal (CI, a scheduler's log) 200 columns unless COLUMNS says otherwise, so that paths and
+    the summary table are not folded at 80."""
+    console = Console(stderr=False)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=False, width=200)
+    return console
 
 
 class ConsoleView:
     """A live progress bar on a terminal; one plain line per step otherwise (CI, scheduler logs)."""
 
     def __init__(self, total_steps: int, start_step: int, console: Console | None = None):
-        self.console = console or Console(stderr=False)
+        self.console = console or _default_console()
         self.live = self.console.is_terminal
+        self.total, self.start_step = total_steps, start_step
         self.start = time.time()
+        self.progress = None
         if self.live:
+            # the text needs ~75 columns; the bar gets what is left (5 to 40), so an 80-column terminal keeps the numbers
+            bar = max(5, min(40, self.console.width - 75))
             self.progress = Progress(
-                TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[stats]}"),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+                TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=bar),
+                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                console=self.console, refresh_per_second=4,
             )
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
             self.progress.start()
-        self.total = total_steps
+            atexit.register(self._stop)  # an exception or a signal mid-run still gives the terminal back
+
+    @staticmethod
+    def stats(row: dict) -> str:
+        def num(key, fmt):
+            value = row.get(key)
+            return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+        text = (f"reward {num('reward', '.3f')} kl {num('kl', '.4f')} clip {num('clip_fraction', '.3f')} "
+                f"{num('gen_tokens_per_s', '.0f')} tok/s")
+        if "eval/accuracy" in row:
+            text += f" eval {num('eval/accuracy', '.3f')}"
+        return text
 
     def log(self, row: dict) -> None:
-        stats = (f"reward {row['reward']:.3f}  kl {row['kl']:.4f}  clip {row['clip_fraction']:.3f}  "
-                 f"{row['gen_tokens_per_s']:.0f} tok/s")
-        if self.live:
-            self.progress.update(self.task, completed=row["step"] + 1, stats=stats)
-        else:
-            print(f"step {row['step'] + 1}/{self.total}  {stats}  {row['step_time_s']:.1f}s", flush=True)
+        stats = self.stats(row)
+        done = int(row["step"]) + 1
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done, stats=stats)
+            return
+        elapsed = time.time() - self.start
+        per_step = elapsed / max(1, done - self.start_step)
+        eta = _duration(per_step * max(0, self.total - done))
+        step_time = row.get("step_time_s")
+        step_time = f"{step_time:.1f}s" if isinstance(step_time, (int, float)) else "-"
+        self.console.print(f"step {done}/{self.total}  {stats}  {step_time}  eta {eta}", markup=False, highlight=False,
+                           soft_wrap=True)
+
+    def print(self, text: str) -> None:
+        self.console.print(text, highlight=False)
 
     def warn(self, text: str) -> None:
-        self.console.print(f"[yellow]warning:[/] {text}")
+        self.console.print(f"[yellow]warning:[/] {escape(redact(text))}", highlight=False, soft_wrap=True)
 
-    def close(self, summary: dict) -> None:
-        if self.live:
-            self.progress.stop()
+    def _stop(self) -> None:
+        if self.progress is not None:
+            try:
+                self.progress.stop()
+            finally:
+                self.progress = None
+
+    def close(self, summary: dict, extra: dict | None = None) -> None:
+        self._stop()
         table = Table(title="grpo-train", show_header=False)
-        for key, value in summary.items():
-            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+        table.add_column(style="bold")
+        table.add_column(overflow="fold")
+        for key, value in {**summary, **(extra or {})}.items():
+            if key == "time_s" and isinstance(value, (int, float)):
+                text = f"{_duration(value)} ({value:.1f} s)"
+            elif isinstance(value, float):
+                text = f"{value:.4f}"
+            else:
+                text = str(value)
+            table.add_row(SUMMARY_LABELS.get(key, key), escape(redact(text)))
         self.console.print(table)
+
+
+# ---- the fan-out ---------------------------------------------------------------------------------
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0") or 0) == 0
 
 
 class Tracker:
     """Fans each step's metrics out to every sink; the jsonl file is the source of truth."""
 
     def __init__(self, run_dir: Path, cfg_logger, config: dict, total_steps: int, start_step: int = 0):
+        run_dir = Path(run_dir)
         self.metrics = JsonlSink(run_dir / "metrics.jsonl")
         self.samples_path = run_dir / "samples.jsonl"
         self.console = ConsoleView(total_steps, start_step)
-        self.wandb = None
-        if cfg_logger.get("backend") == "wandb":
-            self.wandb = WandbSink(dict(cfg_logger.get("wandb") or {}), run_dir, config, self.console.console)
+        self.wandb: WandbSink | None = None
+        cfg_logger = _plain(cfg_logger) or {}
+        backend = cfg_logger.get("backend") or "none"
+        if backend == "wandb" and _is_main_process():
+            cfg_wandb = dict(_plain(cfg_logger.get("wandb")) or {})
+            mode, note = resolve_wandb_mode(cfg_wandb.get("mode"))
+            if note:
+                self.console.warn(note)
+            if mode != "disabled":
+                try:
+                    self.wandb = WandbSink(cfg_wandb, run_dir, _plain(config), self.console.console, mode)
+                except Exception as err:
+                    self.console.warn(f"W&B could not start ({_first_line(err)}); logging to metrics.jsonl and the "
+                                      "console only")
+        elif backend not in ("none", "wandb"):
+            self.console.warn(f"logger.backend={backend} is not known (use none or wandb); metrics.jsonl only")
 
     def log(self, row: dict) -> None:
         self.metrics.log(row)
@@ -149,9 +417,14 @@ class Tracker:
         self.console.warn(text)
 
     def close(self, summary: dict) -> None:
+        extra = {}
         if self.wandb:
-            self.wandb.close()
-        self.console.close(summary)
+            try:
+                self.wandb.close(summary)
+                extra["W&B"] = self.wandb.location
+            except Exception as err:
+                self.console.warn(f"W&B finish failed ({err}); the run is on disk under {self.wandb.sync_dir()}")
+        self.console.close(summary, extra)
 
 
 def print_error(text: str) -> None:

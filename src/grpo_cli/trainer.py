@@ -20,19 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import algorithm, checkpoint
 from grpo_cli.data import PromptSampler, load_rows
+from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.models import LoadedModel, load_policy
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logits, encode_prompts, generate
 from grpo_cli.tracking import Tracker
-
-
-class InvariantError(RuntimeError):
-    """A live invariant check failed; the message names the invariant and the step."""
-
-
-class Interrupted(Exception):
-    def __init__(self, signum: int, checkpoint_dir: Path):
-        self.signum, self.checkpoint_dir = signum, checkpoint_dir
 
 
 @dataclass
@@ -87,10 +79,10 @@ class GRPOTrainer:
         self.cfg, self.run_dir = cfg, run_dir
         self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
         seed_everything(self.tcfg.seed)
+        rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
+        self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
         self.lm = lm or load_policy(cfg.model, self.tcfg.device, seed=self.tcfg.seed)
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
-        self.sampler = PromptSampler(rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed),
-                                     cfg.data.prompts_per_step, self.tcfg.seed)
         self.rewards = RewardSet.from_config(cfg.reward)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         opt = cfg.optimizer

@@ -8,9 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
-class RewardError(RuntimeError):
-    """A reward function raised or returned a non-finite/misshapen score; one line for the user."""
+from grpo_cli.errors import RewardError
 
 
 @dataclass
@@ -47,7 +45,10 @@ class RewardSet:
                     raise RewardError(f"reward {rf.name} returned {len(scores)} scores for {len(completions)} completions")
             except Exception as err:
                 if self.on_error != "zero":
-                    raise RewardError(f"reward {rf.name} raised {type(err).__name__}: {err}; fix it or set reward.on_error=zero") from None
+                    index = self._first_failing(rf, prompts, completions, fields)
+                    where = f" on completion {index}" if index is not None else ""
+                    raise RewardError(f"reward {rf.name} raised {type(err).__name__}{where}: {err}; "
+                                      "fix it or set reward.on_error=zero") from None
                 scores, errors = [0.0] * len(completions), errors + len(completions)
             for i, s in enumerate(scores):
                 if not math.isfinite(s):
@@ -57,3 +58,13 @@ class RewardSet:
             per_fn[rf.name] = scores
         totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.functions) for i in range(len(completions))]
         return totals, per_fn, errors
+
+    @staticmethod
+    def _first_failing(rf: RewardFunction, prompts, completions, fields) -> int | None:
+        """Re-run one completion at a time to name the one that makes the function raise."""
+        for i in range(len(completions)):
+            try:
+                rf.fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in fields.items()})
+            except Exception:
+                return i
+        return None

@@ -1,0 +1,48 @@
+"""Errors whose message is a complete one-line explanation for the user: what, the value, the fix.
+
+The CLI prints them without a traceback. Kept free of heavy imports so a bad config fails fast.
+"""
+
+
+class UserError(Exception):
+    """Base: bad input from the user (exit code 2)."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError, ValueError):
+    """A bad configuration value."""
+
+
+class DataError(UserError, ValueError):
+    """Bad data or data config."""
+
+
+class ModelLoadError(UserError, RuntimeError):
+    """A model or tokenizer could not be loaded."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be written or read."""
+
+
+class RunError(Exception):
+    """The run itself failed (exit code 1): a reward that raised, a broken invariant, non-finite updates."""
+
+    exit_code = 1
+
+
+class RewardError(RunError):
+    """A reward function raised or returned a non-finite or misshapen score."""
+
+
+class InvariantError(RunError):
+    """A live invariant check failed; the message names the invariant and the step."""
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived; the run stopped at a safe point after writing a checkpoint."""
+
+    def __init__(self, signum: int, checkpoint_dir):
+        super().__init__(f"signal {signum}")
+        self.signum, self.checkpoint_dir = signum, checkpoint_dir

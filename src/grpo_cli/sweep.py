@@ -1,0 +1,418 @@
+"""Sweeps (`grpo-train -m ...`): the per-sweep summary, failed-job handling and GPU placement.
+
+`SweepSummary` is a Hydra callback registered in `conf/config.yaml` (`hydra.callbacks.sweep_summary`), so
+it runs under every launcher (basic, joblib, submitit_local, slurm) and every sweeper (basic, Optuna):
+
+* each job dir gets `job_status.json` (running -> ok | failed) and, for a failed job, `error.txt` (its
+  one-line error, then the traceback);
+* the sweep dir gets `sweep_summary.csv` and `sweep_summary.json`: one row per job with its swept
+  overrides, final/best reward, final KL and clip fraction, eval accuracy, steps and status. They are
+  rewritten after every job (so a sweep that dies still leaves one) and once more at the end;
+* a failed job does not stop the others. Hydra 1.3's BasicLauncher runs every job of a batch even when
+  one raises, but BasicSweeper then re-raises the first failure after the batch: later batches
+  (`hydra.sweeper.max_batch_size`) never start and `on_multirun_end` is never called. So under the basic
+  sweeper a failed job's JobReturn is turned into a completed one returning NaN (after the error is
+  recorded); the Optuna sweeper keeps its own policy (`max_failure_rate`, 1.0 in our preset; it cannot
+  take NaN: with optuna 2.x telling NaN makes the plugin raise);
+* at the end, when any job failed, the process exits 1 with one line per failed job.
+
+`python -m grpo_cli.sweep DIR` rebuilds the summary of a sweep dir (e.g. after a sweep was killed).
+
+GPU placement under `hydra/launcher=joblib`: with `trainer.device=auto` and several visible CUDA devices,
+job N runs on `cuda:(N % device_count)` (torch.cuda.set_device in the worker, so `cuda` means that
+device). With `hydra.launcher.n_jobs` equal to the device count each running job has its own GPU;
+with n_jobs = k x device count, k jobs share each GPU. (Placement is by job number: when jobs take very
+different times, a later job can land on a GPU whose earlier job is still running.) Set `trainer.device`
+to anything but auto to place jobs yourself. The submitit launchers need none of this: each job is its own
+process and gets its GPUs from `gpus_per_node` (CUDA_VISIBLE_DEVICES).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import logging
+import math
+import os
+import re
+import sys
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+SUMMARY_CSV = "sweep_summary.csv"
+SUMMARY_JSON = "sweep_summary.json"
+SWEEP_ID_FILE = ".grpo_sweep_id"
+LOCK_FILE = ".sweep_summary.lock"
+JOB_STATUS = "job_status.json"
+ERROR_FILE = "error.txt"
+METRIC_COLUMNS = ["final_reward", "best_reward", "final_kl", "final_clip_fraction", "eval_accuracy", "steps"]
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+# ---- pure helpers --------------------------------------------------------------------------------
+def device_for_job(job_num: int, device_count: int) -> int:
+    """The CUDA device index for sweep job `job_num` when `device_count` devices are visible."""
+    if device_count < 1:
+        raise ValueError(f"device_count={device_count}: needs at least one device")
+    return int(job_num) % device_count
+
+
+def error_line(err: BaseException) -> str:
+    """One line that says what went wrong; `grpo-train: ...` messages from cli._fail are kept as they are."""
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    if re.match(r"grpo-[a-z]+: ", text):
+        return text
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def final_mean(values: list[float]) -> float:
+    """Mean of the last 10 % of the values (at least one); NaN when there are none."""
+    if not values:
+        return math.nan
+    tail = values[-max(1, len(values) // 10):]
+    return sum(tail) / len(tail)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of a metrics.jsonl; a torn last line (a job still writing) is skipped."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                row = json.loads(line)
+                if isinstance(row, dict) and "step" in row:
+                    rows.append(row)
+    return rows
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def metric_summary(rows: list[dict]) -> dict:
+    rewards = [_number(r.get("reward")) for r in rows]
+    rewards = [r for r in rewards if not math.isnan(r)]
+    last = rows[-1] if rows else {}
+    evals = [_number(r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    return {
+        "final_reward": final_mean(rewards),
+        "best_reward": max(rewards) if rewards else math.nan,
+        "final_kl": _number(last.get("kl")),
+        "final_clip_fraction": _number(last.get("clip_fraction")),
+        "eval_accuracy": evals[-1] if evals else math.nan,
+        "steps": len(rows),
+    }
+
+
+# ---- overrides -----------------------------------------------------------------------------------
+def _clean_key(key: str) -> str:
+    return key.lstrip("+~")
+
+
+def parse_overrides(lines: list[str]) -> dict[str, tuple[str, str, Any]]:
+    """`key -> (override line, value text, value)` for a job's task overrides, in their order."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out: dict[str, tuple[str, str, Any]] = {}
+    parser = OverridesParser.create()
+    for line in lines:
+        key, _, text = line.partition("=")
+        key, value = _clean_key(key), text
+        with contextlib.suppress(Exception):  # an override we cannot read back keeps its text
+            ov = parser.parse_override(line)
+            key = _clean_key(ov.get_key_element())
+            value = ov.value()
+            text = "" if value is None else ov.get_value_element_as_str()
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            value = text
+        out[key] = (line, text, value)
+    return out
+
+
+def swept_in_command(lines: list[str]) -> list[str]:
+    """Keys that the sweep's own command line sweeps (`a=1,2`, `range(..)`, `choice(..)`, ...)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = []
+    parser = OverridesParser.create()
+    for line in lines:
+        with contextlib.suppress(Exception):
+            ov = parser.parse_override(line)
+            if ov.is_sweep_override():
+                keys.append(_clean_key(ov.get_key_element()))
+    return keys
+
+
+def _load_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# ---- the summary ---------------------------------------------------------------------------------
+def find_job_dirs(sweep_dir: Path) -> list[Path]:
+    """Every dir under the sweep dir that holds a `.hydra/` (a job), without looking inside jobs."""
+    found = []
+    for root, dirs, _files in os.walk(sweep_dir):
+        if ".hydra" in dirs and Path(root) != sweep_dir:
+            found.append(Path(root))
+            dirs[:] = []
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .submitit, .hydra of the sweep
+    return found
+
+
+def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
+    """(rows, swept keys) for the jobs of the sweep in `sweep_dir` (jobs of an older sweep in the same dir
+    are left out when the sweep recorded its id)."""
+    sweep_dir = Path(sweep_dir)
+    sweep_id = (sweep_dir / SWEEP_ID_FILE).read_text().strip() if (sweep_dir / SWEEP_ID_FILE).is_file() else None
+    jobs = []
+    for job_dir in find_job_dirs(sweep_dir):
+        status = _read_json(job_dir / JOB_STATUS)
+        if sweep_id and status.get("sweep_id") != sweep_id:
+            continue
+        hydra_cfg = _load_yaml(job_dir / ".hydra" / "hydra.yaml").get("hydra", {}) or {}
+        overrides = (hydra_cfg.get("overrides") or {}).get("task")
+        if overrides is None:
+            loaded = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) \
+                if (job_dir / ".hydra" / "overrides.yaml").is_file() else []
+            overrides = loaded or []
+        num = (hydra_cfg.get("job") or {}).get("num", status.get("job"))
+        params = ((hydra_cfg.get("sweeper") or {}).get("params") or {})
+        jobs.append((job_dir, num, parse_overrides([str(o) for o in overrides]), list(params), status))
+
+    multirun = _load_yaml(sweep_dir / "multirun.yaml").get("hydra", {}) or {}
+    swept = set(swept_in_command([str(o) for o in (multirun.get("overrides") or {}).get("task") or []]))
+    swept |= {_clean_key(str(k)) for k in ((multirun.get("sweeper") or {}).get("params") or {})}
+    for _, _, _, params, _ in jobs:
+        swept |= {_clean_key(str(k)) for k in params}
+    all_keys: list[str] = []
+    for _, _, ovs, _, _ in jobs:
+        all_keys += [k for k in ovs if k not in all_keys]
+    for key in all_keys:  # anything that differs between jobs was swept, however it was asked for
+        if len({ovs[key][1] if key in ovs else None for _, _, ovs, _, _ in jobs}) > 1:
+            swept.add(key)
+    keys = [k for k in all_keys if k in swept]
+
+    rows = []
+    for job_dir, num, ovs, _, status in jobs:
+        error = status.get("error")
+        state = status.get("status")
+        if state is None or (state == "running" and (job_dir / ERROR_FILE).is_file()):
+            if (job_dir / ERROR_FILE).is_file():
+                state = "failed"
+                error = error or (job_dir / ERROR_FILE).read_text(errors="replace").partition("\n")[0]
+            else:
+                state = "ok" if (job_dir / "adapter").is_dir() else "incomplete"
+        row = {
+            "job": int(num) if isinstance(num, int) or str(num).isdigit() else num,
+            "overrides": " ".join(ovs[k][0] for k in keys if k in ovs),
+        }
+        for key in keys:
+            row[key] = ovs[key][2] if key in ovs else None
+        row.update(metric_summary(read_metrics(job_dir / "metrics.jsonl")))
+        row.update({"status": state, "error": error or "", "dir": str(job_dir.relative_to(sweep_dir))})
+        rows.append(row)
+    rows.sort(key=lambda r: (r["job"] if isinstance(r["job"], int) else 1 << 62, r["dir"]))
+    return rows, keys
+
+
+def _csv_cell(value: Any) -> Any:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return value
+
+
+def _json_value(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(sweep_dir: Path):
+    """Serialise summary writes of jobs that end at the same time (joblib, submitit)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    with open(sweep_dir / LOCK_FILE, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks
+            pass
+        yield
+
+
+def write_summary(sweep_dir: Path) -> list[dict]:
+    """Write `sweep_summary.csv` and `sweep_summary.json` in `sweep_dir`; return the rows."""
+    import io
+
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(sweep_dir):
+        rows, keys = collect(sweep_dir)
+        columns = ["job", "overrides", *keys, *METRIC_COLUMNS, "status", "error", "dir"]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_cell(row.get(k)) for k in columns})
+        _replace(sweep_dir / SUMMARY_CSV, buf.getvalue())
+        _replace(sweep_dir / SUMMARY_JSON,
+                 json.dumps([{k: _json_value(row.get(k)) for k in columns} for row in rows], indent=2) + "\n")
+    return rows
+
+
+# ---- the callback --------------------------------------------------------------------------------
+def _is_multirun(config: DictConfig) -> bool:
+    return OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN
+
+
+def _sweep_dir(config: DictConfig, in_job: bool = False) -> Path:
+    """The sweep dir; in a job, the job dir less its subdir (the job's cwd may not be the launch dir)."""
+    if in_job:
+        job_dir, sub = _job_dir(config), Path(str(config.hydra.sweep.subdir))
+        if sub.parts and not sub.is_absolute() and job_dir.parts[-len(sub.parts):] == sub.parts:
+            return job_dir.parents[len(sub.parts) - 1]
+    base = OmegaConf.select(config, "hydra.runtime.cwd") or os.getcwd()
+    return Path(base, str(config.hydra.sweep.dir)).resolve()
+
+
+def _job_dir(config: DictConfig) -> Path:
+    return Path(str(config.hydra.runtime.output_dir))
+
+
+def _prog() -> str:
+    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "grpo-train"
+
+
+class SweepSummary(Callback):
+    """See the module docstring. Listed first in `hydra.callbacks`: Hydra calls on_job_end and
+    on_multirun_end in reverse order, so this one runs last (others see a failed job as failed, and its
+    exit on failure skips nobody)."""
+
+    def __init__(self, exit_on_failure: bool = True, gpu_per_job: bool = True) -> None:
+        self.exit_on_failure = exit_on_failure
+        self.gpu_per_job = gpu_per_job
+
+    # -- sweep --
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = _sweep_dir(config)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        (sweep_dir / SWEEP_ID_FILE).write_text(uuid.uuid4().hex + "\n")
+        for name in (SUMMARY_CSV, SUMMARY_JSON):
+            (sweep_dir / name).unlink(missing_ok=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = _sweep_dir(config)
+        rows = write_summary(sweep_dir)
+        bad = [r for r in rows if r["status"] != "ok"]
+        log.info(f"Sweep summary: {len(rows)} jobs, {len(rows) - len(bad)} ok: {sweep_dir / SUMMARY_CSV}")
+        if bad and self.exit_on_failure:
+            lines = [f"{_prog()}: {len(bad)} of {len(rows)} sweep jobs failed; summary {sweep_dir / SUMMARY_CSV}"]
+            lines += [f"  job {r['job']} ({r['overrides'] or r['dir']}): {r['error'] or r['status']}" for r in bad]
+            sys.exit("\n".join(lines))  # SystemExit passes Hydra's callback guard: the exit code is 1
+
+    # -- job (runs in the job's process: the main one, a joblib worker or a submitit job) --
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not _is_multirun(config):
+            return
+        job_dir = _job_dir(config)
+        (job_dir / ERROR_FILE).unlink(missing_ok=True)
+        self._write_status(config, {"status": "running"})
+        if self.gpu_per_job:
+            self._place_on_gpu(config)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if not _is_multirun(config):
+            return
+        failed = job_return.status == JobStatus.FAILED
+        try:
+            if failed:
+                err = job_return._return_value
+                line = error_line(err)
+                tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+                (_job_dir(config) / ERROR_FILE).write_text(f"{line}\n\n{tb}")
+                log.error(f"job {config.hydra.job.num} failed: {line}")
+                self._write_status(config, {"status": "failed", "error": line})
+            else:
+                self._write_status(config, {"status": "ok"})
+        finally:
+            if failed and OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER:
+                # BasicSweeper would re-raise this after the batch and drop the rest of the sweep
+                job_return.status = JobStatus.COMPLETED
+                job_return.return_value = math.nan
+        try:
+            write_summary(_sweep_dir(config, in_job=True))
+        except Exception as err:  # a summary problem must not fail the job
+            log.warning(f"could not write the sweep summary: {error_line(err)}")
+
+    def _write_status(self, config: DictConfig, fields: dict) -> None:
+        sweep_file = _sweep_dir(config, in_job=True) / SWEEP_ID_FILE
+        sweep_id = sweep_file.read_text().strip() if sweep_file.is_file() else None
+        status = {"sweep_id": sweep_id, "job": config.hydra.job.num, "error": None, **fields}
+        _replace(_job_dir(config) / JOB_STATUS, json.dumps(status) + "\n")
+
+    @staticmethod
+    def _place_on_gpu(config: DictConfig) -> None:
+        launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
+        if "joblib" not in launcher.lower() or str(OmegaConf.select(config, "trainer.device")) != "auto":
+            return
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < 2:
+            return
+        index = device_for_job(config.hydra.job.num, count)
+        torch.cuda.set_device(index)  # `cuda` (what trainer.device=auto resolves to) is now this device
+        log.info(f"job {config.hydra.job.num}: trainer.device=auto -> cuda:{index} ({count} devices, joblib)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: python -m grpo_cli.sweep SWEEP_DIR   (rewrites sweep_summary.csv/json)", file=sys.stderr)
+        return 2
+    sweep_dir = Path(argv[0])
+    if not sweep_dir.is_dir():
+        print(f"grpo_cli.sweep: no such directory, {sweep_dir}; pass a multirun sweep dir", file=sys.stderr)
+        return 2
+    rows = write_summary(sweep_dir)
+    print(f"{sweep_dir / SUMMARY_CSV}: {len(rows)} jobs, {sum(r['status'] == 'ok' for r in rows)} ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The console: one plain line per step off a terminal, a live progress bar and a summary table on one."""
+
+from __future__ import annotations
+
+import io
+import os
+import shlex
+import shutil
+import subprocess
+
+import pytest
+from conftest import read_jsonl, script
+from rich.console import Console
+
+from grpo_cli.tracking import ConsoleView
+
+ROWS = [{"step": s, "reward": 0.25 * s, "kl": 0.001 * s, "clip_fraction": 0.01 * s, "gen_tokens_per_s": 100.0 + s,
+         "step_time_s": 0.5} for s in range(3)]
+SUMMARY = {"steps": 3, "first_reward": 0.0, "last_reward": 0.5, "final_reward": 0.5, "time_s": 75.25,
+           "adapter": "/runs/x/adapter"}
+
+
+def _view(terminal: bool) -> tuple[ConsoleView, io.StringIO]:
+    out = io.StringIO()
+    return ConsoleView(3, 0, Console(file=out, force_terminal=terminal, width=120)), out
+
+
+def test_plain_lines_off_a_terminal():
+    view, out = _view(terminal=False)
+    assert not view.live
+    for row in ROWS:
+        view.log(row)
+    view.warn("something [odd] happened")
+    view.close(SUMMARY, {"W&B": "wandb sync /runs/x/wandb/offline-run-1"})
+    text = out.getvalue()
+    lines = text.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"]
+    assert "reward 0.500 kl 0.0020 clip 0.020 102 tok/s" in steps[2] and "eta 0:00" in steps[2]
+    assert "warning: something [odd] happened" in text  # markup-looking text is printed as is
+    assert "\x1b[" not in text and "\r" not in text
+    for expected in ("reward, first 10 steps", "reward, last 10 steps", "1:15", "/runs/x/adapter", "wandb sync"):
+        assert expected in text
+
+
+def test_live_progress_on_a_terminal():
+    view, out = _view(terminal=True)
+    assert view.live
+    for row in ROWS:
+        view.log(row)
+    view.close(SUMMARY)
+    text = out.getvalue()
+    assert "\x1b[" in text  # redrawn in place
+    assert "step 3/3" in text and "reward 0.500" in text and "tok/s" in text and "eta" in text
+    assert "/runs/x/adapter" in text and view.progress is None
+
+
+def test_live_path_of_the_real_cli_under_a_pty(tmp_path):
+    """grpo-train on a (pseudo) terminal with logger=wandb offline: the live bar and W&B get along."""
+    if shutil.which("script") is None:
+        pytest.skip("util-linux `script` is not installed")
+    run_dir = tmp_path / "run"
+    cmd = shlex.join([script("grpo-train"), "+recipe=quickstart", "model=tiny", "trainer.max_steps=2",
+                      "rollout.max_new_tokens=4", "logger=wandb", "logger.wandb.mode=offline",
+                      f"hydra.run.dir={run_dir}"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TERM": "xterm-256color",
+                "WANDB_CACHE_DIR": str(tmp_path / "wb_cache"), "WANDB_DATA_DIR": str(tmp_path / "wb_data"),
+                "WANDB_CONFIG_DIR": str(tmp_path / "wb_config")})
+    proc = subprocess.run(["script", "-qec", cmd, "/dev/null"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    out = proc.stdout
+    assert "\x1b[" in out and "step 2/2" in out and "eta" in out
+    assert "adapter" in out and "wandb sync" in out
+    assert "Traceback" not in out and "wandb:" not in out
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1]
+    assert list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
