@@ -26,6 +26,12 @@ the peak over the training steps alone (the high-water mark is reset after the m
 built, through /proc/self/clear_refs, where the kernel allows it). CUDA: torch.cuda.max_memory_allocated,
 the same two ways.
 
+Threads. On CPU each subprocess runs torch with ONE thread by default (--threads to change it), with
+OMP_WAIT_POLICY=PASSIVE. On a shared 2-core machine, two OpenMP threads that spin at every barrier are
+slowed tenfold whenever another job holds a core (measured here: a [16, 576] x [576, 1536] linear took
+0.95 ms on one thread and 11-15 ms on two while another training job ran), which swamps the difference
+between the two trainers; one thread per side keeps the comparison about the trainers.
+
 The last line printed is one JSON object with all the numbers.
 """
 
@@ -424,9 +430,11 @@ def resolve_device_name(name: str) -> str:
 def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int) -> dict:
     result = log_dir / f"{tag}.json"
     log = log_dir / f"{tag}.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
            "TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    if spec.get("threads"):
+        env.update(OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--spec", json.dumps(spec), "--result", str(result)]
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -547,7 +555,8 @@ def compare(args, device: str, log_dir: Path) -> dict:
     if device == "cuda":
         rows.append(["decode steps / s", fmt(ours["decode_steps_per_s"], ".1f"), fmt(trl["decode_steps_per_s"], ".1f"), ""])
         rows.append(["H200 bandwidth-bound fraction", fmt(ours["h200_bw_fraction"], ".4f"), fmt(trl["h200_bw_fraction"], ".4f"), ""])
-    title = (f"GRPO step, ours vs TRL {versions()['trl']}: {args.model}, {device}, P={spec['prompts']} G={spec['G']} "
+    title = (f"GRPO step, ours vs TRL {versions()['trl']}: {args.model}, {device}, threads={spec['threads'] or 'default'}, "
+             f"P={spec['prompts']} G={spec['G']} "
              f"T={spec['max_new_tokens']}, per-round ratios {[round(x, 3) for x in round_ratios]}")
     print_table(title, ["", "ours", "TRL", "ours/TRL"], rows)
     targets = {"time_ratio_le_0.5": ratio <= 0.5, "peak_mem_le_trl": mem_ratio <= 1.0}
@@ -610,7 +619,8 @@ def main(argv=None) -> None:
     p.add_argument("--G", type=int, default=DEFAULTS["G"], help="completions per prompt (compare)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"],
                    help="= min_new_tokens: every completion is this long (compare)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in each subprocess (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads in each subprocess; default 1 on CPU (see the module docstring), torch's own on CUDA")
     p.add_argument("--trl-grad-ckpt", action="store_true",
                    help="leave TRL's gradient checkpointing on (its default); off by default, as ours has none")
     p.add_argument("--json-out", type=Path, default=None, help="also write the JSON object here")
@@ -633,6 +643,8 @@ def main(argv=None) -> None:
 
         if not torch.cuda.is_available():
             p.error("--device cuda but no CUDA device is visible")
+    if args.threads is None and device == "cpu":
+        args.threads = 1
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     note(f"bench: subprocess logs in {log_dir}")

@@ -69,6 +69,7 @@ def _quiet_libraries() -> None:
     """Library deprecation chatter and load progress bars would bury the one line that matters."""
     import warnings
 
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its own tqdm bar
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     from transformers.utils import logging as hf_logging
@@ -92,7 +93,12 @@ def _train_task(cfg) -> float:
             from grpo_cli.evaluate import Evaluator
 
             trainer.evaluator = Evaluator.for_training(cfg, trainer.lm)
-        summary = trainer.fit()
+        try:
+            summary = trainer.fit()
+        finally:
+            from grpo_cli.distributed import teardown
+
+            teardown(trainer.dist)
     except Interrupted as stop:
         name = signal.Signals(stop.signum).name
         print(f"grpo-train: stopped by {name}; checkpoint {stop.checkpoint_dir}; resume with the same command plus "
@@ -104,8 +110,33 @@ def _train_task(cfg) -> float:
 
 
 def train() -> None:
-    """`grpo-train`: one run, or a sweep with -m."""
+    """`grpo-train`: one run, or a sweep with -m; `trainer.nproc=K` relaunches itself under torchrun."""
+    nproc = _requested_nproc(sys.argv[1:])
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        _relaunch_under_torchrun(nproc, sys.argv[1:])
     _hydra_app(_train_task, "grpo-train")()
+
+
+def _requested_nproc(argv: list[str]) -> int:
+    for arg in argv:
+        if arg.lstrip("+").startswith("trainer.nproc="):
+            value = arg.split("=", 1)[1]
+            if not value.isdigit() or int(value) < 1:
+                _bad_input(f"grpo-train: trainer.nproc={value} is invalid: needs an integer >= 1")
+            return int(value)
+    return 1
+
+
+def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> None:
+    """Every rank must share one run dir, so a timestamped default is fixed here, once."""
+    import time
+
+    if "-m" in argv or "--multirun" in argv:
+        _bad_input("grpo-train: trainer.nproc > 1 with -m is not supported; launch torchrun per job (see README)")
+    if not any(a.startswith("hydra.run.dir=") for a in argv):
+        argv = [*argv, f"hydra.run.dir=outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "grpo_cli.train", *argv]
+    os.execv(sys.executable, command)
 
 
 def _eval_task(cfg) -> float:

@@ -114,6 +114,7 @@ def validate(cfg: DictConfig) -> list[str]:
 
         if not torch.cuda.is_available():
             _fail("trainer.device", device, "no CUDA device is visible here; use trainer.device=auto or cpu")
+    r(cfg, "trainer.nproc", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
     r(cfg, "eval.every", lambda v: int(v) == v and v >= 0, "needs an integer >= 0 (0 = never)")
     r(cfg, "eval.num_prompts", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
     r(cfg, "eval.samples", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli import algorithm, checkpoint
+from grpo_cli import algorithm, checkpoint, distributed
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.models import LoadedModel, load_policy
@@ -82,6 +82,10 @@ class GRPOTrainer:
         rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
         self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
         self.lm = lm or load_policy(cfg.model, self.tcfg.device, seed=self.tcfg.seed)
+        self.dist = distributed.setup(self.lm.device)
+        if self.dist.enabled and cfg.data.prompts_per_step % self.dist.world_size:
+            raise InvariantError(f"data.prompts_per_step={cfg.data.prompts_per_step} must divide evenly over "
+                                 f"{self.dist.world_size} ranks (whole groups per rank)")
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.rewards = RewardSet.from_config(cfg.reward)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -101,12 +105,16 @@ class GRPOTrainer:
     def rollout(self, step: int) -> Batch:
         G = self.algo.num_generations
         rows = self.sampler.batch(step)
+        if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
+            share = len(rows) // self.dist.world_size
+            rows = rows[self.dist.rank * share:(self.dist.rank + 1) * share]
         enc = encode_prompts(self.tokenizer, rows, self.cfg.data.max_prompt_tokens, self.cfg.data.get("overlong", "truncate"))
         if not enc.ids:
             raise InvariantError(f"every prompt of step {step} is over data.max_prompt_tokens={self.cfg.data.max_prompt_tokens} "
                                  "and was dropped; raise it or use data.overlong=truncate")
         rows = [rows[i] for i in enc.kept]
-        torch.manual_seed(self.tcfg.seed * 100_003 + step)  # sampling depends on (seed, step) only: exact resume
+        # sampling depends on (seed, step, rank) only: exact resume
+        torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank)
         t0 = time.perf_counter()
         roll = generate(self.model, self.tokenizer, enc.ids, num_generations=G,
                         max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
@@ -142,14 +150,15 @@ class GRPOTrainer:
         with self.model.disable_adapter():
             return torch.cat([self._logprobs(batch, s, grad=False)[0] for s in parts])
 
-    def loss_weight(self, rows: slice, batch: Batch, n: int) -> float:
-        """What each micro-batch loss is multiplied by so the accumulated gradient equals the full batch's."""
+    def loss_weight(self, rows: slice, batch: Batch, n_global: float, tokens_global: float) -> float:
+        """What each micro-batch loss is multiplied by so that the accumulated gradient, summed over ranks,
+        equals the gradient of the loss over the whole step's batch."""
         loss_type = self.algo.loss_type
         if loss_type == "dapo":
             return 1.0  # normalised by the whole step's token count already
         if loss_type == "bnpo":
-            return float(batch.mask[rows].sum()) / max(1.0, float(batch.mask.sum()))
-        return (rows.stop - rows.start) / n  # grpo, dr_grpo: means over rows
+            return float(batch.mask[rows].sum()) / max(1.0, tokens_global)
+        return (rows.stop - rows.start) / n_global  # grpo, dr_grpo: means over rows
 
     def update(self, step: int, batch: Batch) -> dict:
         n = batch.rewards.numel()
@@ -157,7 +166,8 @@ class GRPOTrainer:
         self.model.train()
         ref = self._no_grad_logprobs(batch, parts, adapter=False) if self.algo.beta > 0 else None
         old = self._no_grad_logprobs(batch, parts, adapter=True) if self.algo.num_iterations > 1 else None
-        total_tokens = float(batch.mask.sum())
+        local_tokens = float(batch.mask.sum())
+        total_tokens, n_global = distributed.sum_floats([local_tokens, float(n)], self.dist, self.lm.device)
         sums = {"kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "entropy": 0.0, "loss": 0.0, "max_logp": -math.inf}
         tokens_seen = 0.0
         grad_norms = []
@@ -174,7 +184,7 @@ class GRPOTrainer:
                     eps_high=self.eps_high, loss_type=self.algo.loss_type, ratio_level=self.algo.ratio_level,
                     max_new_tokens=self.roll.max_new_tokens, total_tokens=total_tokens,
                 )
-                weight = self.loss_weight(rows, batch, n)
+                weight = self.loss_weight(rows, batch, n_global, total_tokens)
                 (loss * weight).backward()
                 k = float(stats["num_tokens"])
                 pass_loss += float(loss.detach()) * weight
@@ -188,6 +198,9 @@ class GRPOTrainer:
                     real = mask.bool()
                     if real.any():
                         sums["max_logp"] = max(sums["max_logp"], float(logp.detach()[real].max()))
+            distributed.sum_gradients(self.params, self.dist)
+            pass_loss, pass_ratio, pass_tokens = distributed.sum_floats([pass_loss, pass_ratio, pass_tokens], self.dist,
+                                                                        self.lm.device)
             sums["loss"] += pass_loss
             if iteration == 0 and old is not None and self.algo.check and pass_tokens:
                 ratio = pass_ratio / pass_tokens
@@ -205,6 +218,9 @@ class GRPOTrainer:
                 if self.skipped_in_a_row >= self.tcfg.max_skipped:
                     raise InvariantError(f"{self.skipped_in_a_row} non-finite updates in a row at step {step} "
                                          f"(loss {pass_loss}, grad norm {grad_norm}); lower optimizer.lr or check the rewards")
+        reduced = distributed.sum_floats([sums["kl"], sums["clip_fraction"], sums["entropy"], tokens_seen], self.dist,
+                                         self.lm.device)
+        sums["kl"], sums["clip_fraction"], sums["entropy"], tokens_seen = reduced
         first_tokens = total_tokens or 1.0
         return {
             "kl": sums["kl"] / first_tokens,
@@ -253,6 +269,14 @@ class GRPOTrainer:
             "prompts_truncated": batch.stats["prompts_truncated"],
             "prompts_dropped": batch.stats["prompts_dropped"],
         }
+        if self.dist.enabled:  # every rank has as many rows: rank means average exactly; counts add up
+            summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped")
+            averaged = ["reward", "reward_std", "frac_reward_zero_std", "completion_len", "truncated_frac",
+                        *(k for k in row if k.startswith("reward/"))]
+            keys = [*averaged, *summed]
+            totals = distributed.sum_floats([float(row[k]) for k in keys], self.dist, self.lm.device)
+            for k, v in zip(keys, totals, strict=True):
+                row[k] = v if k in summed else v / self.dist.world_size
         return row
 
     def check_invariants(self, step: int, batch: Batch, update: dict) -> None:
@@ -287,8 +311,11 @@ class GRPOTrainer:
                 start = state["step"]
                 self.skipped_updates = state.get("skipped_updates", 0)
                 self.fresh_adapter = start == 0
-                shutil_copy_metrics(found, run_dir)
-        tracker = Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.max_steps, start)
+                if self.dist.is_main:
+                    shutil_copy_metrics(found, run_dir)
+        main = self.dist.is_main
+        tracker = (Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.max_steps, start)
+                   if main else SilentTracker())
         for text in getattr(self, "startup_warnings", []):
             tracker.warn(text)
         stop = {"signum": None}
@@ -303,18 +330,24 @@ class GRPOTrainer:
                 metrics, batch = self.step(step)
                 self.track_zero_std(metrics, tracker)
                 if self.evaluator is not None and cfg.eval.every and (step + 1) % cfg.eval.every == 0:
-                    metrics.update(self.evaluator(self.model))
+                    if main:
+                        metrics.update(self.evaluator(self.model))
+                    distributed.barrier(self.dist)
                 tracker.log(metrics)
                 self.save_samples(tracker, step, batch)
                 done = step + 1
-                if (cfg.trainer.save_every and done % cfg.trainer.save_every == 0) or stop["signum"]:
+                # every rank stops at the same step when any of them got the signal
+                stopping = distributed.sum_floats([float(stop["signum"] or 0)], self.dist, self.lm.device)[0] > 0
+                if (cfg.trainer.save_every and done % cfg.trainer.save_every == 0) or stopping:
                     ckpt = self.save_checkpoint(done)
-                    if stop["signum"]:
-                        raise Interrupted(stop["signum"], ckpt)
+                    if stopping:
+                        raise Interrupted(stop["signum"] or signal.SIGTERM, ckpt)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         adapter_dir = self.save_adapter()
+        if not main:
+            return {"final_reward": float("nan"), "adapter": str(adapter_dir)}
         rewards = [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl")]
         tail = rewards[-max(1, len(rewards) // 10):]
         summary = {
@@ -338,16 +371,31 @@ class GRPOTrainer:
             tracker.warn(text)
 
     def save_checkpoint(self, done: int) -> Path:
-        return checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.scheduler,
-                               {"skipped_updates": self.skipped_updates}, self.tcfg.keep_last)
+        path = checkpoint.checkpoint_root(self.run_dir) / f"{checkpoint.PREFIX}{done:06d}"
+        if self.dist.is_main:
+            path = checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.scheduler,
+                                   {"skipped_updates": self.skipped_updates}, self.tcfg.keep_last)
+        distributed.barrier(self.dist)
+        return path
 
     def save_adapter(self) -> Path:
         for p in self.params:
             if not torch.isfinite(p).all():
                 raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
         out = self.run_dir / "adapter"
-        self.model.save_pretrained(out)
+        if self.dist.is_main:
+            self.model.save_pretrained(out)
+        distributed.barrier(self.dist)
         return out
+
+
+class SilentTracker:
+    """What ranks other than 0 log to: nothing (rank 0 writes metrics, samples, W&B and the console)."""
+
+    def log(self, row: dict) -> None: ...
+    def samples(self, step: int, rows: list[dict]) -> None: ...
+    def warn(self, text: str) -> None: ...
+    def close(self, summary: dict) -> None: ...
 
 
 def read_metrics(path: Path) -> list[dict]:
