@@ -6,7 +6,7 @@
 #
 #     scripts/gpu_wheels.sh            # then: device run "bash scripts/gpu_check.sh", carry [".gpu_wheels"]
 #
-# .gpu_wheels/ is about 10 MB and must not be committed: it is added to .git/info/exclude here.
+# .gpu_wheels/ is about 6 MB and must not be committed: it is added to .git/info/exclude here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
