@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -37,19 +38,16 @@ def test_two_process_run_writes_once_from_rank_zero(tmp_path):
 
 
 WORKER = textwrap.dedent('''
-    import os, sys, torch
+    import json, os, sys, torch
     from hydra import compose, initialize_config_dir
     from grpo_cli.config import CONF_DIR, register_recipes
     from grpo_cli.trainer import Batch, GRPOTrainer
     from grpo_cli.rollout import Rollout
 
-    loss_type, out = sys.argv[1], sys.argv[2]
+    out, overrides = sys.argv[1], json.loads(sys.argv[2])
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["+recipe=quickstart", "model=tiny", "trainer.device=cpu",
-                                           f"algo.loss_type={loss_type}", "algo.beta=0.04", "optimizer.lr=1e-30",
-                                           "data.prompts_per_step=2", "trainer.micro_batch_size=4",
-                                           "rollout.max_new_tokens=6"])
+        cfg = compose("config", overrides=overrides)
     trainer = GRPOTrainer(cfg, os.path.dirname(out))
     full = torch.load(sys.argv[3], weights_only=False)
     rank, world = trainer.dist.rank, trainer.dist.world_size
@@ -73,12 +71,12 @@ def test_two_ranks_one_prompt_equal_one_rank_two_prompts(tmp_path, loss_type):
     from grpo_cli.config import CONF_DIR, register_recipes
     from grpo_cli.trainer import GRPOTrainer
 
+    overrides = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", f"algo.loss_type={loss_type}",
+                 "algo.beta=0.04", "optimizer.lr=1e-30", "data.prompts_per_step=2", "trainer.micro_batch_size=4",
+                 "rollout.max_new_tokens=6"]
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["+recipe=quickstart", "model=tiny", "trainer.device=cpu",
-                                           f"algo.loss_type={loss_type}", "algo.beta=0.04", "optimizer.lr=1e-30",
-                                           "data.prompts_per_step=2", "trainer.micro_batch_size=4",
-                                           "rollout.max_new_tokens=6"])
+        cfg = compose("config", overrides=overrides)
     single = GRPOTrainer(cfg, tmp_path)
     batch = single.rollout(0)
     n, G = batch.rewards.numel(), cfg.algo.num_generations
@@ -91,7 +89,8 @@ def test_two_ranks_one_prompt_equal_one_rank_two_prompts(tmp_path, loss_type):
 
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "grads"
-    proc = subprocess.run([*torchrun(), str(tmp_path / "worker.py"), loss_type, str(out), str(tmp_path / "batch.pt")],
+    proc = subprocess.run([*torchrun(), str(tmp_path / "worker.py"), str(out), json.dumps(overrides),
+                           str(tmp_path / "batch.pt")],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank0, rank1 = torch.load(f"{out}.rank0"), torch.load(f"{out}.rank1")
