@@ -77,3 +77,25 @@ def test_bad_value_is_one_line_before_model_load(tmp_path):
     proc = run_cli(["+recipe=quickstart", "algo.clip_eps=2"], tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["grpo-train: algo.clip_eps=2 is invalid: needs 0 < clip_eps < 1"]
+
+
+def test_grpo_eval_base_and_adapter(tiny_run, tmp_path):
+    import json
+
+    results = {}
+    for label, extra in (("base", []), ("adapter", [f"eval.adapter={tiny_run / 'adapter'}"])):
+        out = tmp_path / label
+        proc = run_cli(["+recipe=quickstart", "model=tiny", "eval.num_prompts=3", "eval.samples=2",
+                        "rollout.max_new_tokens=3", f"hydra.run.dir={out}", *extra], tmp_path, command="grpo-eval")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results[label] = json.loads((out / "eval.json").read_text())
+        assert "accuracy" in proc.stdout
+    assert results["base"]["adapter"] == "base" and results["adapter"]["adapter"].endswith("adapter")
+    for r in results.values():
+        assert r["eval/num_prompts"] == 3 and 0.0 <= r["eval/pass@2"] <= 1.0 and "eval/majority@2" in r
+
+
+def test_grpo_report_console_script(tiny_run, tmp_path):
+    proc = run_cli([str(tiny_run), "--out", str(tmp_path / "report")], tmp_path, command="grpo-report")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "report" / "report.html").is_file() and (tmp_path / "report" / "reward.png").is_file()

@@ -142,11 +142,11 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> None:
 def _eval_task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
 
-    from grpo_cli.evaluate import run_eval
-
     try:
         validate(cfg)
-        _quiet_libraries()
+        _quiet_libraries()  # before the heavy imports, so their warnings and progress bars stay quiet
+        from grpo_cli.evaluate import run_eval
+
         result = run_eval(cfg, Path(HydraConfig.get().runtime.output_dir))
     except (UserError, RunError) as err:
         _fail("grpo-eval", err)
