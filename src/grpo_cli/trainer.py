@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -145,9 +146,8 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _no_grad_logprobs(self, batch: Batch, parts: list[slice], adapter: bool) -> torch.Tensor:
-        if adapter:
-            return torch.cat([self._logprobs(batch, s, grad=False)[0] for s in parts])
-        with self.model.disable_adapter():
+        """Old (adapter on) or reference (adapter off: the frozen base) log-probs of the whole batch."""
+        with contextlib.nullcontext() if adapter else self.model.disable_adapter():
             return torch.cat([self._logprobs(batch, s, grad=False)[0] for s in parts])
 
     def loss_weight(self, rows: slice, batch: Batch, n_global: float, tokens_global: float) -> float:
