@@ -23,6 +23,7 @@ def tiny_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_metrics_have_every_contract_key(tiny_run):
     rows = read_jsonl(tiny_run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
@@ -31,10 +32,12 @@ def test_metrics_have_every_contract_key(tiny_run):
         assert {"reward/correct", "reward/bare"} <= row.keys()
 
 
+@pytest.mark.slow
 def test_kl_is_zero_at_step_zero(tiny_run):
     assert read_jsonl(tiny_run / "metrics.jsonl")[0]["kl"] == 0.0
 
 
+@pytest.mark.slow
 def test_adapter_and_samples_written(tiny_run):
     assert (tiny_run / "adapter" / "adapter_model.safetensors").is_file()
     assert (tiny_run / "adapter" / "adapter_config.json").is_file()
@@ -43,6 +46,7 @@ def test_adapter_and_samples_written(tiny_run):
     assert (tiny_run / ".hydra" / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_issue_acceptance_command_outside_repo(tmp_path):
     proc = run_cli(["+recipe=quickstart", "model=tiny", "trainer.max_steps=2", "algo.beta=0.0", "algo.clip_eps=0.1",
                     "rollout.max_new_tokens=4"], tmp_path)
@@ -79,6 +83,7 @@ def test_bad_value_is_one_line_before_model_load(tmp_path):
     assert proc.stderr.strip().splitlines() == ["grpo-train: algo.clip_eps=2 is invalid: needs 0 < clip_eps < 1"]
 
 
+@pytest.mark.slow
 def test_grpo_eval_base_and_adapter(tiny_run, tmp_path):
     import json
 
@@ -95,6 +100,7 @@ def test_grpo_eval_base_and_adapter(tiny_run, tmp_path):
         assert r["eval/num_prompts"] == 3 and 0.0 <= r["eval/pass@2"] <= 1.0 and "eval/majority@2" in r
 
 
+@pytest.mark.slow
 def test_grpo_report_console_script(tiny_run, tmp_path):
     proc = run_cli([str(tiny_run), "--out", str(tmp_path / "report")], tmp_path, command="grpo-report")
     assert proc.returncode == 0, proc.stderr

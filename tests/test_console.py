@@ -55,6 +55,7 @@ def test_live_progress_on_a_terminal():
     assert "/runs/x/adapter" in text and view.progress is None
 
 
+@pytest.mark.slow
 def test_live_path_of_the_real_cli_under_a_pty(tmp_path):
     """grpo-train on a (pseudo) terminal with logger=wandb offline: the live bar and W&B get along."""
     if shutil.which("script") is None:

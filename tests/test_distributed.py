@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import REPO, read_jsonl
 
+pytestmark = pytest.mark.slow  # every test here runs torchrun training jobs
+
 
 def torchrun() -> list[str]:
     with socket.socket() as sock:  # a free loopback port for the rendezvous

@@ -40,6 +40,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override,words", BAD, ids=[b[0] for b in BAD])
 def test_bad_invocation_is_one_line_exit_2(tmp_path, override, words):
     proc = run_cli(["+recipe=quickstart", "model=tiny", override], tmp_path, timeout=120)
@@ -57,6 +58,7 @@ def test_unknown_recipe_exit_2(tmp_path):
     assert proc.returncode == 2 and "nope" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_data_row_missing_field_names_file_and_line(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"answer": "3"}\n')
@@ -65,6 +67,7 @@ def test_data_row_missing_field_names_file_and_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"grpo-train: {data}:2 lacks field(s) prompt; every row needs prompt"]
 
 
+@pytest.mark.slow
 def test_reward_that_raises_names_function_and_completion(tmp_path):
     (tmp_path / "my_rewards.py").write_text(
         "def flaky(prompts, completions, **_):\n"
@@ -81,6 +84,7 @@ def test_reward_that_raises_names_function_and_completion(tmp_path):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("adapter"))
 
 
+@pytest.mark.slow
 def test_reward_on_error_zero_counts_errors(tmp_path):
     (tmp_path / "my_rewards.py").write_text("def broken(prompts, completions, **_):\n    raise RuntimeError('down')\n")
     run = tmp_path / "run"
@@ -95,6 +99,7 @@ TINY_RUN = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "dat
             "algo.num_generations=4", "trainer.max_steps=6", "trainer.save_every=2", "trainer.log_samples_every=0"]
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_is_bitwise_identical(tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     proc = run_cli([*TINY_RUN, f"hydra.run.dir={straight}"], tmp_path)
@@ -121,6 +126,7 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path):
     assert rewards == [r["reward"] for r in read_jsonl(crashed / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_143(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
@@ -136,6 +142,7 @@ def test_sigterm_checkpoints_and_exits_143(tmp_path):
     assert list((run / "checkpoints").glob("step-*/adapter/adapter_model.safetensors"))
 
 
+@pytest.mark.slow
 def test_crafted_pickle_in_checkpoint_is_refused(tmp_path):
     run = tmp_path / "run"
     proc = run_cli([*TINY_RUN, "trainer.max_steps=2", f"hydra.run.dir={run}"], tmp_path)

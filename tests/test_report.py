@@ -125,6 +125,7 @@ def test_bad_dir_returns_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert err.count("\n") == 1 and err.startswith("grpo-report: ") and str(d) in err and ";" in err
 
 
+@pytest.mark.slow
 def test_main_runs_headless_in_fresh_process(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", ["algo.beta=0.04"])
     env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "DISPLAY")}

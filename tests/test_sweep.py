@@ -47,6 +47,7 @@ def grid(tmp_path_factory) -> Path:
     return sweep_dir
 
 
+@pytest.mark.slow
 def test_grid_has_one_dir_per_job_with_its_own_outputs(grid):
     jobs = sorted((d for d in grid.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
     assert [d.name for d in jobs] == ["0", "1", "2", "3"]
@@ -67,6 +68,7 @@ def test_grid_has_one_dir_per_job_with_its_own_outputs(grid):
     assert pairs == [(0.0, 0.1), (0.0, 0.2), (0.04, 0.1), (0.04, 0.2)]
 
 
+@pytest.mark.slow
 def test_grid_summary_csv_and_json(grid):
     rows = read_csv(grid / "sweep_summary.csv")
     assert len(rows) == 4
@@ -93,6 +95,7 @@ def test_grid_summary_csv_and_json(grid):
 
 
 # ---- one job fails, the other still runs ---------------------------------------------------------
+@pytest.mark.slow
 def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     sweep_dir = tmp_path / "sweep"
     # the bad target comes first: job 0 fails, job 1 must still run
@@ -123,6 +126,7 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 
 # ---- submitit_local launcher ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_submitit_local_runs_two_jobs(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep_dir = tmp_path / "sweep"
@@ -152,10 +156,7 @@ def test_device_for_job_cycles_over_devices():
         sweep.device_for_job(0, 0)
 
 
-def test_final_mean_and_error_line():
-    assert sweep.final_mean([1.0]) == 1.0
-    assert sweep.final_mean(list(range(20))) == pytest.approx(18.5)  # last 2 of 20
-    assert math.isnan(sweep.final_mean([]))
+def test_error_line():
     assert sweep.error_line(RuntimeError("grpo-train: x=1 is invalid: no")) == "grpo-train: x=1 is invalid: no"
     assert sweep.error_line(KeyError("k")) == "KeyError: 'k'"
     assert sweep.error_line(ValueError("first\nsecond")) == "ValueError: first"

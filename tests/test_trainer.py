@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpo_cli import algorithm
@@ -28,6 +29,7 @@ def logprobs(trainer, batch):
         return completion_logprobs(trainer.model, batch.rollout, slice(0, batch.rewards.numel()), 0.8, None)[0]
 
 
+@pytest.mark.slow
 def test_loss_goes_down_on_a_fixed_batch(compose, tmp_path):
     """Against the rollout policy (old fixed), the clipped surrogate loss falls with each update."""
     trainer = make_trainer(compose, tmp_path, "algo.beta=0.0", "optimizer.lr=1e-3")
@@ -42,6 +44,7 @@ def test_loss_goes_down_on_a_fixed_batch(compose, tmp_path):
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)) and losses[-1] < 0, losses
 
 
+@pytest.mark.slow
 def test_micro_batches_give_the_full_batch_gradient(compose, tmp_path):
     trainer = make_trainer(compose, tmp_path, "optimizer.lr=1e-30")
     batch = fixed_batch(trainer)
@@ -65,6 +68,7 @@ def test_fresh_adapter_policy_equals_reference(compose, tmp_path):
     assert float(((policy - reference) * batch.mask).abs().max()) == 0.0
 
 
+@pytest.mark.slow
 def test_saved_adapter_reproduces_log_probs(compose, tmp_path):
     from peft import PeftModel
 

@@ -109,6 +109,7 @@ def offline_run(tmp_path_factory):
             "wandb": read_offline_run(run_dir)}
 
 
+@pytest.mark.slow
 def test_history_matches_metrics_jsonl(offline_run):
     rows = read_jsonl(offline_run["run_dir"] / "metrics.jsonl")
     history = offline_run["wandb"]["history"]
@@ -124,6 +125,7 @@ def test_history_matches_metrics_jsonl(offline_run):
             assert logged[key] == pytest.approx(row[key], rel=1e-6, abs=1e-9, nan_ok=True), (row["step"], key)
 
 
+@pytest.mark.slow
 def test_config_is_the_resolved_hydra_config(offline_run):
     from omegaconf import OmegaConf
 
@@ -139,6 +141,7 @@ def test_config_is_the_resolved_hydra_config(offline_run):
     assert {k: v for k, v in config.items() if k != "_wandb"} == resolved
 
 
+@pytest.mark.slow
 def test_name_group_tags_from_hydra(offline_run):
     run = offline_run["wandb"]["run"]
     assert run.project == "grpo-cli"
@@ -148,6 +151,7 @@ def test_name_group_tags_from_hydra(offline_run):
     assert list(run.tags) == ["ci"]
 
 
+@pytest.mark.slow
 def test_samples_table_logged(offline_run):
     history, files = offline_run["wandb"]["history"], offline_run["wandb"]["dir"] / "files"
     samples = read_jsonl(offline_run["run_dir"] / "samples.jsonl")
@@ -159,6 +163,7 @@ def test_samples_table_logged(offline_run):
         assert len(table["data"]) == sum(1 for s in samples if s["step"] == step)
 
 
+@pytest.mark.slow
 def test_api_key_never_written_or_printed(offline_run):
     proc = offline_run["proc"]
     assert FAKE_KEY not in proc.stdout + proc.stderr
@@ -168,6 +173,7 @@ def test_api_key_never_written_or_printed(offline_run):
     assert not leaked, leaked
 
 
+@pytest.mark.slow
 def test_console_is_plain_and_quiet_off_a_terminal(offline_run):
     out = offline_run["proc"].stdout
     step_lines = [line for line in out.splitlines() if line.startswith("step ")]
@@ -250,6 +256,7 @@ FALLBACK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", ["closed_port", "silent_server"])
 def test_online_init_failure_falls_back_to_offline(tmp_path, server):
     """A W&B server that refuses connections, or accepts them and never answers (loopback only), costs at most

@@ -1,4 +1,4 @@
-"""Entry points: grpo-train, grpo-eval, grpo-report. Thin: Hydra lives here, the work elsewhere."""
+"""Entry points: grpo-train, grpo-eval, grpo-report, grpo-export. Thin: Hydra lives here, the work elsewhere."""
 
 from __future__ import annotations
 
@@ -161,6 +161,14 @@ def evaluate() -> None:
 def report() -> None:
     """`grpo-report DIR`: plots and an HTML page for a run dir or a sweep dir."""
     from grpo_cli.report import main
+
+    sys.exit(main())
+
+
+def export() -> None:
+    """`grpo-export RUN_DIR OUT_DIR`: the run's adapter merged into its base as a standalone model dir."""
+    _quiet_libraries()
+    from grpo_cli.export import main
 
     sys.exit(main())
 

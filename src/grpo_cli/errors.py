@@ -26,6 +26,18 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be written or read."""
 
 
+class ReportError(UserError, ValueError):
+    """grpo-report got a directory it cannot report on."""
+
+
+class ExportError(UserError, ValueError):
+    """grpo-export got a run, base or output directory it cannot export."""
+
+
+class MetricsError(UserError, ValueError):
+    """A metrics.jsonl line other than the last is not JSON (the file was edited or damaged)."""
+
+
 class RunError(Exception):
     """The run itself failed (exit code 1): a reward that raised, a broken invariant, non-finite updates."""
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import csv
 import html
-import json
 import math
 import sys
 from pathlib import Path
 
 import yaml
 from matplotlib.figure import Figure  # no pyplot: renders headless via Agg, no global state
+
+from grpo_cli.errors import ReportError, UserError
+from grpo_cli.metrics import final_mean, read_metrics
 
 RUN_PLOTS = {  # file stem -> (metric key, y label)
     "kl": ("kl", "KL to reference"),
@@ -28,21 +30,6 @@ SWEEP_PLOTS = {"reward": "mean reward", "kl": "KL to reference", "clip_fraction"
 Curve = tuple[str, list[float], list[float]]
 
 
-class ReportError(ValueError):
-    """Bad input; the message reads `<what>, <value>; <fix>`."""
-
-
-def load_metrics(run: Path) -> list[dict]:
-    """Rows of `metrics.jsonl`; a torn last line from a run still writing is skipped."""
-    rows = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return [r for r in rows if isinstance(r, dict) and "step" in r]
-
-
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     pts = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
@@ -50,11 +37,7 @@ def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 def final_value(rows: list[dict], key: str = "reward") -> float:
     """Mean of the last 10% (at least one) of the logged values."""
-    _, ys = series(rows, key)
-    if not ys:
-        return math.nan
-    tail = ys[-max(1, len(ys) // 10):]
-    return sum(tail) / len(tail)
+    return final_mean(series(rows, key)[1])
 
 
 def overrides(run: Path) -> list[str]:
@@ -169,7 +152,7 @@ def _csv_table(f: Path) -> str:
 
 
 def run_report(run: Path, out: Path) -> str:
-    rows = load_metrics(run)
+    rows = read_metrics(run / "metrics.jsonl")
     if not rows:
         raise ReportError(f"no metric rows in metrics.jsonl, {run}; let the run log at least one step")
     ovs = " ".join(overrides(run)) or "(none)"
@@ -182,7 +165,7 @@ def run_report(run: Path, out: Path) -> str:
 
 def sweep_report(sweep: Path, out: Path) -> str:
     dirs = sorted((d for d in sweep.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
-    jobs = [(d, load_metrics(d)) for d in dirs if (d / "metrics.jsonl").exists()]
+    jobs = [(d, read_metrics(d / "metrics.jsonl")) for d in dirs if (d / "metrics.jsonl").exists()]
     jobs = [(d, rows) for d, rows in jobs if rows]
     skipped = [d.name for d in dirs if d not in {j[0] for j in jobs}]
     if not jobs:
@@ -231,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         print(make_report(args.dir, args.out))
-    except ReportError as e:
+    except UserError as e:
         print(f"grpo-report: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     return 0

@@ -48,6 +48,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from grpo_cli.errors import MetricsError
+from grpo_cli.metrics import final_mean, read_metrics
+
 log = logging.getLogger(__name__)
 
 SUMMARY_CSV = "sweep_summary.csv"
@@ -74,26 +77,6 @@ def error_line(err: BaseException) -> str:
     if re.match(r"grpo-[a-z]+: ", text):
         return text
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-def final_mean(values: list[float]) -> float:
-    """Mean of the last 10 % of the values (at least one); NaN when there are none."""
-    if not values:
-        return math.nan
-    tail = values[-max(1, len(values) // 10):]
-    return sum(tail) / len(tail)
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """Rows of a metrics.jsonl; a torn last line (a job still writing) is skipped."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                row = json.loads(line)
-                if isinstance(row, dict) and "step" in row:
-                    rows.append(row)
-    return rows
 
 
 def _number(value: Any) -> float:
@@ -234,7 +217,11 @@ def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
         }
         for key in keys:
             row[key] = ovs[key][2] if key in ovs else None
-        row.update(metric_summary(read_metrics(job_dir / "metrics.jsonl")))
+        try:
+            row.update(metric_summary(read_metrics(job_dir / "metrics.jsonl")))
+        except MetricsError as err:  # one damaged job must not hide the others
+            row.update(metric_summary([]))
+            error = error or str(err)
         row.update({"status": state, "error": error or "", "dir": str(job_dir.relative_to(sweep_dir))})
         rows.append(row)
     rows.sort(key=lambda r: (r["job"] if isinstance(r["job"], int) else 1 << 62, r["dir"]))

@@ -13,7 +13,6 @@ import math
 import netrc
 import os
 import re
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -111,9 +110,6 @@ def has_wandb_credentials() -> bool:
             if any(re.search(rf"machine\s+{re.escape(h)}\b", text) for h in hosts):
                 return True
     return False
-
-
-_has_wandb_credentials = has_wandb_credentials  # the draft's name
 
 
 def resolve_wandb_mode(mode: str | None) -> tuple[str, str | None]:
@@ -425,7 +421,3 @@ class Tracker:
             except Exception as err:
                 self.console.warn(f"W&B finish failed ({err}); the run is on disk under {self.wandb.sync_dir()}")
         self.console.close(summary, extra)
-
-
-def print_error(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)

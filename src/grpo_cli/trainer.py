@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import random
 import signal
@@ -22,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_cli import algorithm, checkpoint, distributed
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
+from grpo_cli.metrics import final_mean, read_metrics
 from grpo_cli.models import LoadedModel, load_policy
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logits, encode_prompts, generate
@@ -349,12 +349,11 @@ class GRPOTrainer:
         if not main:
             return {"final_reward": float("nan"), "adapter": str(adapter_dir)}
         rewards = [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl")]
-        tail = rewards[-max(1, len(rewards) // 10):]
         summary = {
             "steps": len(rewards),
             "first_reward": sum(rewards[:10]) / max(1, len(rewards[:10])),
             "last_reward": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
-            "final_reward": sum(tail) / len(tail),
+            "final_reward": final_mean(rewards),
             "time_s": time.time() - t_start,
             "adapter": str(adapter_dir),
         }
@@ -396,12 +395,6 @@ class SilentTracker:
     def samples(self, step: int, rows: list[dict]) -> None: ...
     def warn(self, text: str) -> None: ...
     def close(self, summary: dict) -> None: ...
-
-
-def read_metrics(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def shutil_copy_metrics(checkpoint_dir: Path, run_dir: Path) -> None:
