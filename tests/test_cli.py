@@ -64,10 +64,22 @@ def test_user_recipe_in_working_directory(tmp_path):
     assert "num_generations: 3" in proc.stdout and "tiny-random" in proc.stdout
 
 
-def test_hydra_help_lists_groups(tmp_path):
-    proc = run_cli(["--help"], tmp_path, timeout=120)
-    assert proc.returncode == 0
-    assert "model: " in proc.stdout and "tiny" in proc.stdout
+@pytest.mark.parametrize("command", ["grpo-train", "grpo-eval"])
+def test_help_is_the_tools_own(tmp_path, command):
+    """Hydra's help template per app: name, one usage line, the recipes, three examples, outputs, groups."""
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "mine.yaml").write_text("# @package _global_\n# My recipe: costs $5. More text.\n")
+    proc = run_cli(["--help"], tmp_path, timeout=120, command=command)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith(f"{command}: ") and "powered by Hydra" not in out
+    assert [line for line in out.splitlines() if line.startswith("Usage: ")] == [
+        next(line for line in out.splitlines() if line.startswith(f"Usage: {command} "))]
+    assert "quickstart   Quickstart: the embedded SmolLM2-135M-Instruct" in out
+    assert "mine         My recipe: costs $5." in out  # the user's own recipes too
+    examples = out.split("== Examples ==")[1].split("==")[0]
+    assert len([line for line in examples.splitlines() if line.strip().startswith(command)]) == 3
+    assert "outputs/DATE/TIME/" in out and "model: " in out and "tiny" in out
 
 
 def test_unknown_recipe_is_one_line(tmp_path):

@@ -45,6 +45,24 @@ def test_recipe_overrides_its_groups(compose):
     ("rollout.top_p=0", "rollout.top_p"),
     ("trainer.micro_batch_size=5", "trainer.micro_batch_size"),
     ("+reward.functions.bad._target_=nowhere.fn", "reward.functions.bad._target_"),
+    ("trainer.logprob_chunk_size=0", "trainer.logprob_chunk_size"),
+    ("trainer.logprob_chunk_size=1.5", "trainer.logprob_chunk_size"),
+    ("model.lora.alpha=0", "model.lora.alpha"),
+    ("model.lora.alpha=big", "model.lora.alpha"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules"),
+    ("optimizer.name=adam", "optimizer.name"),
+    ("optimizer.name=sgd", "optimizer.betas"),  # adamw's group with only the name changed: betas would be unused
+    ("optimizer.betas=[0.9,1.5]", "optimizer.betas"),
+    ("algo.check=maybe", "algo.check"),
+    ("algo.mask_truncated=1", "algo.mask_truncated"),
+    ("trainer.seed=-1", "trainer.seed"),
+    ("eval.temperature=0", "eval.temperature"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens"),
+    ("eval.adapter=/no/such/adapter", "eval.adapter"),
+    ("reward.accuracy=nope", "reward.accuracy"),
+    ("logger.backend=tensorboard", "logger.backend"),
+    ("data.high=0", "data.high"),
+    ("data.size=0", "data.size"),
 ])
 def test_validate_names_key_and_value(compose, override, key):
     cfg = compose(["+recipe=quickstart", override])
@@ -57,3 +75,43 @@ def test_validate_names_key_and_value(compose, override, key):
 def test_large_adv_eps_warns(compose):
     warnings = validate(compose(["+recipe=quickstart", "algo.adv_eps=0.05"]))
     assert any("adv_eps" in w for w in warnings)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["optimizer=sgd", "logger=wandb", "eval.every=5"], None),
+    (["model.tiny.hidden_size=65"], "model.tiny.hidden_size"),
+    (["optimizer=sgd", "optimizer.momentum=1.0"], "optimizer.momentum"),
+    (["optimizer=sgd", "optimizer.momentum=0", "optimizer.nesterov=true"], "optimizer.nesterov"),
+    (["logger=wandb", "logger.wandb.mode=sometimes"], "logger.wandb.mode"),
+    (["logger=wandb", "logger.wandb.init_timeout=0"], "logger.wandb.init_timeout"),
+    (["eval.every=5", "reward.accuracy=null"], "reward.accuracy"),
+])
+def test_group_specific_keys(compose, overrides, key):
+    cfg = compose(["+recipe=quickstart", "model=tiny", *overrides])
+    if key is None:
+        validate(cfg)
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).startswith(key + "=") and "\n" not in str(err.value)
+
+
+def test_optimizer_name_picks_the_torch_optimizer(compose):
+    import torch
+
+    from grpo_cli.optim import build_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    sgd = build_optimizer(params, compose(["optimizer=sgd", "optimizer.nesterov=true"]).optimizer)
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9 and sgd.defaults["nesterov"] is True
+    adamw = build_optimizer(params, compose(["+recipe=quickstart"]).optimizer)
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["betas"] == (0.9, 0.99) and adamw.defaults["lr"] == 1e-4
+
+
+def test_gsm8k_system_prompt_lives_beside_its_reward(compose):
+    from grpo_cli.rewards.gsm8k import SYSTEM_PROMPT
+
+    for data in ("gsm8k", "gsm_symbolic"):
+        assert compose([f"data={data}"]).data.system_prompt == SYSTEM_PROMPT
+    for file in (CONF_DIR / "data").glob("*.yaml"):
+        assert "careful math tutor" not in file.read_text(), file  # written once, in rewards/gsm8k.py

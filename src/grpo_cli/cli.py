@@ -29,7 +29,7 @@ def _fail(prog: str, err: UserError | RunError) -> None:
     sys.exit(err.exit_code)
 
 
-def _precheck(prog: str, argv: list[str]) -> None:
+def _precheck(prog: str, argv: list[str], config_name: str = "config") -> None:
     """Hydra's own messages for an unknown recipe, group option or key run to a page and exit 1; say it
     in one line, exit 2. A single run is composed once here for that; sweeps are left to Hydra."""
     known = available_recipes()
@@ -46,7 +46,7 @@ def _precheck(prog: str, argv: list[str]) -> None:
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose("config", overrides=overrides)
+            compose(config_name, overrides=overrides)
     except Exception as err:  # Hydra raises several types; all are a bad override here
         first = " ".join(str(err).split()).split(" Config search path")[0]
         _bad_input(f"{prog}: {first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys")
@@ -57,12 +57,13 @@ def _bad_input(line: str) -> None:
     sys.exit(EXIT_BAD_INPUT)
 
 
-def _hydra_app(task, prog: str):
+def _hydra_app(task, prog: str, config_name: str = "config"):
+    """Both apps compose conf/config.yaml; grpo-eval's primary config (grpo_eval.yaml) adds its own --help."""
     import hydra
 
     register_recipes()
-    _precheck(prog, sys.argv[1:])
-    return hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(task)
+    _precheck(prog, sys.argv[1:], config_name)
+    return hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(task)
 
 
 def _quiet_libraries() -> None:
@@ -155,7 +156,7 @@ def _eval_task(cfg) -> float:
 
 def evaluate() -> None:
     """`grpo-eval`: greedy pass@1 (and pass@k, majority@k) of the base model or a trained adapter."""
-    _hydra_app(_eval_task, "grpo-eval")()
+    _hydra_app(_eval_task, "grpo-eval", config_name="grpo_eval")()
 
 
 def report() -> None:

@@ -43,6 +43,38 @@ def register_recipes() -> None:
         store.store(group="recipe", name=name, node=OmegaConf.load(file), package="_global_")
 
 
+def system_prompt(name: str) -> str:
+    """`${system_prompt:gsm8k}` in a data config: a system prompt kept in Python beside the reward that checks
+    the format it asks for, so the prompt and the reward cannot drift apart."""
+    from grpo_cli.rewards import gsm8k
+
+    prompts = {"gsm8k": gsm8k.SYSTEM_PROMPT}
+    if name not in prompts:
+        raise ConfigError(f"system_prompt:{name} is not a known prompt; known: {', '.join(prompts)}")
+    return prompts[name]
+
+
+def recipes_help() -> str:
+    """`${recipes:}` in the --help templates: one line per recipe, NAME and the first line of its comment."""
+    lines = []
+    for name, file in sorted(available_recipes().items()):
+        comment = []
+        for line in file.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            if "@package" not in line:
+                comment.append(line.lstrip("#").strip())
+        text = " ".join(comment)
+        about = text.split(". ")[0].rstrip(".") + "." if text else ""
+        lines.append(f"  {name:<12} {about}".rstrip())
+    return "\n".join(lines).replace("$", "$$") or "  (none)"  # Hydra fills the template with string.Template
+
+
+# Registered on import: every command and test that composes a config imports this module first.
+OmegaConf.register_new_resolver("system_prompt", system_prompt, replace=True)
+OmegaConf.register_new_resolver("recipes", recipes_help, replace=True)
+
+
 def _fail(key: str, value, allowed: str) -> None:
     raise ConfigError(f"{key}={value} is invalid: {allowed}")
 
@@ -128,6 +160,7 @@ def validate(cfg: DictConfig) -> list[str]:
         _fail("trainer.resume", resume, "no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
     _check_choice(cfg, "reward.on_error", ("raise", "zero"))
     _validate_rewards(cfg)
+    _validate_rest(cfg)
     return warnings
 
 
@@ -146,6 +179,7 @@ def _validate_rewards(cfg: DictConfig) -> None:
         weight = spec.get("weight", 1.0)
         if not isinstance(weight, (int, float)):
             _fail(f"reward.functions.{name}.weight", weight, "needs a number")
+        _check_reward_options(f"reward.functions.{name}", resolve_callable(target), spec)
 
 
 def resolve_callable(dotted: str):
@@ -156,3 +190,103 @@ def resolve_callable(dotted: str):
     if not callable(fn):
         raise ValueError(f"{dotted} is not callable")
     return fn
+
+
+def _check_reward_options(prefix: str, target, spec: DictConfig) -> None:
+    """Keys of a reward entry besides _target_ and weight are the target's own options (a function's keyword
+    arguments, a class's constructor arguments): each must be one it takes, and pass its own check_options."""
+    import inspect
+
+    from grpo_cli.rewards import reward_options
+
+    options = reward_options(spec)
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        params = {}
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    free = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    reserved = ("prompts", "completions", "messages", *(("name", "device", "dtype") if inspect.isclass(target) else ()))
+    for key, value in options.items():
+        if key in reserved or not (free or key in named):
+            takes = [n for n in named if n not in reserved]
+            _fail(f"{prefix}.{key}", value, f"{target.__module__}.{target.__qualname__} takes no option {key}; "
+                                            f"its options: {', '.join(takes) or 'none'}")
+    check = getattr(target, "check_options", None)
+    if callable(check):
+        check(prefix, options)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_rest(cfg: DictConfig) -> None:
+    """The keys validate() above does not cover: every key of conf/ is used by the code and checked here."""
+    from grpo_cli.optim import COMMON_KEYS, OPTIMIZERS
+
+    r = _check_range
+    for key in ("algo.mask_truncated", "algo.check", "model.trust_remote_code"):
+        if not isinstance(OmegaConf.select(cfg, key), bool):
+            _fail(key, OmegaConf.select(cfg, key), "use true or false")
+    r(cfg, "trainer.seed", lambda v: _is_int(v) and v >= 0, "needs an integer >= 0")
+    chunk = cfg.trainer.get("logprob_chunk_size")
+    if chunk is not None:
+        r(cfg, "trainer.logprob_chunk_size", lambda v: _is_int(v) and v >= 1,
+          "needs an integer >= 1 (token rows per log-softmax chunk), or null for one pass")
+    name = cfg.model.get("name_or_path")
+    if not isinstance(name, str) or not name.strip():
+        _fail("model.name_or_path", name, "give a hub id, a local directory, embedded:NAME or tiny-random")
+    r(cfg, "model.lora.alpha", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+      "needs a number > 0 (the LoRA scale is alpha / r; 2 x r is usual)")
+    targets = cfg.model.lora.get("target_modules")
+    if not (isinstance(targets, str) and targets) and not (
+            OmegaConf.is_list(targets) and len(targets) and all(isinstance(t, str) and t for t in targets)):
+        _fail("model.lora.target_modules", targets, "give all-linear or a list of module names, e.g. [q_proj, v_proj]")
+    if cfg.model.get("tiny") is not None:
+        for key in ("hidden_size", "num_layers", "num_heads"):
+            r(cfg, f"model.tiny.{key}", lambda v: _is_int(v) and v >= 1, "needs an integer >= 1")
+        r(cfg, "model.tiny.hidden_size", lambda v: v % cfg.model.tiny.num_heads == 0,
+          f"must be a multiple of model.tiny.num_heads ({cfg.model.tiny.num_heads})")
+    for key in ("size", "eval_size"):
+        if cfg.data.get(key) is not None:
+            r(cfg, f"data.{key}", lambda v: _is_int(v) and v >= 1, "needs an integer >= 1")
+    if cfg.data.get("low") is not None or cfg.data.get("high") is not None:
+        r(cfg, "data.low", lambda v: _is_int(v), "needs an integer")
+        r(cfg, "data.high", lambda v: _is_int(v) and v >= cfg.data.low, f"needs an integer >= data.low ({cfg.data.low})")
+    r(cfg, "eval.temperature", lambda v: v > 0, "needs temperature > 0")
+    r(cfg, "eval.max_new_tokens", lambda v: _is_int(v) and v >= 1, "needs an integer >= 1")
+    adapter = cfg.eval.get("adapter")
+    if adapter and not (Path(str(adapter)).expanduser() / "adapter_config.json").is_file():
+        _fail("eval.adapter", adapter, "holds no adapter_config.json; point it at a run's adapter/ folder")
+    accuracy = cfg.reward.get("accuracy")
+    if accuracy is not None and accuracy not in cfg.reward.functions:
+        _fail("reward.accuracy", accuracy, f"name one of reward.functions ({', '.join(cfg.reward.functions)})")
+    if accuracy is None and cfg.eval.every:
+        _fail("reward.accuracy", None, "eval.every > 0 needs the 0/1 reward function that judges correctness; name one "
+                                       f"of reward.functions ({', '.join(cfg.reward.functions)})")
+    _check_choice(cfg, "logger.backend", ("none", "wandb"))
+    if cfg.logger.backend == "wandb":
+        from grpo_cli.tracking import WANDB_MODES
+
+        _check_choice(cfg, "logger.wandb.mode", WANDB_MODES)
+        for key in ("init_timeout", "finish_timeout"):
+            r(cfg, f"logger.wandb.{key}", lambda v: v > 0, "needs a number of seconds > 0")
+    _check_choice(cfg, "optimizer.name", tuple(OPTIMIZERS))
+    allowed = (*COMMON_KEYS, *OPTIMIZERS[cfg.optimizer.name][1])
+    for key in cfg.optimizer:
+        if key not in allowed:
+            _fail(f"optimizer.{key}", cfg.optimizer[key], f"optimizer.name={cfg.optimizer.name} does not use it "
+                                                          f"(its keys: {', '.join(allowed)}); pick optimizer=NAME as a group")
+    for key in OPTIMIZERS[cfg.optimizer.name][1]:
+        if key not in cfg.optimizer:
+            _fail(f"optimizer.{key}", None, f"optimizer.name={cfg.optimizer.name} needs it; pick optimizer="
+                                            f"{cfg.optimizer.name} as a group rather than only optimizer.name")
+    if cfg.optimizer.name == "adamw":
+        r(cfg, "optimizer.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "needs [beta1, beta2], each in [0, 1)")
+    if cfg.optimizer.name == "sgd":
+        r(cfg, "optimizer.momentum", lambda v: 0 <= v < 1, "needs 0 <= momentum < 1")
+        if not isinstance(cfg.optimizer.nesterov, bool):
+            _fail("optimizer.nesterov", cfg.optimizer.nesterov, "use true or false")
+        if cfg.optimizer.nesterov and not cfg.optimizer.momentum > 0:
+            _fail("optimizer.nesterov", True, "needs optimizer.momentum > 0")

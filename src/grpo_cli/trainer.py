@@ -23,6 +23,7 @@ from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.metrics import final_mean, read_metrics
 from grpo_cli.models import LoadedModel, load_policy
+from grpo_cli.optim import build_optimizer
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logits, encode_prompts, generate
 from grpo_cli.tracking import Tracker
@@ -88,11 +89,10 @@ class GRPOTrainer:
             raise InvariantError(f"data.prompts_per_step={cfg.data.prompts_per_step} must divide evenly over "
                                  f"{self.dist.world_size} ranks (whole groups per rank)")
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
-        self.rewards = RewardSet.from_config(cfg.reward)
+        self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         opt = cfg.optimizer
-        self.optimizer = torch.optim.AdamW(self.params, lr=opt.lr, weight_decay=opt.weight_decay,
-                                           betas=tuple(opt.get("betas", (0.9, 0.999))))
+        self.optimizer = build_optimizer(self.params, opt)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(opt.schedule, opt.warmup_steps, self.tcfg.max_steps))
         self.eps_high = self.algo.clip_eps_high if self.algo.clip_eps_high is not None else self.algo.clip_eps
@@ -122,7 +122,7 @@ class GRPOTrainer:
                         temperature=self.roll.temperature, top_p=self.roll.top_p, device=self.lm.device)
         gen_time = time.perf_counter() - t0
         prompts = [text for text in enc.texts for _ in range(G)]
-        fields = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != "messages"}
+        fields = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # messages: only for rewards naming it
         totals, per_fn, errors = self.rewards.score(prompts, roll.texts, fields)
         rewards = torch.tensor(totals, dtype=torch.float32)
         advantages = algorithm.group_advantages(rewards, G, eps=self.algo.adv_eps, scale=self.algo.scale_rewards)

@@ -1,10 +1,15 @@
 """Reward functions: `fn(prompts, completions, **row_fields) -> list[float]`, one module per family.
 
-`RewardSet` turns the `reward` config group into the weighted sum the trainer uses.
+`RewardSet` turns the `reward` config group into the weighted sum the trainer uses. A function entry is
+`reward.functions.NAME: {_target_, weight, ...options}`: a function gets its options as keyword arguments;
+a class (e.g. `rewards.reward_model.RewardModel`) is built once with them and then called like a function.
+Only a reward that names a `messages` parameter receives each prompt's chat messages.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -26,11 +31,10 @@ class RewardSet:
         self.on_error = on_error
 
     @classmethod
-    def from_config(cls, cfg_reward) -> RewardSet:
-        from grpo_cli.config import resolve_callable
-
+    def from_config(cls, cfg_reward, device=None, dtype=None) -> RewardSet:
+        """Reward models among the functions load here, once, on `device` in `dtype` (the policy's)."""
         functions = [
-            RewardFunction(name, resolve_callable(spec["_target_"]), float(spec.get("weight", 1.0)))
+            RewardFunction(name, build_reward(name, spec, device=device, dtype=dtype), float(spec.get("weight", 1.0)))
             for name, spec in cfg_reward.functions.items()
         ]
         return cls(functions, cfg_reward.get("on_error", "raise"))
@@ -68,3 +72,44 @@ class RewardSet:
             except Exception:
                 return i
         return None
+
+
+RESERVED_KEYS = ("_target_", "weight")
+
+
+def reward_options(spec) -> dict:
+    """The keys of a `reward.functions.NAME` entry other than `_target_` and `weight`, as plain values."""
+    from omegaconf import DictConfig, OmegaConf
+
+    plain = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec)
+    return {k: v for k, v in plain.items() if k not in RESERVED_KEYS}
+
+
+def takes_messages(fn) -> bool:
+    try:
+        return "messages" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def build_reward(name: str, spec, **context):
+    """The callable for one entry: the function with its options bound, or the class built with its options
+    (plus `name`, `device`, `dtype` when its constructor takes them). Row field `messages` is dropped for
+    callables that do not name it, so functions written for the plain row fields keep working."""
+    from grpo_cli.config import resolve_callable
+
+    target = resolve_callable(spec["_target_"])
+    options = reward_options(spec)
+    if inspect.isclass(target):
+        accepted = inspect.signature(target).parameters
+        fn = target(**options, **{k: v for k, v in {"name": name, **context}.items() if k in accepted})
+    else:
+        fn = functools.partial(target, **options) if options else target
+    if takes_messages(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def without_messages(prompts, completions, messages=None, **fields):
+        return fn(prompts, completions, **fields)
+
+    return without_messages
