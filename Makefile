@@ -1,4 +1,5 @@
-# The front door: `make quickstart` trains on the embedded model; `make test` runs the tests.
+# The front door: `make quickstart` trains on the embedded model; `make test` runs every test (CI);
+# `make test-fast` skips those marked slow (training runs in subprocesses, real-model work).
 # Both set up .venv/ first when it is missing.
 PYTHON ?= python3
 VENV   ?= .venv

@@ -86,6 +86,7 @@ def test_merged_tiny_export_matches_base_plus_adapter(tiny_cfg, tiny_run, tmp_pa
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md"} <= {
         p.name for p in out.iterdir()}
     assert not (out / "adapter_config.json").exists()
+    assert len({(out / name).stat().st_mode for name in ("model.safetensors", "config.json", "README.md")}) == 1
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     merged, ids, model = exported_logits(out)
     assert type(model).__name__ == "LlamaForCausalLM"

@@ -60,13 +60,12 @@ class Evaluator:
 
     def run(self, model) -> dict:
         """Metrics under the `eval/` prefix; the sampled part only when samples > 1."""
-        greedy_correct, pass_k, majority_k, examples = [], [], [], []
+        greedy_correct, pass_k, majority_k = [], [], []
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
             ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
             roll = generate(model, self.tokenizer, ids, num_generations=1, max_new_tokens=self.max_new_tokens, greedy=True)
             greedy_correct += self._score(roll.texts, rows)
-            examples += roll.texts[:2] if start == 0 else []
             if self.samples > 1:
                 k = self.samples
                 sampled = generate(model, self.tokenizer, ids, num_generations=k, max_new_tokens=self.max_new_tokens,

@@ -168,6 +168,11 @@ def _prepare_out(out_dir: Path, run_dir: Path, overwrite: bool) -> Path:
 
 def _finish_out(tmp: Path, out_dir: Path) -> None:
     out_dir = out_dir.expanduser().resolve()
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in tmp.rglob("*"):  # some writers create 0600 temp files; the export is for others to read
+        if file.is_file():
+            file.chmod(0o666 & ~umask)
     old = None
     if out_dir.is_dir():
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"

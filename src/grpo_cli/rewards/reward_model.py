@@ -24,8 +24,6 @@ from typing import Any
 
 from grpo_cli.errors import ConfigError, ModelLoadError
 
-OPTIONS = ("model", "label", "batch_size", "standardize", "max_length", "trust_remote_code")
-
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
