@@ -19,16 +19,17 @@ TINY = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu"]
 MESSAGES = [{"role": "user", "content": "What is 3 + 5? Answer with just the number."}]
 
 
-def make_run(run_dir: Path, cfg, seed: int = 1) -> Path:
+def make_run(run_dir: Path, cfg, seed: int = 1, keep_model: bool = False):
     """A run dir as grpo-train leaves it (.hydra/config.yaml, adapter/), with an adapter whose B matrices are
-    random (a fresh adapter has B = 0 and would merge into the base unchanged)."""
+    random (a fresh adapter has B = 0 and would merge into the base unchanged); with keep_model, also the
+    peft model (base + that adapter) it was saved from."""
     lm = load_policy(cfg.model, "cpu", seed=cfg.trainer.seed)
     perturb(lm.model, seed)
     (run_dir / ".hydra").mkdir(parents=True)
     OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     (run_dir / ".hydra" / "overrides.yaml").write_text("- model=tiny\n")
     lm.model.save_pretrained(run_dir / "adapter")
-    return run_dir
+    return (run_dir, lm.model.eval()) if keep_model else run_dir
 
 
 def perturb(model, seed: int) -> None:
@@ -240,13 +241,15 @@ def test_embedded_model_export_matches_base_plus_adapter(tmp_path):
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["+recipe=quickstart", "trainer.device=cpu"])
-    run = make_run(tmp_path / "run", cfg)
+    run, base_plus_adapter = make_run(tmp_path / "run", cfg, keep_model=True)  # the GGUF is dequantised once here
     out = tmp_path / "merged"
     assert export_main([str(run), str(out), "--dtype", "fp32"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
     merged, ids, _ = exported_logits(out)
-    torch.testing.assert_close(merged, reference_logits(cfg, run / "adapter", ids), atol=1e-4, rtol=1e-5)
+    with torch.no_grad():
+        reference = base_plus_adapter(input_ids=ids).logits
+    torch.testing.assert_close(merged, reference, atol=1e-4, rtol=1e-5)
 
 
 LOAD_WITHOUT_PEFT = """
