@@ -252,6 +252,7 @@ def test_on_policy_clip_sweep_warning():
     assert sweep.on_policy_clip_sweep(_sweep_config(grid, mini_batches=4)) is None
     assert sweep.on_policy_clip_sweep(_sweep_config(grid, num_iterations=2)) is None
     assert sweep.on_policy_clip_sweep(_sweep_config([*grid, "algo.mini_batches=1,4"])) is None
+    assert sweep.on_policy_clip_sweep(_sweep_config(["+recipe=quickstart,gsm8k", "algo.clip_eps=0.1,0.3"])) is None
     assert sweep.on_policy_clip_sweep(_sweep_config(["algo.beta=0.0,0.04", "algo.clip_eps=0.1"])) is None
 
 

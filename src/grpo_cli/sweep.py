@@ -17,8 +17,8 @@ it runs under every launcher (basic, joblib, submitit_local, slurm) and every sw
   take NaN: with optuna 2.x telling NaN makes the plugin raise);
 * at the end, when any job failed, the process exits 1 with one line per failed job;
 * at the start, a sweep over `algo.clip_eps` / `algo.clip_eps_high` whose jobs are all fully on-policy
-  (`algo.mini_batches=1` and `algo.num_iterations=1`, neither swept) gets one warning line: clipping has
-  no effect there, so that axis of the sweep measures nothing.
+  (`algo.mini_batches=1` and `algo.num_iterations=1`, neither of them nor the recipe swept) gets one
+  warning line: clipping has no effect there, so that axis of the sweep measures nothing.
 
 `python -m grpo_cli.sweep DIR` rebuilds the summary of a sweep dir (e.g. after a sweep was killed).
 
@@ -170,7 +170,7 @@ def on_policy_clip_sweep(config: DictConfig) -> str | None:
     swept = set(swept_in_command([str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]))
     swept |= {_clean_key(str(k)) for k in (OmegaConf.select(config, "hydra.sweeper.params") or {})}
     clip = [k for k in CLIP_KEYS if k in swept]
-    policy_swept = {"algo.mini_batches", "algo.num_iterations"} & swept
+    policy_swept = {"algo.mini_batches", "algo.num_iterations", "recipe"} & swept  # jobs may differ: say nothing
     if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config):
         return None
     return f"{_prog()}: warning: " + on_policy_clip_warning(clip, sweep=True)

@@ -161,7 +161,7 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 class GRPOTrainer:
-    """Owns the objects a run needs; `step()` is one GRPO update, `fit()` the whole run."""
+    """Owns the objects a run needs; `step()` is one GRPO step (its optimizer updates), `fit()` the whole run."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, lm: LoadedModel | None = None, rows: list[dict] | None = None):
         self.cfg, self.run_dir = cfg, run_dir
