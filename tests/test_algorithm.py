@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpo_cli.algorithm import (
+    LOSS_TYPES,
     group_advantages,
     group_std_mean,
     kl_k3,
@@ -14,8 +15,6 @@ from grpo_cli.algorithm import (
     token_logprobs_and_entropy,
     zero_std_group_fraction,
 )
-
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -276,9 +275,10 @@ def test_kl_value():
 def _ref_loss(
     logp, old, ref, adv, mask, beta, eps_low, eps_high, loss_type, ratio_level, mnt=None, total=None
 ):
-    """Section 3-4 written with Python lists and math.*; returns (loss, kl, clip_fraction, ratio_mean)."""
+    """Section 3-4 written with Python lists and math.*; returns (loss, kl, clip_fraction, ratio_mean,
+    clip_fraction/low, clip_fraction/high)."""
     rows = []
-    kl_sum = clip_n = ratio_sum = 0.0
+    kl_sum = clip_n = ratio_sum = low_n = high_n = 0.0
     n_all = 0
     for i in range(len(logp)):
         idx = [t for t in range(len(logp[i])) if mask[i][t] == 1]
@@ -297,6 +297,8 @@ def _ref_loss(
             kl_sum += kl
             ratio_sum += r
             clip_n += (r < 1 - eps_low and a < 0) or (r > 1 + eps_high and a > 0)
+            low_n += r < 1 - eps_low and a < 0
+            high_n += r > 1 + eps_high and a > 0
         n_all += len(idx)
         rows.append(ls)
     tot = sum(sum(ls) for ls in rows)
@@ -309,7 +311,7 @@ def _ref_loss(
     else:
         loss = tot / (len(rows) * mnt)
     n = max(1, n_all)
-    return loss, kl_sum / n, clip_n / n, ratio_sum / n
+    return loss, kl_sum / n, clip_n / n, ratio_sum / n, low_n / n, high_n / n
 
 
 def _batch(b=4, t=6, seed=20, spread=0.4):
@@ -343,6 +345,7 @@ def test_loss_types_trivial_hand_numbers():
         assert loss.item() == pytest.approx(w, abs=1e-6), lt
         assert stats["num_tokens"].item() == 5.0
         assert stats["kl"].item() == 0.0 and stats["clip_fraction"].item() == 0.0
+        assert stats["clip_fraction/low"].item() == stats["clip_fraction/high"].item() == 0.0
         assert stats["ratio_mean"].item() == pytest.approx(1.0)
     loss, _ = policy_loss(logp, None, None, adv, mask, beta=0.0, eps_low=0.2, loss_type="dapo")
     assert loss.item() == pytest.approx(-0.2, abs=1e-6)
@@ -362,6 +365,8 @@ def test_loss_matches_reference(loss_type, ratio_level, beta):
     assert stats["kl"].item() == pytest.approx(want[1], abs=1e-5)
     assert stats["clip_fraction"].item() == pytest.approx(want[2], abs=1e-6)
     assert stats["ratio_mean"].item() == pytest.approx(want[3], abs=1e-5)
+    assert stats["clip_fraction/low"].item() == pytest.approx(want[4], abs=1e-6)
+    assert stats["clip_fraction/high"].item() == pytest.approx(want[5], abs=1e-6)
     assert stats["num_tokens"].item() == mask.sum().item()
     assert 0 < want[2] < 1  # the batch really exercises clipping
     assert all(not v.requires_grad and v.dim() == 0 for v in stats.values())
@@ -376,13 +381,17 @@ def test_clip_fraction_hand_made_ratios():
     # A>0 row: only 1.3 (> 1.2) is clipped; A<0 row: only 0.5 (< 0.8) is clipped -> 2/8
     _, s = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.2)
     assert s["clip_fraction"].item() == pytest.approx(0.25)
+    assert s["clip_fraction/low"].item() == pytest.approx(0.125)   # the A<0 row's 0.5
+    assert s["clip_fraction/high"].item() == pytest.approx(0.125)  # the A>0 row's 1.3
     assert s["ratio_mean"].item() == pytest.approx(ratios.mean().item(), abs=1e-6)
     # eps_high = 0.35: 1.3 no longer clipped on the high side -> 1/8
     _, s = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.2, eps_high=0.35)
     assert s["clip_fraction"].item() == pytest.approx(0.125)
+    assert (s["clip_fraction/low"].item(), s["clip_fraction/high"].item()) == pytest.approx((0.125, 0.0))
     # eps_low = 0.6: 0.5 no longer clipped on the low side -> 1/8
     _, s = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.6, eps_high=0.2)
     assert s["clip_fraction"].item() == pytest.approx(0.125)
+    assert (s["clip_fraction/low"].item(), s["clip_fraction/high"].item()) == pytest.approx((0.0, 0.125))
     # masking the clipped A<0 token: 1 of 7 real tokens
     mask[1, 0] = 0
     _, s = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.2)
@@ -653,3 +662,53 @@ def test_beta_zero_allows_missing_ref():
     args.update(beta=0.0, ref_logp=None)
     loss, stats = policy_loss(**args)
     assert torch.isfinite(loss) and stats["kl"].item() == 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss-type registry
+# --------------------------------------------------------------------------------------------------
+
+
+def test_accumulation_weights_follow_the_registry():
+    from grpo_cli.algorithm import accumulation_weight
+
+    counts = dict(rows=3, rows_total=12, micro_batches_total=4)
+    assert accumulation_weight("grpo", **counts) == accumulation_weight("dr_grpo", **counts) == 0.25
+    assert accumulation_weight("bnpo", **counts) == 0.25  # 1 / micro-batches, whatever the rows
+    assert accumulation_weight("bnpo", rows=1, rows_total=12, micro_batches_total=4) == 0.25
+    assert accumulation_weight("dapo", **counts) == 1.0
+    assert {t.accumulate for t in LOSS_TYPES.values()} == {"rows", "micro_batches", "sum"}
+
+
+def test_a_new_loss_type_is_one_function_and_one_entry(compose):
+    """Registering a type is all it takes: policy_loss, the accumulation weight and config validation see it."""
+    from grpo_cli.algorithm import accumulation_weight, register_loss_type
+    from grpo_cli.config import validate
+
+    @register_loss_type("seq_sum_mean", formula="mean_i( sum_t m*l )", accumulate="rows", note="test only")
+    def seq_sum_mean(per_token, m, **_):
+        return per_token.sum(dim=-1).mean()
+
+    try:
+        logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.1, -0.2]])
+        mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+        loss, _ = policy_loss(logp, None, None, torch.tensor([2.0, -1.0]), mask, beta=0.0, eps_low=0.2,
+                              loss_type="seq_sum_mean")
+        assert loss.item() == pytest.approx((-4 + 3) / 2)
+        assert accumulation_weight("seq_sum_mean", rows=1, rows_total=4, micro_batches_total=2) == 0.25
+        validate(compose(["+recipe=quickstart", "algo.loss_type=seq_sum_mean"]))
+        with pytest.raises(ValueError, match="registered twice"):
+            register_loss_type("seq_sum_mean", formula="x", accumulate="rows")(seq_sum_mean)
+    finally:
+        del LOSS_TYPES["seq_sum_mean"]
+
+
+def test_readme_loss_table_is_the_registry():
+    from pathlib import Path
+
+    from grpo_cli.algorithm import loss_types_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert loss_types_table() in readme, (
+        "README's loss-type table is out of date; paste the output of "
+        "python -c 'from grpo_cli.algorithm import loss_types_table; print(loss_types_table())'")

@@ -8,7 +8,8 @@ import pytest
 from conftest import read_jsonl, run_cli
 
 METRIC_KEYS = {
-    "step", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_fraction", "loss", "grad_norm",
+    "step", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_fraction", "clip_fraction/low",
+    "clip_fraction/high", "loss", "grad_norm",
     "entropy", "completion_len", "truncated_frac", "lr", "step_time_s", "gen_tokens_per_s",
 }
 TINY = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6"]
@@ -53,6 +54,8 @@ def test_issue_acceptance_command_outside_repo(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "outputs").glob("*/*/metrics.jsonl"))
     assert len(runs) == 1 and len(read_jsonl(runs[0])) == 2
+    # the command sets algo.clip_eps on a fully on-policy run: one line says that it cannot act
+    assert proc.stdout.count("algo.clip_eps has no effect here") == 1, proc.stdout[-3000:]
 
 
 def test_user_recipe_in_working_directory(tmp_path):

@@ -44,6 +44,8 @@ def test_recipe_overrides_its_groups(compose):
     ("algo.loss_type=ppo", "algo.loss_type"),
     ("rollout.top_p=0", "rollout.top_p"),
     ("trainer.micro_batch_size=5", "trainer.micro_batch_size"),
+    ("algo.mini_batches=3", "algo.mini_batches"),
+    ("algo.mini_batches=0", "algo.mini_batches"),
     ("+reward.functions.bad._target_=nowhere.fn", "reward.functions.bad._target_"),
     ("trainer.logprob_chunk_size=0", "trainer.logprob_chunk_size"),
     ("trainer.logprob_chunk_size=1.5", "trainer.logprob_chunk_size"),
@@ -115,3 +117,34 @@ def test_gsm8k_system_prompt_lives_beside_its_reward(compose):
         assert compose([f"data={data}"]).data.system_prompt == SYSTEM_PROMPT
     for file in (CONF_DIR / "data").glob("*.yaml"):
         assert "careful math tutor" not in file.read_text(), file  # written once, in rewards/gsm8k.py
+@pytest.mark.parametrize("overrides,key,words", [
+    # quickstart: 4 prompts x 8 completions
+    (["algo.mini_batches=2", "trainer.micro_batch_size=3"], "trainer.micro_batch_size", ["= 16"]),
+    (["algo.mini_batches=4", "trainer.nproc=2"], "algo.mini_batches", ["2 prompts of each of 2 ranks"]),
+])
+def test_mini_batches_need_whole_groups_per_rank(compose, overrides, key, words):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["+recipe=quickstart", *overrides]))
+    assert str(err.value).startswith(key + "=") and all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algo.mini_batches=4"],                                  # one group (8 completions) per mini-batch
+    ["algo.mini_batches=2", "trainer.micro_batch_size=8"],    # 16 completions in two micro-batches
+    ["algo.mini_batches=2", "trainer.micro_batch_size=32"],   # at least a mini-batch: one micro-batch
+    ["algo.mini_batches=2", "trainer.nproc=2"],
+])
+def test_mini_batch_layouts_that_validate(compose, overrides):
+    validate(compose(["+recipe=quickstart", *overrides]))
+
+
+def test_clip_eps_on_the_command_line_of_an_on_policy_run_warns():
+    from grpo_cli.config import explicit_clip_warning
+
+    on_policy = OmegaConf.create({"algo": {"mini_batches": 1, "num_iterations": 1}})
+    line = explicit_clip_warning(on_policy, ["+recipe=quickstart", "algo.clip_eps=0.1"])
+    assert line and line.startswith("algo.clip_eps has no effect") and "algo.mini_batches > 1" in line
+    assert "algo.clip_eps_high" in explicit_clip_warning(on_policy, ["algo.clip_eps_high=0.3"])
+    assert explicit_clip_warning(on_policy, ["+recipe=quickstart", "algo.beta=0.1"]) is None  # the recipe's own
+    for off_policy in ({"mini_batches": 4, "num_iterations": 1}, {"mini_batches": 1, "num_iterations": 2}):
+        assert explicit_clip_warning(OmegaConf.create({"algo": off_policy}), ["algo.clip_eps=0.1"]) is None

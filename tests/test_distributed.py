@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import REPO, read_jsonl
 
+from grpo_cli import algorithm
+
 pytestmark = pytest.mark.slow  # every test here runs torchrun training jobs
 
 
@@ -46,56 +48,102 @@ WORKER = textwrap.dedent('''
     from grpo_cli.trainer import Batch, GRPOTrainer
     from grpo_cli.rollout import Rollout
 
-    out, overrides = sys.argv[1], json.loads(sys.argv[2])
+    out, cases = sys.argv[1], json.loads(sys.argv[2])
     register_recipes()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    trainer = GRPOTrainer(cfg, os.path.dirname(out))
-    full = torch.load(sys.argv[3], weights_only=False)
-    rank, world = trainer.dist.rank, trainer.dist.world_size
-    G, P = full.rollout.group_size, full.rollout.prompt_ids.shape[0]
-    p = slice(rank * P // world, (rank + 1) * P // world)
-    r = slice(p.start * G, p.stop * G)
-    roll = full.rollout
-    part = Batch(Rollout(roll.prompt_ids[p], roll.prompt_mask[p], roll.completion_ids[r], roll.completion_mask[r],
-                         roll.truncated[r], roll.texts[r], G), full.prompts[r], full.rewards[r], {},
-                 full.advantages[r], full.mask[r])
-    trainer.update(0, part)
-    torch.save(torch.cat([q.grad.flatten() for q in trainer.params]), f"{out}.rank{rank}")
+    for name, overrides in cases.items():
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=overrides)
+        trainer = GRPOTrainer(cfg, os.path.dirname(out))
+        full = torch.load(f"{out}.{name}.batch.pt", weights_only=False)
+        rank, world = trainer.dist.rank, trainer.dist.world_size
+        G, P = full.rollout.group_size, full.rollout.prompt_ids.shape[0]
+        p = slice(rank * P // world, (rank + 1) * P // world)
+        r = slice(p.start * G, p.stop * G)
+        roll = full.rollout
+        part = Batch(Rollout(roll.prompt_ids[p], roll.prompt_mask[p], roll.completion_ids[r], roll.completion_mask[r],
+                             roll.truncated[r], roll.texts[r], G), full.prompts[r], full.rewards[r], {},
+                     full.advantages[r], full.mask[r])
+        stats = trainer.update(0, part)
+        torch.save({"grads": torch.cat([q.grad.flatten() for q in trainer.params]),
+                    "params": torch.cat([q.detach().flatten() for q in trainer.params]),
+                    "clip_fraction": stats.clip_fraction, "loss": stats.loss}, f"{out}.{name}.rank{rank}")
 ''')
 
+BASE = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "algo.beta=0.04", "trainer.micro_batch_size=4",
+        "rollout.max_new_tokens=6"]
+# one update of the step's gradient (lr ~ 0: compare gradients) for every loss type, and k = 2 mini-batches
+# (two optimizer updates, the second off-policy: compare the trained parameters too)
+CASES = {
+    **{f"{lt}-1": [*BASE, f"algo.loss_type={lt}", "optimizer.lr=1e-30", "data.prompts_per_step=2"]
+       for lt in algorithm.LOSS_TYPES},
+    **{f"{lt}-2": [*BASE, f"algo.loss_type={lt}", "optimizer.lr=1e-2", "data.prompts_per_step=4", "algo.mini_batches=2",
+                   "algo.clip_eps=0.05"]
+       for lt in algorithm.LOSS_TYPES},
+}
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
-def test_two_ranks_one_prompt_equal_one_rank_two_prompts(tmp_path, loss_type):
+
+def single_rank_batch_and_update(name: str, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from grpo_cli import algorithm
     from grpo_cli.config import CONF_DIR, register_recipes
     from grpo_cli.trainer import GRPOTrainer
 
-    overrides = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", f"algo.loss_type={loss_type}",
-                 "algo.beta=0.04", "optimizer.lr=1e-30", "data.prompts_per_step=2", "trainer.micro_batch_size=4",
-                 "rollout.max_new_tokens=6"]
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+        cfg = compose("config", overrides=CASES[name])
     single = GRPOTrainer(cfg, tmp_path)
     batch = single.rollout(0)
     n, G = batch.rewards.numel(), cfg.algo.num_generations
     batch.rewards = (torch.arange(n) % 3).float()
     batch.advantages = algorithm.group_advantages(batch.rewards, G)
     batch.mask[0, -2:] = 0  # uneven token counts across ranks
-    torch.save(batch, tmp_path / "batch.pt")
-    single.update(0, batch)
-    expected = torch.cat([q.grad.flatten() for q in single.params])
+    torch.save(batch, tmp_path / f"grads.{name}.batch.pt")
+    before = torch.cat([q.detach().flatten() for q in single.params])
+    stats = single.update(0, batch)
+    return {"before": before, "grads": torch.cat([q.grad.flatten() for q in single.params]),
+            "params": torch.cat([q.detach().flatten() for q in single.params]),
+            "clip_fraction": stats.clip_fraction, "loss": stats.loss}
 
+
+@pytest.fixture(scope="module")
+def two_ranks_and_one(tmp_path_factory):
+    """Every case on one rank (in this process) and on two ranks (one torchrun for all of them)."""
+    tmp_path = tmp_path_factory.mktemp("dist")
+    single = {name: single_rank_batch_and_update(name, tmp_path) for name in CASES}
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "grads"
-    proc = subprocess.run([*torchrun(), str(tmp_path / "worker.py"), str(out), json.dumps(overrides),
-                           str(tmp_path / "batch.pt")],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*torchrun(), str(tmp_path / "worker.py"), str(out), json.dumps(CASES)],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rank0, rank1 = torch.load(f"{out}.rank0"), torch.load(f"{out}.rank1")
-    assert torch.equal(rank0, rank1)
+    ranks = {name: [torch.load(f"{out}.{name}.rank{r}") for r in (0, 1)] for name in CASES}
+    return single, ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CASES if n.endswith("-1")])
+def test_two_ranks_one_prompt_equal_one_rank_two_prompts(two_ranks_and_one, name):
+    single, ranks = two_ranks_and_one
+    rank0, rank1 = ranks[name]
+    expected = single[name]["grads"]
+    assert torch.equal(rank0["grads"], rank1["grads"])
     assert expected.abs().max() > 0
-    torch.testing.assert_close(rank0, expected, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(rank0["grads"], expected, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CASES if n.endswith("-2")])
+def test_two_mini_batches_over_two_ranks_equal_two_on_one_rank(two_ranks_and_one, name):
+    """P=4: each rank holds 2 groups, one per mini-batch; the single rank's mini-batches are groups {0, 2}
+    and {1, 3}: the same two optimizer updates, the second one off-policy (clip eps 0.05 clips)."""
+    single, ranks = two_ranks_and_one
+    rank0, rank1 = ranks[name]
+    assert torch.equal(rank0["params"], rank1["params"])
+    assert single[name]["clip_fraction"] > 0
+    assert rank0["clip_fraction"] == pytest.approx(single[name]["clip_fraction"])
+    assert rank0["loss"] == pytest.approx(single[name]["loss"], rel=1e-4, abs=1e-7)
+    torch.testing.assert_close(rank0["grads"], single[name]["grads"], rtol=1e-4, atol=1e-7)
+    # AdamW moves each parameter by about lr = 1e-2 per update, and normalises away the size of a near-zero
+    # gradient element (where float rounding of the rank sum shows); 1e-4 is 1 % of one update
+    moved = (single[name]["params"] - single[name]["before"]).abs()
+    assert moved.max() > 1e-2 and moved.median() > 1e-3
+    torch.testing.assert_close(rank0["params"], single[name]["params"], rtol=1e-4, atol=1e-4)

@@ -44,7 +44,14 @@ def grid(tmp_path_factory) -> Path:
     proc = run_cli(["-m", *TINY, "algo.beta=0.0,0.04", "algo.clip_eps=0.1,0.2", f"hydra.sweep.dir={sweep_dir}"],
                    cwd, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (cwd / "stderr.txt").write_text(proc.stderr)
     return sweep_dir
+
+
+def test_grid_over_clip_eps_on_policy_warns_once(grid):
+    lines = [line for line in (grid.parent / "stderr.txt").read_text().splitlines() if "warning" in line]
+    assert lines == [lines[0]] and lines[0].startswith("grpo-train: warning: sweeping algo.clip_eps measures nothing")
+    assert "algo.mini_batches > 1" in lines[0]
 
 
 @pytest.mark.slow
@@ -88,6 +95,9 @@ def test_grid_summary_csv_and_json(grid):
         assert js["best_reward"] == pytest.approx(max(m["reward"] for m in metrics))
         assert js["final_kl"] == pytest.approx(metrics[-1]["kl"])
         assert js["final_clip_fraction"] == pytest.approx(metrics[-1]["clip_fraction"])
+        for side in ("low", "high"):
+            assert js[f"final_clip_fraction/{side}"] == pytest.approx(metrics[-1][f"clip_fraction/{side}"])
+            assert float(row[f"final_clip_fraction/{side}"]) == js[f"final_clip_fraction/{side}"]
         assert js["eval_accuracy"] is None and row["eval_accuracy"] == ""
         assert js["steps"] == 2 and row["steps"] == "2"
         assert js["status"] == row["status"] == "ok" and js["error"] == row["error"] == ""
@@ -226,6 +236,25 @@ def test_callback_leaves_other_sweepers_failures_alone(tmp_path):
     cb.on_job_end(cfg, failed)
     assert failed.status == JobStatus.FAILED  # Optuna marks the trial FAIL itself (NaN would crash it)
     assert (job_dir / "error.txt").read_text().startswith("ValueError: boom")
+
+
+def _sweep_config(task: list[str], params: dict | None = None, mini_batches: int = 1, num_iterations: int = 1):
+    return OmegaConf.create({"hydra": {"overrides": {"task": task}, "sweeper": {"params": params}},
+                             "algo": {"mini_batches": mini_batches, "num_iterations": num_iterations}})
+
+
+def test_on_policy_clip_sweep_warning():
+    grid = ["+recipe=quickstart", "algo.beta=0.0,0.04", "algo.clip_eps=0.1,0.3"]
+    line = sweep.on_policy_clip_sweep(_sweep_config(grid))
+    assert line and "sweeping algo.clip_eps measures nothing" in line and "algo.num_iterations > 1" in line
+    assert "algo.clip_eps_high" in sweep.on_policy_clip_sweep(_sweep_config(["algo.clip_eps_high=0.2,0.28"]))
+    assert sweep.on_policy_clip_sweep(_sweep_config([], params={"algo.clip_eps": "interval(0.05, 0.3)"}))  # Optuna
+    # clipping can act, or the user compares on- and off-policy on purpose, or clip eps is not swept: no warning
+    assert sweep.on_policy_clip_sweep(_sweep_config(grid, mini_batches=4)) is None
+    assert sweep.on_policy_clip_sweep(_sweep_config(grid, num_iterations=2)) is None
+    assert sweep.on_policy_clip_sweep(_sweep_config([*grid, "algo.mini_batches=1,4"])) is None
+    assert sweep.on_policy_clip_sweep(_sweep_config(["+recipe=quickstart,gsm8k", "algo.clip_eps=0.1,0.3"])) is None
+    assert sweep.on_policy_clip_sweep(_sweep_config(["algo.beta=0.0,0.04", "algo.clip_eps=0.1"])) is None
 
 
 # ---- presets -------------------------------------------------------------------------------------

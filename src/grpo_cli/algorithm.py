@@ -1,20 +1,30 @@
 """GRPO algorithm core: pure torch, one function per formula.
 
-Implements sections 1-5 of ``shared/reference/grpo-algorithm.md``. Shapes: ``N = P*G`` completions
-(rows ``g*G .. g*G+G-1`` share prompt ``g``), ``B`` rows in one (micro-)batch, ``T`` completion positions,
-``V`` vocabulary size. ``m`` is the completion mask (1 on real tokens, 0 on padding).
+Implements sections 1-5 of the project's algorithm contract (``grpo-algorithm.md``). Shapes: ``N = P*G``
+completions (rows ``g*G .. g*G+G-1`` share prompt ``g``), ``B`` rows in one (micro-)batch, ``T``
+completion positions, ``V`` vocabulary size. ``m`` is the completion mask (1 on real tokens, 0 on padding).
 
-Gradient accumulation over ``K`` micro-batches (the step's gradient equals the full-batch gradient):
+The loss types (``algo.loss_type``) live in one registry, :data:`LOSS_TYPES`: one function per type,
+registered with :func:`register_loss_type` together with how its micro-batch losses add up. Config
+validation, the trainer's accumulation weights (:func:`accumulation_weight`) and the README table
+(:func:`loss_types_table`) all read it; adding a type is one function and its decorator.
 
-* ``grpo``:    multiply each micro-batch loss by ``rows_in_micro / rows_in_step`` (``1/K`` for equal rows).
-* ``bnpo``:    token mean per micro-batch; ``1/K`` is exact only when every micro-batch holds the same
-  number of real tokens (otherwise multiply by ``tokens_in_micro / tokens_in_step``, i.e. use ``dapo``).
-* ``dapo``:    pass ``total_tokens`` = real tokens in the whole step (all micro-batches and ranks);
-  do not divide.
-* ``dr_grpo``: multiply by ``rows_in_micro / rows_in_step`` (``1/K`` for equal rows).
+Gradient accumulation. One optimizer update covers one mini-batch (the whole step's batch when
+``algo.mini_batches=1``), cut into ``K`` micro-batches, possibly over several ranks. Each micro-batch loss
+is multiplied by :func:`accumulation_weight` before backward, so that the summed gradient is the gradient
+of the type's loss over the update's batch:
+
+* ``grpo``, ``dr_grpo`` (means over rows): ``rows_in_micro / rows_in_update``.
+* ``bnpo`` (token mean over each micro-batch, per the contract): ``1 / K``, the mean of the micro-batch
+  losses. With one micro-batch on one rank it equals ``dapo``; with several it weighs each micro-batch
+  equally whatever its token count, and differs from ``dapo``.
+* ``dapo``: ``policy_loss`` gets ``total_tokens`` = real tokens in the whole update (all micro-batches and
+  ranks) and the weight is 1.
 """
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -27,14 +37,17 @@ __all__ = [
     "token_logprobs_and_entropy",
     "kl_k3",
     "policy_loss",
+    "LOSS_TYPES",
+    "register_loss_type",
+    "accumulation_weight",
+    "loss_types_table",
 ]
 
 Scale = Literal["group", "batch", "none"]
-LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 RatioLevel = Literal["token", "sequence"]
+Accumulate = Literal["rows", "micro_batches", "sum"]
 
 _SCALES = ("group", "batch", "none")
-_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 _RATIO_LEVELS = ("token", "sequence")
 # Stand-in for log(0) in entropy terms so that p*log(p) = 0 (not NaN) where a logit is -inf.
 _NEG_BIG = torch.finfo(torch.float32).min
@@ -274,6 +287,97 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return (torch.expm1(d) - d).clamp_min(0.0)
 
 
+# 4. Aggregation: the loss-type registry. Each function gets the per-token losses ``l [B, T]`` (already 0
+# on padding), the float mask ``m [B, T]`` and the keyword context of ``policy_loss``, and returns the
+# loss of one micro-batch.
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One ``algo.loss_type``: its aggregation, its formula (for the docs) and how micro-batches add up."""
+
+    name: str
+    aggregate: Callable[..., torch.Tensor]
+    formula: str
+    accumulate: Accumulate   # rows | micro_batches | sum: see accumulation_weight
+    requires: tuple[str, ...] = ()  # policy_loss keywords that must not be None
+    note: str = ""
+
+
+LOSS_TYPES: dict[str, LossType] = {}
+
+_ACCUMULATE_DOC = {
+    "rows": "weighted by rows: `rows_in_micro / rows_in_update`",
+    "micro_batches": "mean of the micro-batch losses: `1 / micro_batches_in_update`",
+    "sum": "summed (the normaliser is already the whole update's token count)",
+}
+
+
+def register_loss_type(name: str, *, formula: str, accumulate: Accumulate, requires: tuple[str, ...] = (),
+                       note: str = "") -> Callable:
+    """Decorator: register ``fn(l, m, *, max_new_tokens, total_tokens) -> loss`` as ``algo.loss_type=name``."""
+    if accumulate not in _ACCUMULATE_DOC:
+        raise ValueError(f"accumulate must be one of {tuple(_ACCUMULATE_DOC)}, got accumulate={accumulate!r}")
+
+    def register(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        if name in LOSS_TYPES:
+            raise ValueError(f"loss type {name!r} is registered twice")
+        LOSS_TYPES[name] = LossType(name, fn, formula, accumulate, tuple(requires), note)
+        return fn
+
+    return register
+
+
+@register_loss_type("grpo", formula="mean_i( sum_t m*l / max(1, sum_t m) )", accumulate="rows",
+                    note="default: per-sequence mean, then mean over sequences")
+def grpo_loss(per_token: torch.Tensor, m: torch.Tensor, **_) -> torch.Tensor:
+    return (per_token.sum(dim=-1) / m.sum(dim=-1).clamp_min(1.0)).mean()
+
+
+@register_loss_type("bnpo", formula="sum_{i,t} m*l / max(1, sum_{i,t} m)", accumulate="micro_batches",
+                    note="token mean over each micro-batch: equals dapo only when an update is one micro-batch "
+                         "on one rank")
+def bnpo_loss(per_token: torch.Tensor, m: torch.Tensor, **_) -> torch.Tensor:
+    return per_token.sum() / m.sum().clamp_min(1.0)
+
+
+@register_loss_type("dapo", formula="sum_{i,t} m*l / max(1, tokens of the whole update)", accumulate="sum",
+                    note="token mean over the whole update, across micro-batches and ranks")
+def dapo_loss(per_token: torch.Tensor, m: torch.Tensor, *, total_tokens: float | None = None, **_) -> torch.Tensor:
+    denom = m.sum().clamp_min(1.0) if total_tokens is None else max(1.0, float(total_tokens))
+    return per_token.sum() / denom
+
+
+@register_loss_type("dr_grpo", formula="sum_{i,t} m*l / (B * max_new_tokens)", accumulate="rows",
+                    requires=("max_new_tokens",), note="constant normaliser, no length bias (Dr. GRPO)")
+def dr_grpo_loss(per_token: torch.Tensor, m: torch.Tensor, *, max_new_tokens: int, **_) -> torch.Tensor:
+    return per_token.sum() / float(per_token.shape[0] * max_new_tokens)
+
+
+def accumulation_weight(loss_type: str, *, rows: int, rows_total: float, micro_batches_total: float) -> float:
+    """What a micro-batch loss is multiplied by before backward, so that the gradients summed over the
+    micro-batches (and ranks) of one update equal the gradient of ``loss_type``'s loss over the update.
+
+    ``rows`` = rows in this micro-batch; ``rows_total`` / ``micro_batches_total`` = rows / micro-batches of the
+    whole update, over all ranks.
+    """
+    mode = LOSS_TYPES[loss_type].accumulate
+    if mode == "rows":
+        return rows / max(1.0, float(rows_total))
+    if mode == "micro_batches":
+        return 1.0 / max(1.0, float(micro_batches_total))
+    return 1.0
+
+
+def loss_types_table() -> str:
+    """The README's table of loss types, written from the registry."""
+    lines = ["| `algo.loss_type` | loss of one micro-batch | micro-batch losses of one update are | note |",
+             "|---|---|---|---|"]
+    for t in LOSS_TYPES.values():
+        lines.append(f"| `{t.name}` | `{t.formula}` | {_ACCUMULATE_DOC[t.accumulate]} | {t.note} |")
+    return "\n".join(lines)
+
+
 def _check_policy_args(
     logp: torch.Tensor,
     old_logp: torch.Tensor | None,
@@ -306,16 +410,18 @@ def _check_policy_args(
         raise ValueError(f"eps_low must be in (0, 1), got eps_low={eps_low!r}")
     if not (isinstance(eps_high, (int, float)) and 0 < eps_high < 1):
         raise ValueError(f"eps_high must be in (0, 1), got eps_high={eps_high!r}")
-    if loss_type not in _LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {_LOSS_TYPES}, got loss_type={loss_type!r}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got loss_type={loss_type!r}")
     if ratio_level not in _RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {_RATIO_LEVELS}, got ratio_level={ratio_level!r}")
     if max_new_tokens is not None and (
         isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
     ):
         raise ValueError(f"max_new_tokens must be None or an int >= 1, got max_new_tokens={max_new_tokens!r}")
-    if loss_type == "dr_grpo" and max_new_tokens is None:
-        raise ValueError("loss_type='dr_grpo' requires max_new_tokens, got max_new_tokens=None")
+    given = {"max_new_tokens": max_new_tokens, "total_tokens": total_tokens}
+    for key in LOSS_TYPES[loss_type].requires:
+        if given[key] is None:
+            raise ValueError(f"loss_type={loss_type!r} requires {key}, got {key}=None")
     if total_tokens is not None and not (
         isinstance(total_tokens, (int, float)) and not isinstance(total_tokens, bool) and total_tokens >= 0
     ):
@@ -332,7 +438,7 @@ def policy_loss(
     beta: float,
     eps_low: float,
     eps_high: float | None = None,
-    loss_type: LossType = "grpo",
+    loss_type: str = "grpo",
     ratio_level: RatioLevel = "token",
     max_new_tokens: int | None = None,
     total_tokens: int | float | None = None,
@@ -350,15 +456,19 @@ def policy_loss(
         surr_{i,t}  = min(ratio*A_i, clip(ratio, 1-eps_low, 1+eps_high)*A_i)
         l_{i,t}     = -surr_{i,t} + beta * kl_k3(logp, ref)_{i,t}
 
+    then aggregated by ``LOSS_TYPES[loss_type]`` (``dapo`` divides by ``total_tokens`` when given, else by
+    this batch's tokens; ``dr_grpo`` needs ``max_new_tokens``)::
+
         grpo:    mean_i( sum_t m*l / max(1, sum_t m) )
         bnpo:    sum_{i,t} m*l / max(1, sum_{i,t} m)
         dapo:    sum_{i,t} m*l / max(1, total_tokens if given else sum_{i,t} m)
         dr_grpo: sum_{i,t} m*l / (B * max_new_tokens)
 
-    Stats (0-dim float32, detached): ``kl`` = m-weighted mean of k3 (0 when ``ref_logp`` is None),
-    ``clip_fraction`` = m-weighted share of ``(ratio < 1-eps_low and A < 0) or (ratio > 1+eps_high and
-    A > 0)``, ``ratio_mean`` = m-weighted mean of ratio, ``num_tokens`` = sum m (to token-weight stats
-    across micro-batches). See the module docstring for gradient accumulation.
+    Stats (0-dim float32, detached): ``kl`` = m-weighted mean of k3 (0 when ``ref_logp`` is None);
+    ``clip_fraction/low`` = m-weighted share of ``ratio < 1-eps_low and A < 0``, ``clip_fraction/high`` of
+    ``ratio > 1+eps_high and A > 0``, ``clip_fraction`` of either (their sum: the two never overlap);
+    ``ratio_mean`` = m-weighted mean of ratio; ``num_tokens`` = sum m (to token-weight stats across
+    micro-batches). See the module docstring for gradient accumulation.
     """
     if eps_high is None:
         eps_high = eps_low
@@ -391,24 +501,18 @@ def policy_loss(
         kl_stat = zero.clone()
     per_token = torch.where(real, per_token, zero)
 
-    if loss_type == "grpo":
-        loss = (per_token.sum(dim=-1) / n_row.clamp_min(1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = per_token.sum() / n_tok.clamp_min(1.0)
-    elif loss_type == "dapo":
-        denom = n_tok.clamp_min(1.0) if total_tokens is None else max(1.0, float(total_tokens))
-        loss = per_token.sum() / denom
-    else:  # dr_grpo
-        assert max_new_tokens is not None
-        loss = per_token.sum() / float(lp.shape[0] * max_new_tokens)
+    loss = LOSS_TYPES[loss_type].aggregate(per_token, m, max_new_tokens=max_new_tokens, total_tokens=total_tokens)
 
     with torch.no_grad():
         r = ratio.detach()
-        clipped = ((r < 1.0 - eps_low) & (adv < 0)) | ((r > 1.0 + eps_high) & (adv > 0))
+        clipped_low = (r < 1.0 - eps_low) & (adv < 0) & real
+        clipped_high = (r > 1.0 + eps_high) & (adv > 0) & real
         denom_tok = n_tok.clamp_min(1.0)
         stats = {
             "kl": kl_stat,
-            "clip_fraction": (clipped & real).float().sum() / denom_tok,
+            "clip_fraction": (clipped_low | clipped_high).float().sum() / denom_tok,
+            "clip_fraction/low": clipped_low.float().sum() / denom_tok,
+            "clip_fraction/high": clipped_high.float().sum() / denom_tok,
             "ratio_mean": torch.where(real, r, zero).sum() / denom_tok,
             "num_tokens": n_tok.detach().clone(),
         }

@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from grpo_cli.config import CONF_DIR, available_recipes, register_recipes, validate
+from grpo_cli.config import CONF_DIR, available_recipes, explicit_clip_warning, register_recipes, validate
 from grpo_cli.errors import Interrupted, RunError, UserError
 
 EXIT_BAD_INPUT = UserError.exit_code
@@ -85,6 +85,9 @@ def _train_task(cfg) -> float:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         warnings = validate(cfg)
+        if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
+            clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
+            warnings += [clip] if clip else []
         _quiet_libraries()  # heavy imports only after the config is known good
         from grpo_cli.trainer import GRPOTrainer
 

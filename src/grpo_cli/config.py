@@ -14,7 +14,6 @@ CONF_DIR = PACKAGE_DIR / "conf"
 RECIPES_DIR = PACKAGE_DIR / "recipes"
 
 SCALE_REWARDS = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 RATIO_LEVELS = ("token", "sequence")
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -108,7 +107,9 @@ def validate(cfg: DictConfig) -> list[str]:
     if cfg.algo.adv_eps >= 1e-2:
         warnings.append(f"algo.adv_eps={cfg.algo.adv_eps} is near the reward scale and shrinks the advantages; 1e-4 is usual")
     _check_choice(cfg, "algo.scale_rewards", SCALE_REWARDS)
-    _check_choice(cfg, "algo.loss_type", LOSS_TYPES)
+    from grpo_cli.algorithm import LOSS_TYPES  # the registry (imports torch)
+
+    _check_choice(cfg, "algo.loss_type", tuple(LOSS_TYPES))
     _check_choice(cfg, "algo.ratio_level", RATIO_LEVELS)
     r(cfg, "algo.num_iterations", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
     r(cfg, "rollout.max_new_tokens", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
@@ -123,11 +124,7 @@ def validate(cfg: DictConfig) -> list[str]:
         value = OmegaConf.select(cfg, key)
         if value and not Path(value).expanduser().is_file():
             _fail(key, value, "no such file; give the path of an existing .jsonl file")
-    completions = cfg.data.prompts_per_step * cfg.algo.num_generations
-    mbs = cfg.trainer.get("micro_batch_size")
-    if mbs is not None:
-        r(cfg, "trainer.micro_batch_size", lambda v: int(v) == v and v >= 1 and completions % v == 0,
-          f"must divide the step's completions (data.prompts_per_step x algo.num_generations = {completions})")
+    check_mini_batches(cfg, world_size=cfg.trainer.nproc if isinstance(cfg.trainer.get("nproc"), int) else 1)
     r(cfg, "optimizer.lr", lambda v: v > 0, "needs lr > 0")
     r(cfg, "optimizer.weight_decay", lambda v: v >= 0, "needs weight_decay >= 0")
     r(cfg, "optimizer.warmup_steps", lambda v: int(v) == v and v >= 0, "needs an integer >= 0")
@@ -153,8 +150,9 @@ def validate(cfg: DictConfig) -> list[str]:
     lora = cfg.model.lora
     r(cfg, "model.lora.r", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
     r(cfg, "model.lora.dropout", lambda v: 0 <= v < 1, "needs 0 <= dropout < 1")
-    if lora.dropout > 0 and cfg.algo.num_iterations > 1 and cfg.algo.check:
-        warnings.append("model.lora.dropout > 0 with num_iterations > 1: the ratio == 1 check is relaxed by dropout noise")
+    if lora.dropout > 0 and not is_on_policy(cfg) and cfg.algo.check:
+        warnings.append("model.lora.dropout > 0 with mini_batches or num_iterations > 1: the ratio == 1 check is "
+                        "relaxed by dropout noise")
     resume = cfg.trainer.get("resume")
     if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
         _fail("trainer.resume", resume, "no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
@@ -162,6 +160,59 @@ def validate(cfg: DictConfig) -> list[str]:
     _validate_rewards(cfg)
     _validate_rest(cfg)
     return warnings
+
+
+def check_mini_batches(cfg: DictConfig, world_size: int = 1) -> None:
+    """Each of the `algo.mini_batches` optimizer updates of a step takes whole groups, as many on every rank,
+    and `trainer.micro_batch_size` tiles one rank's share of a mini-batch (or covers it whole)."""
+    _check_range(cfg, "algo.mini_batches", lambda v: int(v) == v and v >= 1,
+                 "needs an integer >= 1 (optimizer updates per rollout batch)")
+    prompts, mini = cfg.data.prompts_per_step, cfg.algo.mini_batches
+    if world_size < 1 or prompts % world_size:
+        return  # prompts that do not split over the ranks are reported on their own
+    per_rank = prompts // world_size
+    if per_rank % mini:
+        share = (f"the {per_rank} prompts of each of {world_size} ranks" if world_size > 1
+                 else f"data.prompts_per_step ({prompts})")
+        _fail("algo.mini_batches", mini, f"must divide {share}: a mini-batch holds whole groups")
+    completions = per_rank // mini * cfg.algo.num_generations
+    what = ("data.prompts_per_step / algo.mini_batches" if world_size == 1
+            else f"data.prompts_per_step / (algo.mini_batches x {world_size} ranks)")
+    mbs = cfg.trainer.get("micro_batch_size")
+    if mbs is not None:
+        _check_range(cfg, "trainer.micro_batch_size",
+                     lambda v: int(v) == v and v >= 1 and (v >= completions or completions % v == 0),
+                     f"must divide the completions of one mini-batch on one rank ({what} x algo.num_generations "
+                     f"= {completions}) or be at least that many")
+
+
+def is_on_policy(cfg: DictConfig) -> bool:
+    """One optimizer update per rollout batch: the ratio is exactly 1, so clipping never acts."""
+    return cfg.algo.get("mini_batches", 1) == 1 and cfg.algo.num_iterations == 1
+
+
+CLIP_KEYS = ("algo.clip_eps", "algo.clip_eps_high")
+
+
+def on_policy_clip_warning(keys: list[str], sweep: bool = False) -> str:
+    what = " and ".join(keys)
+    subject = f"sweeping {what} measures nothing" if sweep else f"{what} has no effect"
+    return (f"{subject} here: every update is on-policy (algo.mini_batches=1, algo.num_iterations=1), so the "
+            "ratio is exactly 1 and nothing is clipped; set algo.mini_batches > 1 (e.g. 4) or "
+            "algo.num_iterations > 1 to make clipping act")
+
+
+def explicit_clip_warning(cfg: DictConfig, task_overrides: list[str]) -> str | None:
+    """The warning for a single run whose command line (Hydra's overrides.task) sets a clip epsilon that
+    cannot act; None otherwise. A recipe's own clip_eps is not the user's choice and gets no warning."""
+    if not is_on_policy(cfg):
+        return None
+    keys = [k for k in CLIP_KEYS if any(_override_key(line) == k for line in task_overrides)]
+    return on_policy_clip_warning(keys) if keys else None
+
+
+def _override_key(line: str) -> str:
+    return str(line).partition("=")[0].lstrip("+~")
 
 
 def _validate_rewards(cfg: DictConfig) -> None:

@@ -6,7 +6,8 @@ it runs under every launcher (basic, joblib, submitit_local, slurm) and every sw
 * each job dir gets `job_status.json` (running -> ok | failed) and, for a failed job, `error.txt` (its
   one-line error, then the traceback);
 * the sweep dir gets `sweep_summary.csv` and `sweep_summary.json`: one row per job with its swept
-  overrides, final/best reward, final KL and clip fraction, eval accuracy, steps and status. They are
+  overrides, final/best reward, final KL and clip fractions (total, low, high), eval accuracy, steps and
+  status. They are
   rewritten after every job (so a sweep that dies still leaves one) and once more at the end;
 * a failed job does not stop the others. Hydra 1.3's BasicLauncher runs every job of a batch even when
   one raises, but BasicSweeper then re-raises the first failure after the batch: later batches
@@ -14,7 +15,10 @@ it runs under every launcher (basic, joblib, submitit_local, slurm) and every sw
   sweeper a failed job's JobReturn is turned into a completed one returning NaN (after the error is
   recorded); the Optuna sweeper keeps its own policy (`max_failure_rate`, 1.0 in our preset; it cannot
   take NaN: with optuna 2.x telling NaN makes the plugin raise);
-* at the end, when any job failed, the process exits 1 with one line per failed job.
+* at the end, when any job failed, the process exits 1 with one line per failed job;
+* at the start, a sweep over `algo.clip_eps` / `algo.clip_eps_high` whose jobs are all fully on-policy
+  (`algo.mini_batches=1` and `algo.num_iterations=1`, neither of them nor the recipe swept) gets one
+  warning line: clipping has no effect there, so that axis of the sweep measures nothing.
 
 `python -m grpo_cli.sweep DIR` rebuilds the summary of a sweep dir (e.g. after a sweep was killed).
 
@@ -59,7 +63,8 @@ SWEEP_ID_FILE = ".grpo_sweep_id"
 LOCK_FILE = ".sweep_summary.lock"
 JOB_STATUS = "job_status.json"
 ERROR_FILE = "error.txt"
-METRIC_COLUMNS = ["final_reward", "best_reward", "final_kl", "final_clip_fraction", "eval_accuracy", "steps"]
+METRIC_COLUMNS = ["final_reward", "best_reward", "final_kl", "final_clip_fraction", "final_clip_fraction/low",
+                  "final_clip_fraction/high", "eval_accuracy", "steps"]
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
@@ -93,6 +98,8 @@ def metric_summary(rows: list[dict]) -> dict:
         "best_reward": max(rewards) if rewards else math.nan,
         "final_kl": _number(last.get("kl")),
         "final_clip_fraction": _number(last.get("clip_fraction")),
+        "final_clip_fraction/low": _number(last.get("clip_fraction/low")),
+        "final_clip_fraction/high": _number(last.get("clip_fraction/high")),
         "eval_accuracy": evals[-1] if evals else math.nan,
         "steps": len(rows),
     }
@@ -137,6 +144,19 @@ def swept_in_command(lines: list[str]) -> list[str]:
             if ov.is_sweep_override():
                 keys.append(_clean_key(ov.get_key_element()))
     return keys
+
+
+def on_policy_clip_sweep(config: DictConfig) -> str | None:
+    """The warning for a sweep that varies a clip epsilon while every job is fully on-policy; else None."""
+    from grpo_cli.config import CLIP_KEYS, is_on_policy, on_policy_clip_warning
+
+    swept = set(swept_in_command([str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]))
+    swept |= {_clean_key(str(k)) for k in (OmegaConf.select(config, "hydra.sweeper.params") or {})}
+    clip = [k for k in CLIP_KEYS if k in swept]
+    policy_swept = {"algo.mini_batches", "algo.num_iterations", "recipe"} & swept  # jobs may differ: say nothing
+    if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config):
+        return None
+    return f"{_prog()}: warning: " + on_policy_clip_warning(clip, sweep=True)
 
 
 def _load_yaml(path: Path) -> dict:
@@ -321,6 +341,9 @@ class SweepSummary(Callback):
         (sweep_dir / SWEEP_ID_FILE).write_text(uuid.uuid4().hex + "\n")
         for name in (SUMMARY_CSV, SUMMARY_JSON):
             (sweep_dir / name).unlink(missing_ok=True)
+        warning = on_policy_clip_sweep(config)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = _sweep_dir(config)

@@ -1,16 +1,25 @@
 """The GRPO step loop (section 7 of grpo-algorithm.md) and the only place that calls backward.
 
     prompts -> rollout (adapter on) -> rewards -> group advantages -> ref log-probs (adapter off)
-    -> for each pass, micro-batch: log-probs with grad -> policy_loss -> backward -> clip -> step
+    -> old log-probs (adapter on; only when off-policy) -> for each pass, for each mini-batch:
+       (for each micro-batch: log-probs with grad -> policy_loss -> backward) -> sum over ranks -> clip
+       -> optimizer step -> scheduler step
+
+A step's rollout batch is split into `algo.mini_batches` mini-batches of whole groups, each one optimizer
+update; `algo.num_iterations` passes go over them. Group g goes to mini-batch g mod mini_batches, so a
+mini-batch holds the same groups whatever the number of ranks (each rank's share of the step's prompts
+starts at a multiple of mini_batches). The scheduler counts optimizer updates.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import algorithm, checkpoint, distributed
+from grpo_cli.config import check_mini_batches
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.metrics import final_mean, read_metrics
@@ -42,6 +52,78 @@ class Batch:
     reward_errors: int = 0
     stats: dict = field(default_factory=dict)
 
+    def select_groups(self, groups: list[int]) -> Batch:
+        """The batch of the given groups, in that order (rows stay grouped)."""
+        roll, G = self.rollout, self.rollout.group_size
+        rows = [g * G + i for g in groups for i in range(G)]
+
+        def take(t: torch.Tensor, index: list[int]) -> torch.Tensor:
+            return t[torch.tensor(index, dtype=torch.long, device=t.device)]
+
+        rollout = dataclasses.replace(
+            roll, prompt_ids=take(roll.prompt_ids, groups), prompt_mask=take(roll.prompt_mask, groups),
+            completion_ids=take(roll.completion_ids, rows), completion_mask=take(roll.completion_mask, rows),
+            truncated=take(roll.truncated, rows), texts=[roll.texts[i] for i in rows])
+        return dataclasses.replace(
+            self, rollout=rollout, prompts=[self.prompts[i] for i in rows], rewards=take(self.rewards, rows),
+            per_function={k: [v[i] for i in rows] for k, v in self.per_function.items()},
+            advantages=take(self.advantages, rows), mask=take(self.mask, rows))
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """The rows of one optimizer update in the (reordered) batch, its micro-batches, and its size over all ranks."""
+
+    rows: slice
+    micro: list[slice]
+    rows_total: float
+    tokens_total: float
+    micro_total: float
+
+
+@dataclass
+class UpdateSums:
+    """Sums over the micro-batches of one optimizer update; `reduced` adds them up over the ranks."""
+
+    loss: float = 0.0          # sum of weight x micro-batch loss: the update's aggregated loss
+    tokens: float = 0.0
+    ratio: float = 0.0         # the rest are token-weighted sums
+    kl: float = 0.0
+    entropy: float = 0.0
+    clip_low: float = 0.0
+    clip_high: float = 0.0
+
+    def reduced(self, dist: distributed.Dist, device) -> UpdateSums:
+        names = [f.name for f in dataclasses.fields(self)]
+        return UpdateSums(*distributed.sum_floats([getattr(self, n) for n in names], dist, device))
+
+    def __add__(self, other: UpdateSums) -> UpdateSums:
+        return UpdateSums(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+
+    def mean(self, name: str) -> float:
+        """Token mean of a token-weighted sum (without tokens: 1 for the ratio, 0 for the rest)."""
+        return getattr(self, name) / self.tokens if self.tokens else (1.0 if name == "ratio" else 0.0)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step's optimizer updates measured, over all ranks: the typed record behind the metrics."""
+
+    loss: float                # mean over the updates of each update's aggregated loss
+    grad_norm: float           # mean over the updates of the gradient norm before clipping
+    kl: float                  # token means over the first pass (each mini-batch at its update's policy)
+    entropy: float
+    clip_low: float            # token shares over every update of the step
+    clip_high: float
+    first_ratio: float         # mean ratio on the first mini-batch of the first pass
+    first_kl: float            # its KL
+    max_logp: float            # largest completion log-prob of the first pass on this rank
+    updates: int               # optimizer updates taken (skipped non-finite ones included)
+
+    @property
+    def clip_fraction(self) -> float:
+        return self.clip_low + self.clip_high
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -60,6 +142,11 @@ def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float
                                     chunk_size=chunk_size), None
 
 
+def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
+    """Groups of each mini-batch: group g goes to mini-batch g mod mini_batches."""
+    return [list(range(j, num_groups, mini_batches)) for j in range(mini_batches)]
+
+
 def lr_lambda(schedule: str, warmup: int, total: int):
     def factor(step: int) -> float:
         if warmup and step < warmup:
@@ -75,7 +162,7 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 class GRPOTrainer:
-    """Owns the objects a run needs; `step()` is one GRPO update, `fit()` the whole run."""
+    """Owns the objects a run needs; `step()` is one GRPO step (its optimizer updates), `fit()` the whole run."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, lm: LoadedModel | None = None, rows: list[dict] | None = None):
         self.cfg, self.run_dir = cfg, run_dir
@@ -88,13 +175,16 @@ class GRPOTrainer:
         if self.dist.enabled and cfg.data.prompts_per_step % self.dist.world_size:
             raise InvariantError(f"data.prompts_per_step={cfg.data.prompts_per_step} must divide evenly over "
                                  f"{self.dist.world_size} ranks (whole groups per rank)")
+        check_mini_batches(cfg, self.dist.world_size)
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         opt = cfg.optimizer
         self.optimizer = build_optimizer(self.params, opt)
+        # the scheduler counts optimizer updates; warmup and max_steps are in training steps
+        per_step = self.algo.mini_batches * self.algo.num_iterations
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(opt.schedule, opt.warmup_steps, self.tcfg.max_steps))
+            self.optimizer, lr_lambda(opt.schedule, opt.warmup_steps * per_step, self.tcfg.max_steps * per_step))
         self.eps_high = self.algo.clip_eps_high if self.algo.clip_eps_high is not None else self.algo.clip_eps
         self.fresh_adapter = True
         self.zero_std_streak, self.warned_zero_std = 0, False
@@ -135,9 +225,14 @@ class GRPOTrainer:
             "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped,
         })
 
-    def micro_batches(self, n: int) -> list[slice]:
-        size = self.tcfg.micro_batch_size or n
-        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    @property
+    def off_policy(self) -> bool:
+        """More than one optimizer update per rollout batch: old log-probs are needed and clipping acts."""
+        return self.algo.mini_batches > 1 or self.algo.num_iterations > 1
+
+    def micro_batches(self, rows: slice) -> list[slice]:
+        size = self.tcfg.micro_batch_size or (rows.stop - rows.start)
+        return [slice(i, min(i + size, rows.stop)) for i in range(rows.start, rows.stop, max(1, size))]
 
     def _logprobs(self, batch: Batch, rows: slice, *, grad: bool, with_entropy: bool = False):
         with torch.set_grad_enabled(grad):
@@ -150,100 +245,115 @@ class GRPOTrainer:
         with contextlib.nullcontext() if adapter else self.model.disable_adapter():
             return torch.cat([self._logprobs(batch, s, grad=False)[0] for s in parts])
 
-    def loss_weight(self, rows: slice, batch: Batch, n_global: float, tokens_global: float) -> float:
-        """What each micro-batch loss is multiplied by so that the accumulated gradient, summed over ranks,
-        equals the gradient of the loss over the whole step's batch."""
-        loss_type = self.algo.loss_type
-        if loss_type == "dapo":
-            return 1.0  # normalised by the whole step's token count already
-        if loss_type == "bnpo":
-            return float(batch.mask[rows].sum()) / max(1.0, tokens_global)
-        return (rows.stop - rows.start) / n_global  # grpo, dr_grpo: means over rows
+    def plan(self, batch: Batch) -> tuple[Batch, list[MiniBatch]]:
+        """The batch reordered so that each mini-batch is a run of rows, and the mini-batches with their
+        micro-batches and sizes over all ranks (one all-reduce)."""
+        G, mini = self.algo.num_generations, self.algo.mini_batches
+        groups = mini_batch_groups(batch.rewards.numel() // G, mini)
+        ordered = batch if mini == 1 else batch.select_groups([g for part in groups for g in part])
+        spans, start = [], 0
+        for part in groups:
+            spans.append(slice(start, start + len(part) * G))
+            start += len(part) * G
+        micro = [self.micro_batches(rows) for rows in spans]
+        local = [[float(rows.stop - rows.start), float(ordered.mask[rows].sum()), float(len(parts))]
+                 for rows, parts in zip(spans, micro, strict=True)]
+        total = distributed.sum_floats([x for counts in local for x in counts], self.dist, self.lm.device)
+        return ordered, [MiniBatch(rows, parts, *total[3 * j:3 * j + 3])
+                         for j, (rows, parts) in enumerate(zip(spans, micro, strict=True))]
 
-    def update(self, step: int, batch: Batch) -> dict:
-        n = batch.rewards.numel()
-        parts = self.micro_batches(n)
-        self.model.train()
-        ref = self._no_grad_logprobs(batch, parts, adapter=False) if self.algo.beta > 0 else None
-        old = self._no_grad_logprobs(batch, parts, adapter=True) if self.algo.num_iterations > 1 else None
-        local_tokens = float(batch.mask.sum())
-        total_tokens, n_global = distributed.sum_floats([local_tokens, float(n)], self.dist, self.lm.device)
-        sums = {"kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "loss": 0.0, "max_logp": -math.inf}
-        tokens_seen = 0.0
-        grad_norms = []
-        for iteration in range(self.algo.num_iterations):
+    def backward(self, batch: Batch, mini: MiniBatch, old: torch.Tensor | None, ref: torch.Tensor | None,
+                 first_pass: bool) -> tuple[UpdateSums, float]:
+        """Accumulate the gradient of one mini-batch on this rank, micro-batch by micro-batch; returns this
+        rank's sums and the largest completion log-prob it saw (entropy and KL on the first pass only)."""
+        sums, max_logp = UpdateSums(), -math.inf
+        for rows in mini.micro:
+            logp, entropy = self._logprobs(batch, rows, grad=True, with_entropy=first_pass)
+            mask = batch.mask[rows]
+            loss, stats = algorithm.policy_loss(
+                logp, None if old is None else old[rows], None if ref is None else ref[rows],
+                batch.advantages[rows], mask, beta=self.algo.beta, eps_low=self.algo.clip_eps,
+                eps_high=self.eps_high, loss_type=self.algo.loss_type, ratio_level=self.algo.ratio_level,
+                max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total,
+            )
+            weight = algorithm.accumulation_weight(self.algo.loss_type, rows=rows.stop - rows.start,
+                                                   rows_total=mini.rows_total, micro_batches_total=mini.micro_total)
+            (loss * weight).backward()
+            k = float(stats["num_tokens"])
+            sums.loss += float(loss.detach()) * weight
+            sums.tokens += k
+            sums.ratio += float(stats["ratio_mean"]) * k
+            sums.clip_low += float(stats["clip_fraction/low"]) * k
+            sums.clip_high += float(stats["clip_fraction/high"]) * k
+            if first_pass:
+                sums.kl += float(stats["kl"]) * k
+                sums.entropy += float((entropy.detach() * mask).sum())
+                real = mask.bool()
+                if real.any():
+                    max_logp = max(max_logp, float(logp.detach()[real].max()))
+        return sums, max_logp
+
+    def optimizer_step(self, step: int, loss: float) -> float:
+        """Clip and apply the summed gradient, or skip it when it is not finite (stopping after
+        trainer.max_skipped in a row); the scheduler advances either way. Returns the norm before clipping."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm))
+        if math.isfinite(grad_norm) and math.isfinite(loss):
+            self.optimizer.step()
+            self.skipped_in_a_row = 0
+        else:
             self.optimizer.zero_grad(set_to_none=True)
-            pass_loss, pass_ratio, pass_tokens = 0.0, 0.0, 0.0
-            for rows in parts:
-                first = iteration == 0
-                logp, entropy = self._logprobs(batch, rows, grad=True, with_entropy=first)
-                mask = batch.mask[rows]
-                loss, stats = algorithm.policy_loss(
-                    logp, None if old is None else old[rows], None if ref is None else ref[rows],
-                    batch.advantages[rows], mask, beta=self.algo.beta, eps_low=self.algo.clip_eps,
-                    eps_high=self.eps_high, loss_type=self.algo.loss_type, ratio_level=self.algo.ratio_level,
-                    max_new_tokens=self.roll.max_new_tokens, total_tokens=total_tokens,
-                )
-                weight = self.loss_weight(rows, batch, n_global, total_tokens)
-                (loss * weight).backward()
-                k = float(stats["num_tokens"])
-                pass_loss += float(loss.detach()) * weight
-                pass_ratio += float(stats["ratio_mean"]) * k
-                pass_tokens += k
-                sums["clip_fraction"] += float(stats["clip_fraction"]) * k
-                tokens_seen += k
-                if first:
-                    sums["kl"] += float(stats["kl"]) * k
-                    sums["entropy"] += float((entropy.detach() * mask).sum())
-                    real = mask.bool()
-                    if real.any():
-                        sums["max_logp"] = max(sums["max_logp"], float(logp.detach()[real].max()))
-            distributed.sum_gradients(self.params, self.dist)
-            pass_loss, pass_ratio, pass_tokens = distributed.sum_floats([pass_loss, pass_ratio, pass_tokens], self.dist,
-                                                                        self.lm.device)
-            sums["loss"] += pass_loss
-            if iteration == 0 and old is not None and self.algo.check and pass_tokens:
-                ratio = pass_ratio / pass_tokens
-                if abs(ratio - 1.0) > 1e-3:
-                    raise InvariantError(f"invariant 'ratio == 1 on the first pass' failed at step {step}: mean ratio {ratio:.6f}")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm))
-            grad_norms.append(grad_norm)
-            if math.isfinite(grad_norm) and math.isfinite(pass_loss):
-                self.optimizer.step()
-                self.skipped_in_a_row = 0
-            else:
+            self.skipped_updates += 1
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row >= self.tcfg.max_skipped:
+                raise InvariantError(f"{self.skipped_in_a_row} non-finite updates in a row at step {step} "
+                                     f"(loss {loss}, grad norm {grad_norm}); lower optimizer.lr or check the rewards")
+        self.scheduler.step()
+        return grad_norm
+
+    def update(self, step: int, batch: Batch) -> StepStats:
+        """Every optimizer update of one step: `num_iterations` passes over the mini-batches."""
+        self.model.train()
+        ordered, plan = self.plan(batch)
+        parts = [rows for mini in plan for rows in mini.micro]
+        ref = self._no_grad_logprobs(ordered, parts, adapter=False) if self.algo.beta > 0 else None
+        old = self._no_grad_logprobs(ordered, parts, adapter=True) if self.off_policy else None
+        totals, first, max_logp, losses, grad_norms = UpdateSums(), None, -math.inf, [], []
+        for iteration in range(self.algo.num_iterations):
+            for mini in plan:
+                if not mini.rows_total:  # all its groups were dropped (data.overlong=drop): nothing to learn
+                    self.scheduler.step()
+                    continue
                 self.optimizer.zero_grad(set_to_none=True)
-                self.skipped_updates += 1
-                self.skipped_in_a_row += 1
-                if self.skipped_in_a_row >= self.tcfg.max_skipped:
-                    raise InvariantError(f"{self.skipped_in_a_row} non-finite updates in a row at step {step} "
-                                         f"(loss {pass_loss}, grad norm {grad_norm}); lower optimizer.lr or check the rewards")
-        reduced = distributed.sum_floats([sums["kl"], sums["clip_fraction"], sums["entropy"], tokens_seen], self.dist,
-                                         self.lm.device)
-        sums["kl"], sums["clip_fraction"], sums["entropy"], tokens_seen = reduced
-        first_tokens = total_tokens or 1.0
-        return {
-            "kl": sums["kl"] / first_tokens,
-            "clip_fraction": sums["clip_fraction"] / max(tokens_seen, 1.0),
-            "entropy": sums["entropy"] / first_tokens,
-            "loss": sums["loss"] / self.algo.num_iterations,
-            "grad_norm": grad_norms[-1],
-            "max_logp": sums["max_logp"],
-        }
+                local, local_max_logp = self.backward(ordered, mini, old, ref, first_pass=iteration == 0)
+                distributed.sum_gradients(self.params, self.dist)
+                sums = local.reduced(self.dist, self.lm.device)
+                if first is None:
+                    first = sums
+                    if self.algo.check:
+                        self.check_first_update(step, sums, on_policy=old is None)
+                grad_norms.append(self.optimizer_step(step, sums.loss))
+                losses.append(sums.loss)
+                totals, max_logp = totals + sums, max(max_logp, local_max_logp)
+        first = first or UpdateSums()
+        first_pass_tokens = max(1.0, sum(mini.tokens_total for mini in plan))  # kl, entropy: first pass only
+        return StepStats(
+            loss=sum(losses) / max(1, len(losses)), grad_norm=sum(grad_norms) / max(1, len(grad_norms)),
+            kl=totals.kl / first_pass_tokens, entropy=totals.entropy / first_pass_tokens,
+            clip_low=totals.mean("clip_low"), clip_high=totals.mean("clip_high"),
+            first_ratio=first.mean("ratio"), first_kl=first.mean("kl"), max_logp=max_logp, updates=len(losses))
 
     def step(self, step: int) -> tuple[dict, Batch]:
         t0 = time.perf_counter()
         batch = self.rollout(step)
-        update = self.update(step, batch)
-        self.scheduler.step()
+        stats = self.update(step, batch)
         if self.algo.check:
-            self.check_invariants(step, batch, update)
-        metrics = self.metrics(step, batch, update, time.perf_counter() - t0)
+            self.check_invariants(step, batch, stats)
+        metrics = self.metrics(step, batch, stats, time.perf_counter() - t0)
         self.fresh_adapter = False
         return metrics, batch
 
     # ---- bookkeeping ----------------------------------------------------------------------------
-    def metrics(self, step: int, batch: Batch, update: dict, seconds: float) -> dict:
+    def metrics(self, step: int, batch: Batch, stats: StepStats, seconds: float) -> dict:
         G = self.algo.num_generations
         r = batch.rewards
         lengths = batch.rollout.completion_mask.sum(dim=1).float()
@@ -253,11 +363,13 @@ class GRPOTrainer:
             "reward_std": algorithm.group_std_mean(r, G),
             **{f"reward/{name}": sum(v) / len(v) for name, v in batch.per_function.items()},
             "frac_reward_zero_std": algorithm.zero_std_group_fraction(r, G),
-            "kl": update["kl"],
-            "clip_fraction": update["clip_fraction"],
-            "loss": update["loss"],
-            "grad_norm": update["grad_norm"],
-            "entropy": update["entropy"],
+            "kl": stats.kl,
+            "clip_fraction": stats.clip_fraction,
+            "clip_fraction/low": stats.clip_low,
+            "clip_fraction/high": stats.clip_high,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "entropy": stats.entropy,
             "completion_len": float(lengths.mean()),
             "truncated_frac": float(batch.rollout.truncated.float().mean()),
             "lr": self.scheduler.get_last_lr()[0],
@@ -279,15 +391,24 @@ class GRPOTrainer:
                 row[k] = v if k in summed else v / self.dist.world_size
         return row
 
-    def check_invariants(self, step: int, batch: Batch, update: dict) -> None:
+    def check_first_update(self, step: int, first: UpdateSums, on_policy: bool) -> None:
+        """The first update of a step starts from the policy that sampled the rollout: ratio 1 (when there is
+        an old pass to compare with) and, at step 0 with a fresh adapter, the reference policy: KL 0."""
+        ratio, kl = first.mean("ratio"), first.mean("kl")
+        if not on_policy and abs(ratio - 1.0) > 1e-3:
+            raise InvariantError(f"invariant 'ratio == 1 on the first mini-batch of the first pass' failed at step "
+                                 f"{step}: mean ratio {ratio:.6f}")
+        if self.fresh_adapter and self.algo.beta > 0 and kl > 1e-6:
+            raise InvariantError(f"invariant 'KL == 0 with a fresh adapter' failed at step {step} (first mini-batch): "
+                                 f"kl {kl:.3e}")
+
+    def check_invariants(self, step: int, batch: Batch, stats: StepStats) -> None:
         G = self.algo.num_generations
-        if update["max_logp"] > 1e-5:
-            raise InvariantError(f"invariant 'logp <= 0' failed at step {step}: max logp {update['max_logp']:.3e}")
+        if stats.max_logp > 1e-5:
+            raise InvariantError(f"invariant 'logp <= 0' failed at step {step}: max logp {stats.max_logp:.3e}")
         group_sums = batch.advantages.detach().float().view(-1, G).sum(dim=1).abs().max()
         if float(group_sums) > 1e-3:
             raise InvariantError(f"invariant 'advantages sum to 0 per group' failed at step {step}: max |sum| {float(group_sums):.2e}")
-        if self.fresh_adapter and self.algo.beta > 0 and update["kl"] > 1e-6:
-            raise InvariantError(f"invariant 'KL == 0 with a fresh adapter' failed at step {step}: kl {update['kl']:.3e}")
 
     def save_samples(self, tracker: Tracker, step: int, batch: Batch) -> None:
         every = self.tcfg.log_samples_every
@@ -302,59 +423,76 @@ class GRPOTrainer:
 
     # ---- the run --------------------------------------------------------------------------------
     def fit(self) -> dict:
-        cfg, run_dir = self.cfg, self.run_dir
-        start = 0
-        if cfg.trainer.get("resume"):
-            found = checkpoint.find(run_dir, str(cfg.trainer.resume))
-            if found is not None:
-                state = checkpoint.load(found, self.model, self.optimizer, self.scheduler)
-                start = state["step"]
-                self.skipped_updates = state.get("skipped_updates", 0)
-                self.fresh_adapter = start == 0
-                if self.dist.is_main:
-                    shutil_copy_metrics(found, run_dir)
-        main = self.dist.is_main
-        tracker = (Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.max_steps, start)
-                   if main else SilentTracker())
+        """The whole run: resume, the steps (each evaluated, logged, checkpointed on schedule, stopped
+        cleanly on SIGINT/SIGTERM), the adapter, the summary."""
+        start = self.resume()
+        tracker = self.open_tracker(start)
+        t_start = time.time()
+        with stop_on_signals() as stop:
+            for step in range(start, self.tcfg.max_steps):
+                metrics, batch = self.step(step)
+                self.record(tracker, step, metrics, batch)
+                self.checkpoint_if_due(step + 1, stop)
+        adapter_dir = self.save_adapter()
+        return self.finish(tracker, adapter_dir, time.time() - t_start)
+
+    def resume(self) -> int:
+        """Restore the newest checkpoint when trainer.resume asks for one; returns the step to start at."""
+        if not self.tcfg.get("resume"):
+            return 0
+        found = checkpoint.find(self.run_dir, str(self.tcfg.resume))
+        if found is None:
+            return 0
+        state = checkpoint.load(found, self.model, self.optimizer, self.scheduler)
+        start = state["step"]
+        self.skipped_updates = state.get("skipped_updates", 0)
+        self.fresh_adapter = start == 0
+        if self.dist.is_main:
+            shutil_copy_metrics(found, self.run_dir)
+        return start
+
+    def open_tracker(self, start: int) -> Tracker | SilentTracker:
+        """Rank 0 logs (metrics.jsonl, W&B, console) and shows the startup warnings; the other ranks are silent."""
+        if not self.dist.is_main:
+            return SilentTracker()
+        tracker = Tracker(self.run_dir, self.cfg.logger, OmegaConf.to_container(self.cfg, resolve=True),
+                          self.tcfg.max_steps, start)
         for text in getattr(self, "startup_warnings", []):
             tracker.warn(text)
-        stop = {"signum": None}
+        return tracker
 
-        def on_signal(signum, _frame):
-            stop["signum"] = signum
+    def record(self, tracker: Tracker | SilentTracker, step: int, metrics: dict, batch: Batch) -> None:
+        """Everything a finished step leaves behind but the checkpoint: warnings, eval, metrics, samples."""
+        self.track_zero_std(metrics, tracker)
+        every = self.cfg.eval.every
+        if self.evaluator is not None and every and (step + 1) % every == 0:
+            if self.dist.is_main:
+                metrics.update(self.evaluator(self.model))
+            distributed.barrier(self.dist)
+        tracker.log(metrics)
+        self.save_samples(tracker, step, batch)
 
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        t_start = time.time()
-        try:
-            for step in range(start, cfg.trainer.max_steps):
-                metrics, batch = self.step(step)
-                self.track_zero_std(metrics, tracker)
-                if self.evaluator is not None and cfg.eval.every and (step + 1) % cfg.eval.every == 0:
-                    if main:
-                        metrics.update(self.evaluator(self.model))
-                    distributed.barrier(self.dist)
-                tracker.log(metrics)
-                self.save_samples(tracker, step, batch)
-                done = step + 1
-                # every rank stops at the same step when any of them got the signal
-                stopping = distributed.sum_floats([float(stop["signum"] or 0)], self.dist, self.lm.device)[0] > 0
-                if (cfg.trainer.save_every and done % cfg.trainer.save_every == 0) or stopping:
-                    ckpt = self.save_checkpoint(done)
-                    if stopping:
-                        raise Interrupted(stop["signum"] or signal.SIGTERM, ckpt)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-        adapter_dir = self.save_adapter()
-        if not main:
+    def checkpoint_if_due(self, done: int, stop: StopRequest) -> None:
+        """Checkpoint every trainer.save_every steps, and on a stop request (then raise Interrupted)."""
+        # every rank stops at the same step when any of them got the signal
+        stopping = distributed.sum_floats([float(stop.signum or 0)], self.dist, self.lm.device)[0] > 0
+        every = self.tcfg.save_every
+        if (every and done % every == 0) or stopping:
+            ckpt = self.save_checkpoint(done)
+            if stopping:
+                raise Interrupted(stop.signum or signal.SIGTERM, ckpt)
+
+    def finish(self, tracker: Tracker | SilentTracker, adapter_dir: Path, seconds: float) -> dict:
+        """The run's summary (rank 0: from metrics.jsonl, so a resumed run counts every step once)."""
+        if not self.dist.is_main:
             return {"final_reward": float("nan"), "adapter": str(adapter_dir)}
-        rewards = [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl")]
+        rewards = [row["reward"] for row in read_metrics(self.run_dir / "metrics.jsonl")]
         summary = {
             "steps": len(rewards),
             "first_reward": sum(rewards[:10]) / max(1, len(rewards[:10])),
             "last_reward": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
             "final_reward": final_mean(rewards),
-            "time_s": time.time() - t_start,
+            "time_s": seconds,
             "adapter": str(adapter_dir),
         }
         tracker.close(summary)
@@ -386,6 +524,29 @@ class GRPOTrainer:
             self.model.save_pretrained(out)
         distributed.barrier(self.dist)
         return out
+
+
+@dataclass
+class StopRequest:
+    """The signal that asked the run to stop (None while none did)."""
+
+    signum: int | None = None
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """SIGINT / SIGTERM only set the request (the step in progress finishes); the handlers are restored after."""
+    stop = StopRequest()
+
+    def on_signal(signum, _frame):
+        stop.signum = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 class SilentTracker:
