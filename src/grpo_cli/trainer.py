@@ -20,11 +20,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import algorithm, checkpoint, distributed
+from grpo_cli.config import check_context_length
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
-from grpo_cli.models import LoadedModel, load_policy
+from grpo_cli.models import LoadedModel, config_context_length, declared_context_length, load_policy
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logits, encode_prompts, generate
+from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import Tracker
 
 
@@ -46,6 +48,20 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def rng_snapshot() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def restore_rng(snapshot: tuple) -> None:
+    python, numpy_state, torch_state, cuda = snapshot
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_state)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float, chunk_size: int | None,
@@ -76,17 +92,25 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 class GRPOTrainer:
     """Owns the objects a run needs; `step()` is one GRPO update, `fit()` the whole run."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, lm: LoadedModel | None = None, rows: list[dict] | None = None):
+    def __init__(self, cfg: DictConfig, run_dir: Path, lm: LoadedModel | None = None, rows: list[dict] | None = None,
+                 stop: StopRequest | None = None):
         self.cfg, self.run_dir = cfg, run_dir
         self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
-        seed_everything(self.tcfg.seed)
-        rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
-        self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
-        self.lm = lm or load_policy(cfg.model, self.tcfg.device, seed=self.tcfg.seed)
-        self.dist = distributed.setup(self.lm.device)
+        # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
+        self.dist, device = distributed.setup(self.tcfg.device if lm is None else str(lm.device))
         if self.dist.enabled and cfg.data.prompts_per_step % self.dist.world_size:
             raise InvariantError(f"data.prompts_per_step={cfg.data.prompts_per_step} must divide evenly over "
                                  f"{self.dist.world_size} ranks (whole groups per rank)")
+        self.stop = stop or StopRequest()
+        seed_everything(self.tcfg.seed)
+        rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
+        self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
+        lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if cfg.eval.every else ()))
+        context = declared_context_length(cfg.model) if lm is None else None
+        check_context_length(cfg, context, lengths)
+        self.lm = lm or load_policy(cfg.model, device, seed=self.tcfg.seed)
+        if context is None:  # known only now (the embedded model), still before any generation
+            check_context_length(cfg, config_context_length(self.lm.model.config), lengths)
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.rewards = RewardSet.from_config(cfg.reward)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -101,9 +125,11 @@ class GRPOTrainer:
         self.skipped_in_a_row = 0
         self.skipped_updates = 0
         self.evaluator = None
+        self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
 
     # ---- one step -------------------------------------------------------------------------------
-    def rollout(self, step: int) -> Batch:
+    def rollout(self, step: int) -> Batch | None:
+        """The step's scored rollouts; None when a stop request ended generation (nothing is scored)."""
         G = self.algo.num_generations
         rows = self.sampler.batch(step)
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
@@ -119,7 +145,10 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         roll = generate(self.model, self.tokenizer, enc.ids, num_generations=G,
                         max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
-                        temperature=self.roll.temperature, top_p=self.roll.top_p, device=self.lm.device)
+                        temperature=self.roll.temperature, top_p=self.roll.top_p, device=self.lm.device,
+                        stop=self.stop)
+        if roll.interrupted:
+            return None
         gen_time = time.perf_counter() - t0
         prompts = [text for text in enc.texts for _ in range(G)]
         fields = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != "messages"}
@@ -231,9 +260,17 @@ class GRPOTrainer:
             "max_logp": sums["max_logp"],
         }
 
-    def step(self, step: int) -> tuple[dict, Batch]:
+    def stop_agreed(self, local: bool) -> bool:
+        """True on every rank when any rank was asked to stop (ranks stop at the same point)."""
+        return distributed.sum_floats([float(local)], self.dist, self.lm.device)[0] > 0
+
+    def step(self, step: int) -> tuple[dict, Batch] | None:
+        """One GRPO update; None when a stop request came before the update began (the step is discarded,
+        nothing of it has touched the weights, the optimiser or the logs)."""
         t0 = time.perf_counter()
         batch = self.rollout(step)
+        if self.stop_agreed(batch is None or self.stop()):
+            return None
         update = self.update(step, batch)
         self.scheduler.step()
         if self.algo.check:
@@ -309,42 +346,45 @@ class GRPOTrainer:
             if found is not None:
                 state = checkpoint.load(found, self.model, self.optimizer, self.scheduler)
                 start = state["step"]
+                self.last_checkpoint = (start, found)
                 self.skipped_updates = state.get("skipped_updates", 0)
                 self.fresh_adapter = start == 0
                 if self.dist.is_main:
                     shutil_copy_metrics(found, run_dir)
         main = self.dist.is_main
-        tracker = (Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.max_steps, start)
+        tracker = (Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg, resolve=True), cfg.trainer.max_steps, start,
+                           resume=bool(cfg.trainer.get("resume")))
                    if main else SilentTracker())
         for text in getattr(self, "startup_warnings", []):
             tracker.warn(text)
-        stop = {"signum": None}
-
-        def on_signal(signum, _frame):
-            stop["signum"] = signum
-
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         t_start = time.time()
-        try:
+        # the CLI installs the handlers for the whole run (model load included); a bare fit() does it here
+        with contextlib.nullcontext() if self.stop.installed_now else self.stop.installed():
+            last_complete = rng_snapshot()
             for step in range(start, cfg.trainer.max_steps):
-                metrics, batch = self.step(step)
+                result = self.step(step)
+                if result is None:  # stopped before the update: checkpoint the state after `step` complete steps
+                    restore_rng(last_complete)
+                    raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(step),
+                                      completed=step, discarded=True)
+                metrics, batch = result
                 self.track_zero_std(metrics, tracker)
                 if self.evaluator is not None and cfg.eval.every and (step + 1) % cfg.eval.every == 0:
                     if main:
-                        metrics.update(self.evaluator(self.model))
+                        try:
+                            metrics.update(self.evaluator(self.model, stop=self.stop))
+                        except Interrupted:
+                            tracker.warn(f"evaluation after step {step + 1} was stopped; its metrics are left out")
                     distributed.barrier(self.dist)
                 tracker.log(metrics)
                 self.save_samples(tracker, step, batch)
                 done = step + 1
-                # every rank stops at the same step when any of them got the signal
-                stopping = distributed.sum_floats([float(stop["signum"] or 0)], self.dist, self.lm.device)[0] > 0
+                last_complete = rng_snapshot()
+                stopping = self.stop_agreed(self.stop())  # a stop during the update: the step was finished
                 if (cfg.trainer.save_every and done % cfg.trainer.save_every == 0) or stopping:
                     ckpt = self.save_checkpoint(done)
                     if stopping:
-                        raise Interrupted(stop["signum"] or signal.SIGTERM, ckpt)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+                        raise Interrupted(self.stop.signum or signal.SIGTERM, ckpt, completed=done)
         adapter_dir = self.save_adapter()
         if not main:
             return {"final_reward": float("nan"), "adapter": str(adapter_dir)}
@@ -370,12 +410,21 @@ class GRPOTrainer:
             metrics["warning"] = text
             tracker.warn(text)
 
+    def checkpoint_at(self, done: int) -> Path:
+        """A checkpoint of the state after `done` complete steps: the one this run last wrote or resumed from
+        when it is that state, else a new one (weights, optimiser and RNG are still those after `done`)."""
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == done \
+                and self.last_checkpoint[1].parent == checkpoint.checkpoint_root(self.run_dir):
+            return self.last_checkpoint[1]
+        return self.save_checkpoint(done)
+
     def save_checkpoint(self, done: int) -> Path:
         path = checkpoint.checkpoint_root(self.run_dir) / f"{checkpoint.PREFIX}{done:06d}"
         if self.dist.is_main:
             path = checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.scheduler,
                                    {"skipped_updates": self.skipped_updates}, self.tcfg.keep_last)
         distributed.barrier(self.dist)
+        self.last_checkpoint = (done, path)
         return path
 
     def save_adapter(self) -> Path:
