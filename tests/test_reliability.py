@@ -334,3 +334,40 @@ def test_second_sigint_exits_at_once(tmp_path):
     assert child.returncode == -signal.SIGINT, child.stderr.read()
     assert time.time() - t0 < 5
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+
+
+HUGE_EVAL = ["+recipe=quickstart", "model=tiny", "model.tiny.max_position_embeddings=200000", "eval.max_new_tokens=100000",
+             "eval.num_prompts=2", "rollout.max_new_tokens=4", "trainer.log_samples_every=0"]
+
+
+@pytest.mark.slow
+def test_sigint_during_the_evaluation_inside_training_keeps_the_finished_step(tmp_path):
+    run = tmp_path / "run"
+    child = start([*HUGE_EVAL, "eval.every=1", f"hydra.run.dir={run}"], tmp_path)
+    wait_for(lambda: "training 50 steps" in (tmp_path / "stdout.txt").read_text(), child)
+    time.sleep(8)  # step 1 takes a second or two; then its evaluation generates for hours
+    assert child.poll() is None and not (run / "metrics.jsonl").exists()
+    lines, seconds = stderr_lines_after_signal(child, signal.SIGINT)
+    assert child.returncode == 130, lines
+    assert lines[-1][1] == (f"grpo-train: stopped by SIGINT after 1 complete step(s); checkpoint {run}/checkpoints/"
+                            f"step-000001; resume with the same command plus trainer.resume=auto hydra.run.dir={run}")
+    assert lines[-1][0] < 10, lines
+    assert "evaluation after step 1 was stopped; its metrics are left out" in (tmp_path / "stdout.txt").read_text()
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0] and not any(k.startswith("eval/") for k in rows[0])
+
+
+@pytest.mark.slow
+def test_grpo_eval_stops_mid_generation(tmp_path):
+    out = tmp_path / "eval"
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    with open(tmp_path / "stdout.txt", "w") as stdout:
+        child = subprocess.Popen([script("grpo-eval"), *HUGE_EVAL, f"hydra.run.dir={out}"], cwd=tmp_path, env=env,
+                                 stdout=stdout, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out / ".hydra" / "config.yaml").exists(), child)
+    time.sleep(15)  # loaded and generating (a stop during the load is honoured at the first decode step)
+    assert child.poll() is None
+    lines, seconds = stderr_lines_after_signal(child, signal.SIGINT)
+    assert child.returncode == 130, lines
+    assert lines[-1][1] == "grpo-eval: stopped by SIGINT; nothing was written; run the command again for the result"
+    assert seconds < 60 and not (out / "eval.json").exists()

@@ -233,6 +233,7 @@ class WandbSink:
             console.print(f"[yellow]warning:[/] W&B online init failed ({escape(_first_line(err))}); "
                           "logging offline instead", highlight=False, soft_wrap=True)
             mode = "offline"
+            self.wandb.teardown()  # its service still holds the run id of the failed attempt
             self.run = self._init(mode)
         self.mode = mode
         if mode == "offline":
