@@ -183,3 +183,36 @@ def test_one_rank_binds_its_gpu_and_nccl_before_the_model_loads(tmp_path):
     seen = run_order_worker(tmp_path, 1, "auto")[0]
     assert seen["group_ready"] and seen["backend"] == "nccl"
     assert seen["device"] == "cuda:0" and seen["model_device"] == "cuda:0" and seen["current_cuda"] == 0
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_at_the_same_point(tmp_path):
+    """`grpo-train trainer.nproc=2` (torchrun underneath), SIGTERM mid-generation: torchrun forwards it to both ranks,
+    they agree to discard the step, rank 0 alone writes the checkpoint and the resume line."""
+    import signal
+    import time
+
+    from conftest import script
+
+    run = tmp_path / "run"
+    child = subprocess.Popen([script("grpo-train"), "+recipe=quickstart", "model=tiny", "trainer.nproc=2", "trainer.device=cpu",
+                              "model.tiny.max_position_embeddings=200000", "rollout.max_new_tokens=100000",
+                              "trainer.log_samples_every=0", f"hydra.run.dir={run}"], cwd=tmp_path, env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in child.stdout:
+        output.append(line)
+        if "training 50 steps" in line:
+            break
+    time.sleep(3)  # both ranks are generating (rank 1 reaches the loop as rank 0 does: the group was joined first)
+    child.send_signal(signal.SIGTERM)
+    output += child.stdout.readlines()
+    child.wait(timeout=120)
+    text = "".join(output)
+    stopped = [line for line in output if line.startswith("grpo-train: stopped by SIGTERM")]
+    assert stopped == [f"grpo-train: stopped by SIGTERM after 0 complete step(s); the unfinished step was discarded; "
+                       f"checkpoint {run}/checkpoints/step-000000; resume with the same command plus trainer.resume=auto "
+                       f"hydra.run.dir={run}\n"], text[-3000:]
+    assert sum(line.startswith("grpo-train: SIGTERM received") for line in output) == 1
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000000"]
+    assert child.returncode != 0  # torchrun reports the signal it forwarded in its own words
