@@ -369,5 +369,6 @@ def test_grpo_eval_stops_mid_generation(tmp_path):
     assert child.poll() is None
     lines, seconds = stderr_lines_after_signal(child, signal.SIGINT)
     assert child.returncode == 130, lines
-    assert lines[-1][1] == "grpo-eval: stopped by SIGINT; nothing was written; run the command again for the result"
+    assert lines[-1][1] == ("grpo-eval: stopped by SIGINT before it finished; eval.json was not written; run the command "
+                            "again for the result")
     assert seconds < 60 and not (out / "eval.json").exists()

@@ -175,7 +175,7 @@ def _eval_task(cfg) -> float:
 
     from grpo_cli.stopping import StopRequest
 
-    stop = StopRequest("grpo-eval", effect="nothing is written")
+    stop = StopRequest("grpo-eval", effect="no result is written")
     try:
         with stop.installed():
             validate(cfg)
@@ -184,8 +184,8 @@ def _eval_task(cfg) -> float:
 
             result = run_eval(cfg, Path(HydraConfig.get().runtime.output_dir), stop=stop)
     except Interrupted as stopped:
-        print(f"grpo-eval: stopped by {signal.Signals(stopped.signum).name}; nothing was written; run the command "
-              "again for the result", file=sys.stderr, flush=True)
+        print(f"grpo-eval: stopped by {signal.Signals(stopped.signum).name} before it finished; eval.json was not "
+              "written; run the command again for the result", file=sys.stderr, flush=True)
         sys.exit(128 + stopped.signum)
     except (UserError, RunError) as err:
         _fail("grpo-eval", err)

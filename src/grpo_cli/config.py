@@ -67,13 +67,12 @@ def _check_choice(cfg: DictConfig, key: str, choices) -> None:
 
 def _raw_value(cfg: DictConfig, key: str) -> str:
     """A value as written, `${...}` unresolved."""
-    node = cfg
-    try:
-        for part in key.split("."):
-            node = node._get_node(part)
-        return str(node._value())
-    except Exception:
-        return "?"
+    node = OmegaConf.to_container(cfg, resolve=False)
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return "?"
+        node = node[part]
+    return str(node)
 
 
 def check_interpolations(cfg: DictConfig) -> None:
