@@ -12,6 +12,12 @@ import pytest
 import torch
 from conftest import read_jsonl, run_cli, script
 
+
+def with_pythonpath(folder) -> dict:
+    """The environment entry that makes `folder` importable, ahead of (not instead of) the current PYTHONPATH."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
 NO_GPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present here")
 
 # (override, words the one-line message must contain)
@@ -127,7 +133,8 @@ def test_reward_returning_strings_is_refused(tmp_path):
         "def wordy(prompts, completions, **_):\n    return ['1.0' for _ in completions]\n")
     proc = run_cli(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=3", "data.prompts_per_step=2",
                     "algo.num_generations=2", "reward.on_error=zero",
-                    "+reward.functions.wordy._target_=my_rewards.wordy"], tmp_path, env={"PYTHONPATH": str(tmp_path)})
+                    "+reward.functions.wordy._target_=my_rewards.wordy"], tmp_path,
+                   env=with_pythonpath(tmp_path))
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert lines == ["grpo-train: reward wordy returned str '1.0' for completion 0; it must return a number per "
@@ -143,7 +150,7 @@ def test_reward_that_raises_names_function_and_completion(tmp_path):
     rows.write_text("".join(f'{{"prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(1, 5)))
     proc = run_cli(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=3", "data.source=jsonl",
                     f"data.path={rows}", "+reward.functions.flaky._target_=my_rewards.flaky"], tmp_path,
-                   env={"PYTHONPATH": str(tmp_path)})
+                   env=with_pythonpath(tmp_path))
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("grpo-train: reward flaky raised ZeroDivisionError on completion ")
@@ -156,7 +163,7 @@ def test_reward_on_error_zero_counts_errors(tmp_path):
     run = tmp_path / "run"
     proc = run_cli([*TINY_RUN, "trainer.max_steps=1", "trainer.save_every=0", "reward.on_error=zero",
                     "+reward.functions.broken._target_=my_rewards.broken", f"hydra.run.dir={run}"], tmp_path,
-                   env={"PYTHONPATH": str(tmp_path)})
+                   env=with_pythonpath(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert read_jsonl(run / "metrics.jsonl")[0]["reward_errors"] == 8
 
