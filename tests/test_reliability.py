@@ -1,4 +1,5 @@
-"""Bad input gets one line and exit 2; a killed run resumes to the bitwise-same adapter; signals checkpoint."""
+"""Bad input gets one line and exit 2; a killed run resumes to the bitwise-same adapter; signals checkpoint,
+also in the middle of generation."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import subprocess
 import time
 
 import pytest
+import torch
 from conftest import read_jsonl, run_cli, script
+
+
+def with_pythonpath(folder) -> dict:
+    """The environment entry that makes `folder` importable, ahead of (not instead of) the current PYTHONPATH."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+NO_GPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present here")
 
 # (override, words the one-line message must contain)
 BAD = [
@@ -28,7 +38,7 @@ BAD = [
     ("algo.scale_rewards=median", ["algo.scale_rewards=median", "group"]),
     ("algo.ratio_level=word", ["algo.ratio_level=word", "sequence"]),
     ("trainer.device=tpu", ["trainer.device=tpu", "auto"]),
-    ("trainer.device=cuda", ["trainer.device=cuda", "no CUDA"]),
+    pytest.param("trainer.device=cuda", ["trainer.device=cuda", "no CUDA"], marks=NO_GPU_ONLY, id="trainer.device=cuda"),
     ("optimizer.lr=0", ["optimizer.lr=0", "lr > 0"]),
     ("trainer.max_steps=0", ["trainer.max_steps=0"]),
     ("+reward.functions.mine._target_=nowhere.fn", ["reward.functions.mine._target_=nowhere.fn", "cannot be imported"]),
@@ -37,11 +47,17 @@ BAD = [
     ("model=nope", ["model/nope", "smollm2-135m"]),
     ("algo.betta=0.1", ["algo.betta"]),
     ("reward.on_error=ignore", ["reward.on_error=ignore", "zero"]),
+    # limits: the tiny model's context is 1024 tokens; data.max_prompt_tokens is 256
+    ("rollout.max_new_tokens=900", ["rollout.max_new_tokens=900", "1156 tokens", "1024-token context",
+                                    "rollout.max_new_tokens<=768"]),
+    ("data.max_prompt_tokens=2000", ["rollout.max_new_tokens=8", "lower data.max_prompt_tokens below 1024"]),
+    ("algo.beta=${oops}", ["algo.beta=${oops}", "does not resolve", "'oops' not found"]),
+    ("eval.max_new_tokens=${rollout.nope}", ["eval.max_new_tokens=${rollout.nope}", "does not resolve"]),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override,words", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("override,words", [pytest.param(*b, id=b[0]) if type(b) is tuple else b for b in BAD])
 def test_bad_invocation_is_one_line_exit_2(tmp_path, override, words):
     proc = run_cli(["+recipe=quickstart", "model=tiny", override], tmp_path, timeout=120)
     lines = proc.stderr.strip().splitlines()
@@ -50,7 +66,29 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, override, words):
     assert lines[0].startswith("grpo-train: ")
     for word in words:
         assert word in lines[0], lines[0]
+    assert "HYDRA_FULL_ERROR" not in proc.stderr
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
+
+
+def test_prompts_per_step_over_nproc_is_refused_before_torchrun(tmp_path):
+    t0 = time.time()
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "trainer.nproc=3", "data.prompts_per_step=4"], tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "grpo-train: data.prompts_per_step=4 is invalid: must divide over the 3 ranks (each takes whole prompt groups); "
+        "use a multiple of 3, e.g. data.prompts_per_step=3"]
+    assert "torch.distributed" not in proc.stdout + proc.stderr and time.time() - t0 < 60
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_prompts_per_step_over_world_size_inside_torchrun(tmp_path):
+    """What every rank of `torchrun --nproc_per_node=2` sees: WORLD_SIZE=2; refused before the process group."""
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "data.prompts_per_step=3"], tmp_path, timeout=120,
+                   env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("grpo-train: data.prompts_per_step=3 is invalid: must divide over the "
+                                                   "2 ranks"), lines
 
 
 def test_unknown_recipe_exit_2(tmp_path):
@@ -59,12 +97,51 @@ def test_unknown_recipe_exit_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_row_missing_field_names_file_and_line(tmp_path):
+def test_data_row_missing_field_names_file_line_and_the_accepted_forms(tmp_path):
     data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"answer": "3"}\n')
+    data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n\n{"question": "What is 2 + 1?", "answer": "3"}\n')
     proc = run_cli(["+recipe=quickstart", "model=tiny", "data.source=jsonl", f"data.path={data}"], tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"grpo-train: {data}:2 lacks field(s) prompt; every row needs prompt"]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"grpo-train: {data}:3 lacks a prompt; every row needs "), lines
+    assert '"prompt" (text, or a list of chat messages) or "messages" (a list of chat messages)' in lines[0]
+
+
+@pytest.mark.slow
+def test_jsonl_chat_forms_train(tmp_path):
+    """The three prompt forms TRL accepts, mixed in one file, train; the chat ones keep their own system turn."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text(
+        '{"prompt": "What is 1 + 1?", "answer": "2"}\n'
+        '{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}\n'
+        '{"messages": [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 3 + 3?"}],'
+        ' "answer": "6"}\n')
+    run = tmp_path / "run"
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "data.source=jsonl", f"data.path={data}", "data.prompts_per_step=3",
+                    "algo.num_generations=2", "rollout.max_new_tokens=3", "trainer.max_steps=1", "trainer.log_samples_every=1",
+                    f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    prompts = {s["prompt"] for s in read_jsonl(run / "samples.jsonl")}
+    assert len(prompts) == 3
+    for question in ("What is 1 + 1? Answer with just the number.", "What is 2 + 2? Answer with just the number.",
+                     "What is 3 + 3? Answer with just the number."):
+        assert sum(question in p for p in prompts) == 1, (question, prompts)
+    assert sum("You add numbers." in p for p in prompts) == 1
+
+
+@pytest.mark.slow
+def test_reward_returning_strings_is_refused(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(
+        "def wordy(prompts, completions, **_):\n    return ['1.0' for _ in completions]\n")
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=3", "data.prompts_per_step=2",
+                    "algo.num_generations=2", "reward.on_error=zero",
+                    "+reward.functions.wordy._target_=my_rewards.wordy"], tmp_path,
+                   env=with_pythonpath(tmp_path))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["grpo-train: reward wordy returned str '1.0' for completion 0; it must return a number per "
+                     "completion (int, float, bool, or a numpy/torch scalar)"], lines
+    assert not list(tmp_path.rglob("adapter"))
 
 
 @pytest.mark.slow
@@ -76,7 +153,7 @@ def test_reward_that_raises_names_function_and_completion(tmp_path):
     rows.write_text("".join(f'{{"prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(1, 5)))
     proc = run_cli(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=3", "data.source=jsonl",
                     f"data.path={rows}", "+reward.functions.flaky._target_=my_rewards.flaky"], tmp_path,
-                   env={"PYTHONPATH": str(tmp_path)})
+                   env=with_pythonpath(tmp_path))
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("grpo-train: reward flaky raised ZeroDivisionError on completion ")
@@ -90,7 +167,7 @@ def test_reward_on_error_zero_counts_errors(tmp_path):
     run = tmp_path / "run"
     proc = run_cli([*TINY_RUN, "trainer.max_steps=1", "trainer.save_every=0", "reward.on_error=zero",
                     "+reward.functions.broken._target_=my_rewards.broken", f"hydra.run.dir={run}"], tmp_path,
-                   env={"PYTHONPATH": str(tmp_path)})
+                   env=with_pythonpath(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert read_jsonl(run / "metrics.jsonl")[0]["reward_errors"] == 8
 
@@ -161,3 +238,152 @@ def test_crafted_pickle_in_checkpoint_is_refused(tmp_path):
     assert proc.returncode == 2
     assert "refused" in proc.stderr.strip().splitlines()[-1]
     assert not sentinel.exists()
+
+
+# ---- stopping in the middle of generation -----------------------------------------------------------------------
+def start(args: list[str], cwd) -> subprocess.Popen:
+    """grpo-train in the background: stdout to cwd/stdout.txt (to watch), stderr to a pipe."""
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    with open(cwd / "stdout.txt", "w") as out:
+        return subprocess.Popen([script("grpo-train"), *args], cwd=cwd, env=env, stdout=out, stderr=subprocess.PIPE,
+                                text=True)
+
+
+def wait_for(condition, child: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert child.poll() is None, child.stderr.read()[-3000:]
+        if time.time() > deadline:
+            child.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.02)
+
+
+def stderr_lines_after_signal(child: subprocess.Popen, signum: int) -> tuple[list[tuple[float, str]], float]:
+    """Send `signum`; return the stderr lines with their seconds after the signal, and the seconds to exit."""
+    t0 = time.time()
+    child.send_signal(signum)
+    lines = [(time.time() - t0, line.rstrip()) for line in child.stderr]
+    child.wait(timeout=120)
+    return lines, time.time() - t0
+
+
+# generation dominates a step here (seconds on a CPU): 96 tokens for 8 completions, no reference pass
+GENERATING = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=96", "rollout.min_new_tokens=96", "algo.beta=0.0",
+              "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=2", "trainer.save_every=0",
+              "trainer.log_samples_every=0"]
+
+
+@pytest.mark.slow
+def test_sigint_mid_generation_discards_the_step_and_resume_is_exact(tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    proc = run_cli([*GENERATING, f"hydra.run.dir={straight}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    child = start([*GENERATING, f"hydra.run.dir={stopped}"], tmp_path)
+    metrics = stopped / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") == 1, child)  # step 0 done: step 1 starts generating
+    # a third into step 1's generation, which is as long as step 0's (a signal right at the end of step 0 stops after it)
+    time.sleep(0.3 * read_jsonl(metrics)[0]["gen_time_s"])
+    lines, seconds = stderr_lines_after_signal(child, signal.SIGINT)
+    assert child.returncode == 130, lines
+    notice = [text for _, text in lines if text.startswith("grpo-train: SIGINT received: stopping now")]
+    assert len(notice) == 1 and "Ctrl-C again to exit at once" in notice[0], lines
+    assert lines[-1][1] == (f"grpo-train: stopped by SIGINT after 1 complete step(s); the unfinished step was discarded; "
+                         f"checkpoint {stopped}/checkpoints/step-000001; resume with the same command plus "
+                         f"trainer.resume=auto hydra.run.dir={stopped}")
+    assert lines[-1][0] < 10, lines  # generation stopped at once, not after its 96 tokens (and the update)
+    assert [r["step"] for r in read_jsonl(metrics)] == [0]
+    assert not (stopped / "adapter").exists()
+
+    proc = run_cli([*GENERATING, f"hydra.run.dir={stopped}", "trainer.resume=auto"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(metrics)] == [0, 1]
+    a = (straight / "adapter" / "adapter_model.safetensors").read_bytes()
+    b = (stopped / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert a == b
+    assert [r["reward"] for r in read_jsonl(straight / "metrics.jsonl")] == [r["reward"] for r in read_jsonl(metrics)]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_generation_that_would_run_for_hours(tmp_path):
+    """The issue's case: 100000 new tokens (the tiny model's context raised to allow it). SIGTERM ends the run in
+    seconds with exit 143 and a checkpoint of the state before the step (none complete: step 0), which resumes."""
+    run = tmp_path / "run"
+    huge = ["+recipe=quickstart", "model=tiny", "model.tiny.max_position_embeddings=200000",
+            "rollout.max_new_tokens=100000", "trainer.log_samples_every=0"]
+    child = start([*huge, f"hydra.run.dir={run}"], tmp_path)
+    wait_for(lambda: "training 50 steps" in (tmp_path / "stdout.txt").read_text(), child)  # the model is loaded: step 1 starts
+    time.sleep(3)  # generating
+    assert child.poll() is None and not (run / "metrics.jsonl").exists()
+    lines, seconds = stderr_lines_after_signal(child, signal.SIGTERM)
+    assert child.returncode == 143, lines
+    assert lines[-1][1] == (f"grpo-train: stopped by SIGTERM after 0 complete step(s); the unfinished step was discarded; "
+                            f"checkpoint {run}/checkpoints/step-000000; resume with the same command plus "
+                            f"trainer.resume=auto hydra.run.dir={run}")
+    assert lines[-1][0] < 10 and seconds < 60, (lines, seconds)  # the rest is the interpreter's own teardown
+    print(f"SIGTERM -> last line {lines[-1][0]:.2f} s, -> exit {seconds:.2f} s")
+
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "trainer.max_steps=1",
+                    "trainer.resume=auto", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0]
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_second_sigint_exits_at_once(tmp_path):
+    """The first SIGINT asks for a stop (here during the embedded model's load, which cannot be cut short); a second
+    one ends the process at once by SIGINT itself (a shell shows exit 130), and writes nothing."""
+    run = tmp_path / "run"
+    child = start(["+recipe=quickstart", "trainer.max_steps=1", f"hydra.run.dir={run}"], tmp_path)
+    wait_for(lambda: (run / ".hydra" / "config.yaml").exists(), child)
+    time.sleep(0.5)
+    child.send_signal(signal.SIGINT)
+    for line in child.stderr:
+        if line.startswith("grpo-train: SIGINT received: stopping now"):
+            break
+    t0 = time.time()
+    child.send_signal(signal.SIGINT)
+    child.wait(timeout=60)
+    assert child.returncode == -signal.SIGINT, child.stderr.read()
+    assert time.time() - t0 < 5
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+
+
+HUGE_EVAL = ["+recipe=quickstart", "model=tiny", "model.tiny.max_position_embeddings=200000", "eval.max_new_tokens=100000",
+             "eval.num_prompts=2", "rollout.max_new_tokens=4", "trainer.log_samples_every=0"]
+
+
+@pytest.mark.slow
+def test_sigint_during_the_evaluation_inside_training_keeps_the_finished_step(tmp_path):
+    run = tmp_path / "run"
+    child = start([*HUGE_EVAL, "eval.every=1", f"hydra.run.dir={run}"], tmp_path)
+    wait_for(lambda: "training 50 steps" in (tmp_path / "stdout.txt").read_text(), child)
+    time.sleep(20)  # step 1 takes seconds; then its evaluation generates for hours
+    assert child.poll() is None and not (run / "metrics.jsonl").exists()
+    lines, seconds = stderr_lines_after_signal(child, signal.SIGINT)
+    assert child.returncode == 130, lines
+    assert lines[-1][1] == (f"grpo-train: stopped by SIGINT after 1 complete step(s); checkpoint {run}/checkpoints/"
+                            f"step-000001; resume with the same command plus trainer.resume=auto hydra.run.dir={run}")
+    assert lines[-1][0] < 10, lines
+    assert "evaluation after step 1 was stopped; its metrics are left out" in (tmp_path / "stdout.txt").read_text()
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0] and not any(k.startswith("eval/") for k in rows[0])
+
+
+@pytest.mark.slow
+def test_grpo_eval_stops_mid_generation(tmp_path):
+    out = tmp_path / "eval"
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    with open(tmp_path / "stdout.txt", "w") as stdout:
+        child = subprocess.Popen([script("grpo-eval"), *HUGE_EVAL, f"hydra.run.dir={out}"], cwd=tmp_path, env=env,
+                                 stdout=stdout, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out / ".hydra" / "config.yaml").exists(), child)
+    time.sleep(15)  # loaded and generating (a stop during the load is honoured at the first decode step)
+    assert child.poll() is None
+    lines, seconds = stderr_lines_after_signal(child, signal.SIGINT)
+    assert child.returncode == 130, lines
+    assert lines[-1][1] == ("grpo-eval: stopped by SIGINT before it finished; eval.json was not written; run the command "
+                            "again for the result")
+    assert seconds < 60 and not (out / "eval.json").exists()

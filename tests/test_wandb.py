@@ -340,3 +340,32 @@ def test_names_outside_hydra():
     if HydraConfig.initialized():
         pytest.skip("another test left a HydraConfig behind")
     assert _hydra_names({}) == (None, None)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, offline_run):
+    """The run id is kept in the run dir; the resumed segment logs under it (resume="allow"), from the checkpoint's step
+    on. Offline each segment is its own folder named after that one id, and the sync hint uploads them together."""
+    run_dir = tmp_path / "run"
+    env = clean_env(WANDB_CACHE_DIR=str(tmp_path / "wb_cache"), WANDB_DATA_DIR=str(tmp_path / "wb_data"),
+                    WANDB_CONFIG_DIR=str(tmp_path / "wb_config"))
+    args = [script("grpo-train"), "+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "logger=wandb",
+            "logger.wandb.mode=offline", "trainer.save_every=1", "trainer.log_samples_every=0", f"hydra.run.dir={run_dir}"]
+    first = subprocess.run([*args, "trainer.max_steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    second = subprocess.run([*args, "trainer.max_steps=3", "trainer.resume=auto"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert (run_dir / "wandb_run_id").read_text().strip() == run_id
+
+    segments = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert [p.parent.name.rsplit("-", 1)[1] for p in segments] == [run_id, run_id]
+    steps = []
+    for segment in segments:
+        runs = [r.run for r in wandb_records(segment) if r.WhichOneof("record_type") == "run"]
+        assert runs and all(r.run_id == run_id for r in runs)
+        steps.append(sorted({r.history.step.num for r in wandb_records(segment) if r.WhichOneof("record_type") == "history"}))
+    assert steps == [[0, 1], [2]]
+    assert f"wandb sync {run_dir}/wandb/offline-run-*-{run_id}" in second.stdout
+    assert offline_run["wandb"]["run"].run_id != run_id  # another run dir, another W&B run

@@ -29,9 +29,10 @@ def _fail(prog: str, err: UserError | RunError) -> None:
     sys.exit(err.exit_code)
 
 
-def _precheck(prog: str, argv: list[str], config_name: str = "config") -> None:
+def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     """Hydra's own messages for an unknown recipe, group option or key run to a page and exit 1; say it
-    in one line, exit 2. A single run is composed once here for that; sweeps are left to Hydra."""
+    in one line, exit 2. A single run is composed once here for that (and returned, Hydra's part set up so
+    `${hydra:...}` resolves); sweeps and help are left to Hydra (None)."""
     known = available_recipes()
     for arg in argv:
         if arg.lstrip("+~").startswith("recipe="):
@@ -40,16 +41,22 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config") -> None:
                     _bad_input(f"{prog}: recipe {name!r} not found; known recipes: {', '.join(sorted(known))} "
                                f"(or put {name}.yaml in ./recipes/)")
     if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "-sc", "--shell-completion") for a in argv):
-        return
+        return None
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose(config_name, overrides=overrides)
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     except Exception as err:  # Hydra raises several types; all are a bad override here
         first = " ".join(str(err).split()).split(" Config search path")[0]
         _bad_input(f"{prog}: {first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys")
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def _bad_input(line: str) -> None:
@@ -79,35 +86,51 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
+    """After SIGINT/SIGTERM: where the run stands and how to resume it, then exit 128 + signal."""
+    if _is_rank_zero():
+        name = signal.Signals(stop.signum).name
+        done = "" if stop.completed is None else f" after {stop.completed} complete step(s)"
+        dropped = "; the unfinished step was discarded" if stop.discarded else ""
+        print(f"{prog}: stopped by {name}{done}{dropped}; checkpoint {stop.checkpoint_dir}; resume with the same command "
+              f"plus trainer.resume=auto hydra.run.dir={run_dir}", file=sys.stderr, flush=True)
+    sys.exit(128 + stop.signum)
+
+
 def _train_task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
 
+    from grpo_cli.stopping import StopRequest
+
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    stop = StopRequest("grpo-train")
     try:
-        warnings = validate(cfg)
-        if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
-            clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
-            warnings += [clip] if clip else []
-        _quiet_libraries()  # heavy imports only after the config is known good
-        from grpo_cli.trainer import GRPOTrainer
+        with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
+            warnings = validate(cfg)
+            _quiet_libraries()  # heavy imports only after the config is known good
+            from grpo_cli.trainer import GRPOTrainer
+            if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
+                clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
+                warnings += [clip] if clip else []
 
-        trainer = GRPOTrainer(cfg, run_dir)
-        trainer.startup_warnings = warnings
-        if cfg.eval.every:
-            from grpo_cli.evaluate import Evaluator
+            trainer = GRPOTrainer(cfg, run_dir, stop=stop)
+            trainer.startup_warnings = warnings
+            if cfg.eval.every:
+                from grpo_cli.evaluate import Evaluator
 
-            trainer.evaluator = Evaluator.for_training(cfg, trainer.lm)
-        try:
-            summary = trainer.fit()
-        finally:
-            from grpo_cli.distributed import teardown
+                trainer.evaluator = Evaluator.for_training(cfg, trainer.lm)
+            try:
+                summary = trainer.fit()
+            finally:
+                from grpo_cli.distributed import teardown
 
-            teardown(trainer.dist)
-    except Interrupted as stop:
-        name = signal.Signals(stop.signum).name
-        print(f"grpo-train: stopped by {name}; checkpoint {stop.checkpoint_dir}; resume with the same command plus "
-              f"trainer.resume=auto hydra.run.dir={run_dir}", file=sys.stderr, flush=True)
-        sys.exit(128 + stop.signum)
+                teardown(trainer.dist)
+    except Interrupted as stopped:
+        _stopped("grpo-train", stopped, run_dir)
     except (UserError, RunError) as err:
         _fail("grpo-train", err)
     return float(summary["final_reward"])
@@ -115,9 +138,19 @@ def _train_task(cfg) -> float:
 
 def train() -> None:
     """`grpo-train`: one run, or a sweep with -m; `trainer.nproc=K` relaunches itself under torchrun."""
-    nproc = _requested_nproc(sys.argv[1:])
+    argv = sys.argv[1:]
+    nproc = _requested_nproc(argv)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
-        _relaunch_under_torchrun(nproc, sys.argv[1:])
+        if "-m" in argv or "--multirun" in argv:
+            _bad_input("grpo-train: trainer.nproc > 1 with -m is not supported; launch torchrun per job (see README)")
+        register_recipes()
+        cfg = _precheck("grpo-train", argv)
+        if cfg is not None:  # every bad value is one line here, not one per rank inside a torchrun traceback
+            try:
+                validate(cfg)
+            except UserError as err:
+                _bad_input(f"grpo-train: {err}")
+        _relaunch_under_torchrun(nproc, argv)
     _hydra_app(_train_task, "grpo-train")()
 
 
@@ -135,8 +168,6 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> None:
     """Every rank must share one run dir, so a timestamped default is fixed here, once."""
     import time
 
-    if "-m" in argv or "--multirun" in argv:
-        _bad_input("grpo-train: trainer.nproc > 1 with -m is not supported; launch torchrun per job (see README)")
     if not any(a.startswith("hydra.run.dir=") for a in argv):
         argv = [*argv, f"hydra.run.dir=outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "grpo_cli.train", *argv]
@@ -146,12 +177,20 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> None:
 def _eval_task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
 
-    try:
-        validate(cfg)
-        _quiet_libraries()  # before the heavy imports, so their warnings and progress bars stay quiet
-        from grpo_cli.evaluate import run_eval
+    from grpo_cli.stopping import StopRequest
 
-        result = run_eval(cfg, Path(HydraConfig.get().runtime.output_dir))
+    stop = StopRequest("grpo-eval", effect="no result is written")
+    try:
+        with stop.installed():
+            validate(cfg)
+            _quiet_libraries()  # before the heavy imports, so their warnings and progress bars stay quiet
+            from grpo_cli.evaluate import run_eval
+
+            result = run_eval(cfg, Path(HydraConfig.get().runtime.output_dir), stop=stop)
+    except Interrupted as stopped:
+        print(f"grpo-eval: stopped by {signal.Signals(stopped.signum).name} before it finished; eval.json was not "
+              "written; run the command again for the result", file=sys.stderr, flush=True)
+        sys.exit(128 + stopped.signum)
     except (UserError, RunError) as err:
         _fail("grpo-eval", err)
     return float(result["accuracy"])

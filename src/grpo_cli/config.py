@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 
 from grpo_cli.errors import ConfigError
 
@@ -94,9 +96,50 @@ def _check_choice(cfg: DictConfig, key: str, choices) -> None:
         _fail(key, value, "use one of " + ", ".join(choices))
 
 
+def _raw_value(cfg: DictConfig, key: str) -> str:
+    """A value as written, `${...}` unresolved."""
+    node = OmegaConf.to_container(cfg, resolve=False)
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return "?"
+        node = node[part]
+    return str(node)
+
+
+def check_interpolations(cfg: DictConfig) -> None:
+    """Every `${...}` must resolve; otherwise one line naming the key, instead of Hydra's page."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except (InterpolationResolutionError, GrammarParseError) as err:
+        key = getattr(err, "full_key", None) or "?"
+        reason = str(err).strip().splitlines()[0]
+        raise ConfigError(f"{key}={_raw_value(cfg, key)} is invalid: it does not resolve ({reason}); refer to an "
+                          "existing key such as ${rollout.max_new_tokens}, or give a plain value") from None
+
+
+def ranks(cfg: DictConfig) -> int:
+    """Processes of the job: torchrun's WORLD_SIZE inside one, else trainer.nproc (before grpo-train starts it)."""
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else int(cfg.trainer.nproc)
+
+
+def check_context_length(cfg: DictConfig, context: int | None, keys: tuple[str, ...]) -> None:
+    """max_new_tokens plus the longest prompt (data.max_prompt_tokens) must fit the model's context."""
+    if not context:
+        return
+    prompt = int(cfg.data.max_prompt_tokens)
+    for key in keys:
+        new = int(OmegaConf.select(cfg, key))
+        if new + prompt > context:
+            fix = (f"use {key}<={context - prompt} or lower data.max_prompt_tokens" if context > prompt
+                   else f"lower data.max_prompt_tokens below {context}")
+            _fail(key, new, f"with data.max_prompt_tokens={prompt} a sequence reaches {new + prompt} tokens, beyond "
+                            f"the {context}-token context of {cfg.model.name_or_path}; {fix}")
+
+
 def validate(cfg: DictConfig) -> list[str]:
     """Raise ConfigError on the first bad value; return warnings for legal but doubtful ones."""
     warnings = []
+    check_interpolations(cfg)
     r = _check_range
     r(cfg, "algo.num_generations", lambda v: int(v) == v and v >= 2, "needs an integer >= 2 (a group needs two completions)")
     r(cfg, "algo.beta", lambda v: v >= 0, "needs beta >= 0")
@@ -144,6 +187,11 @@ def validate(cfg: DictConfig) -> list[str]:
         if not torch.cuda.is_available():
             _fail("trainer.device", device, "no CUDA device is visible here; use trainer.device=auto or cpu")
     r(cfg, "trainer.nproc", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
+    n_ranks = ranks(cfg)
+    if cfg.data.prompts_per_step % n_ranks:
+        _fail("data.prompts_per_step", cfg.data.prompts_per_step,
+              f"must divide over the {n_ranks} ranks (each takes whole prompt groups); use a multiple of {n_ranks}, "
+              f"e.g. data.prompts_per_step={n_ranks * max(1, round(cfg.data.prompts_per_step / n_ranks))}")
     r(cfg, "eval.every", lambda v: int(v) == v and v >= 0, "needs an integer >= 0 (0 = never)")
     r(cfg, "eval.num_prompts", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
     r(cfg, "eval.samples", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")

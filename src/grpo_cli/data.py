@@ -2,6 +2,11 @@
 
 A source is a list of rows; each row has `messages` (the chat prompt) and the fields rewards receive
 (e.g. `answer`). Batches are a pure function of (seed, step), so a resumed run sees the same prompts.
+
+A jsonl row gives its prompt in one of the forms TRL accepts: `prompt` as text, `prompt` as a list of chat
+messages, or `messages` (a list of chat messages); a chat prompt ends with a user (or tool) turn, since the
+model writes the next assistant turn. `data.system_prompt` is added to a chat prompt that has no system
+message, and `data.question_suffix` to its last user message.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ def _messages(question: str, system_prompt: str | None, suffix: str = "") -> lis
     return messages + [{"role": "user", "content": question + (suffix or "")}]
 
 
-def read_jsonl(path: str | Path, required: Sequence[str]) -> list[dict]:
+def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, row) of every non-blank line of a jsonl file; one line of error for a bad file or line."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; pass an existing file with data.path=FILE.jsonl")
@@ -34,12 +40,23 @@ def read_jsonl(path: str | Path, required: Sequence[str]) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}:{lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
-            missing = [k for k in required if k not in row]
-            if missing:
-                raise DataError(f"{path}:{lineno} lacks field(s) {', '.join(missing)}; every row needs {', '.join(required)}")
-            rows.append(row)
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno} is a JSON {type(row).__name__}, not an object; each line holds one "
+                                "row as a JSON object")
+            rows.append((lineno, row))
     if not rows:
         raise DataError(f"data file {path} holds no rows; point data.path at a non-empty jsonl file")
+    return rows
+
+
+def read_jsonl(path: str | Path, required: Sequence[str]) -> list[dict]:
+    rows = []
+    for lineno, row in numbered_jsonl(path):
+        missing = [k for k in required if k not in row]
+        if missing:
+            raise DataError(f"{Path(path).expanduser()}:{lineno} lacks field(s) {', '.join(missing)}; every row needs "
+                            f"{', '.join(required)}")
+        rows.append(row)
     return rows
 
 
@@ -76,9 +93,44 @@ def _gsm8k_rows(path: str | None, split: str, system_prompt, suffix: str) -> lis
     return [{"messages": _messages(r["question"], system_prompt, suffix), "answer": gold_answer(r["answer"])} for r in raw]
 
 
+PROMPT_FORMS = ('"prompt" (text, or a list of chat messages) or "messages" (a list of chat messages), '
+                'e.g. {"prompt": "What is 2 + 2?", "answer": "4"} or '
+                '{"messages": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}')
+
+
+def _chat(where: str, key: str, messages, system_prompt, suffix: str) -> list[dict]:
+    """A chat prompt as given, checked, with the configured system prompt and question suffix added."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
+        raise DataError(f'{where}: "{key}" is not a list of chat messages like {{"role": "user", "content": "..."}}; '
+                        f"every row needs {PROMPT_FORMS}")
+    if messages[-1]["role"] == "assistant":
+        raise DataError(f'{where}: "{key}" ends with an assistant turn; a prompt ends with the user\'s turn (the model '
+                        "writes the answer): drop that turn, and put a reference answer in a field such as answer")
+    messages = [dict(m) for m in messages]
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if suffix and users and isinstance(messages[users[-1]]["content"], str):
+        messages[users[-1]]["content"] += suffix
+    return messages
+
+
 def _jsonl_rows(path: str, system_prompt, suffix: str) -> list[dict]:
-    rows = read_jsonl(path, ("prompt",))
-    return [{**{k: v for k, v in r.items() if k != "prompt"}, "messages": _messages(r["prompt"], system_prompt, suffix)} for r in rows]
+    rows = []
+    for lineno, row in numbered_jsonl(path):
+        where = f"{Path(path).expanduser()}:{lineno}"
+        fields = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
+        if isinstance(row.get("prompt"), str):
+            messages = _messages(row["prompt"], system_prompt, suffix)
+        elif "prompt" in row:
+            messages = _chat(where, "prompt", row["prompt"], system_prompt, suffix)
+        elif "messages" in row:
+            messages = _chat(where, "messages", row["messages"], system_prompt, suffix)
+        else:
+            raise DataError(f"{where} lacks a prompt; every row needs {PROMPT_FORMS}")
+        rows.append({**fields, "messages": messages})
+    return rows
 
 
 def load_rows(cfg_data, *, split: str = "train", seed: int = 0) -> list[dict]:

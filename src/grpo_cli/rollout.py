@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 
 @dataclass
@@ -27,6 +29,7 @@ class Rollout:
     truncated: torch.Tensor        # [N] bool: hit max_new_tokens without EOS
     texts: list[str]
     group_size: int
+    interrupted: bool = False      # a stop request ended generation early: the caller discards it
 
 
 def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int, overlong: str = "truncate") -> EncodedPrompts:
@@ -71,6 +74,17 @@ def completion_masks(completion_ids: torch.Tensor, eos: list[int]) -> tuple[torc
     return (~seen_before).long(), ~is_eos.any(dim=1)
 
 
+class StopWhenRequested(StoppingCriteria):
+    """Ends `generate` at the decode step after `stop()` turns true (polled once per decode step)."""
+
+    def __init__(self, stop: Callable[[], bool]):
+        self.stop, self.fired = stop, False
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.fired = self.fired or bool(self.stop())
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+
+
 def positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids of a left-padded batch: 0 at each row's first real token."""
     return (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -87,11 +101,12 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: int, max_new_tokens: int,
              min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-             device=None) -> Rollout:
+             device=None, stop: Callable[[], bool] | None = None) -> Rollout:
     """G completions for each prompt, ordered so rows g*G .. g*G+G-1 share prompt g.
 
     The prompts are prefilled once and their KV cache repeated G times, instead of prefilling every
-    prompt G times as `num_return_sequences` would."""
+    prompt G times as `num_return_sequences` would. `stop` is polled at every decode step; when it
+    turns true generation ends there and the Rollout comes back with `interrupted=True`."""
     device = device or next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, device)
     eos = eos_ids(model, tokenizer)
@@ -102,18 +117,21 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: 
         _, cache = prefill(model, ids[:, :-1], mask[:, :-1])
         cache.batch_repeat_interleave(num_generations)
     sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
+    stopper = StopWhenRequested(stop) if stop is not None else None
     out = model.generate(
         input_ids=ids.repeat_interleave(num_generations, dim=0),
         attention_mask=mask.repeat_interleave(num_generations, dim=0), past_key_values=cache,
         max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos, do_sample=not greedy, **sampling,
+        stopping_criteria=StoppingCriteriaList([stopper]) if stopper else None,
     )
     model.train(was_training)
     completion = out[:, ids.shape[1]:]
     cmask, truncated = completion_masks(completion, eos)
     completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
     texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
-    return Rollout(ids, mask, completion, cmask, truncated, texts, num_generations)
+    return Rollout(ids, mask, completion, cmask, truncated, texts, num_generations,
+                   interrupted=bool(stopper and stopper.fired))
 
 
 def completion_logits(model, rollout: Rollout, rows: slice) -> torch.Tensor:

@@ -13,6 +13,8 @@ import math
 import netrc
 import os
 import re
+import secrets
+import string
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -29,6 +31,7 @@ SECRET_ENV = ("WANDB_API_KEY",)
 REDACTED = "<redacted>"
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 DEFAULT_PROJECT = "grpo-cli"
+WANDB_ID_FILE = "wandb_run_id"  # in the run dir: a resumed run continues the same W&B run
 
 
 # ---- secrets -------------------------------------------------------------------------------------
@@ -179,6 +182,17 @@ def _hydra_names(cfg_wandb: dict) -> tuple[str | None, str | None]:
     return (name[:128] if name else None), (group[:128] if group else None)
 
 
+def wandb_run_id(run_dir: Path, resume: bool) -> str:
+    """The W&B run id of this run dir: the one kept there when resuming, else a new one (kept for later)."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if resume and path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own form
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 def _first_line(err: Exception) -> str:
     text = str(err).strip()
     return redact(text.splitlines()[0] if text else type(err).__name__)[:160]
@@ -187,7 +201,8 @@ def _first_line(err: Exception) -> str:
 class WandbSink:
     """One W&B run: its config is the resolved (scrubbed) Hydra config, its history one row per step."""
 
-    def __init__(self, cfg_wandb: dict, run_dir: Path, config: dict, console: Console, mode: str):
+    def __init__(self, cfg_wandb: dict, run_dir: Path, config: dict, console: Console, mode: str,
+                 resume: bool = False):
         # Before W&B starts its service (which inherits the environment): its own banner lines stay off, and so
         # does its crash reporting to Sentry, which off the network holds the process ~20 s at exit after a
         # failed online init. Either can be turned back on by setting the variable.
@@ -202,6 +217,7 @@ class WandbSink:
             name=cfg_wandb.get("name") or name, group=cfg_wandb.get("group") or group,
             tags=[str(t) for t in (cfg_wandb.get("tags") or [])], dir=str(run_dir),
             config=scrub_secrets(config), job_type="train",
+            id=wandb_run_id(run_dir, resume), resume="allow",
         )
         self.init_timeout = float(cfg_wandb.get("init_timeout") or 60)
         self.finish_timeout = float(cfg_wandb.get("finish_timeout") or 300)
@@ -213,10 +229,14 @@ class WandbSink:
             console.print(f"[yellow]warning:[/] W&B online init failed ({escape(_first_line(err))}); "
                           "logging offline instead", highlight=False, soft_wrap=True)
             mode = "offline"
+            self.wandb.teardown()  # its service still holds the run id of the failed attempt
             self.run = self._init(mode)
         self.mode = mode
         if mode == "offline":
-            self.location = f"wandb sync {self.sync_dir()}"
+            segments = sorted(Path(run_dir).glob(f"wandb/offline-run-*-{self.run.id}"))
+            # a resumed run logs each segment to its own folder, all under one run id: upload them together
+            target = str(Path(run_dir) / "wandb" / f"offline-run-*-{self.run.id}") if len(segments) > 1 else self.sync_dir()
+            self.location = f"wandb sync {target}"
             console.print(f"W&B: logging offline to {escape(self.sync_dir())}; upload it later with "
                           f"`{escape(self.location)}`", highlight=False, soft_wrap=True)
         else:
@@ -368,7 +388,8 @@ def _is_main_process() -> bool:
 class Tracker:
     """Fans each step's metrics out to every sink; the jsonl file is the source of truth."""
 
-    def __init__(self, run_dir: Path, cfg_logger, config: dict, total_steps: int, start_step: int = 0):
+    def __init__(self, run_dir: Path, cfg_logger, config: dict, total_steps: int, start_step: int = 0,
+                 resume: bool = False):
         run_dir = Path(run_dir)
         self.metrics = JsonlSink(run_dir / "metrics.jsonl")
         self.samples_path = run_dir / "samples.jsonl"
@@ -383,12 +404,14 @@ class Tracker:
                 self.console.warn(note)
             if mode != "disabled":
                 try:
-                    self.wandb = WandbSink(cfg_wandb, run_dir, _plain(config), self.console.console, mode)
+                    self.wandb = WandbSink(cfg_wandb, run_dir, _plain(config), self.console.console, mode, resume)
                 except Exception as err:
                     self.console.warn(f"W&B could not start ({_first_line(err)}); logging to metrics.jsonl and the "
                                       "console only")
         elif backend not in ("none", "wandb"):
             self.console.warn(f"logger.backend={backend} is not known (use none or wandb); metrics.jsonl only")
+        where = f"resuming at step {start_step + 1} of {total_steps}" if start_step else f"training {total_steps} steps"
+        self.console.print(f"{where}; Ctrl-C stops and keeps a checkpoint (twice: exits at once)")
 
     def log(self, row: dict) -> None:
         self.metrics.log(row)

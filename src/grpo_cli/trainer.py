@@ -19,7 +19,6 @@ import math
 import random
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,14 +27,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import algorithm, checkpoint, distributed
-from grpo_cli.config import check_mini_batches
+from grpo_cli.config import check_context_length, check_mini_batches
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.metrics import final_mean, read_metrics
-from grpo_cli.models import LoadedModel, load_policy
+from grpo_cli.models import LoadedModel, config_context_length, declared_context_length, load_policy
 from grpo_cli.optim import build_optimizer
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logits, encode_prompts, generate
+from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import Tracker
 
 
@@ -131,6 +131,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rng_snapshot() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def restore_rng(snapshot: tuple) -> None:
+    python, numpy_state, torch_state, cuda = snapshot
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_state)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float, chunk_size: int | None,
                         with_entropy: bool = False):
     """Per-token log-probs (and entropy) of the completion tokens of `rows` under `model`."""
@@ -164,18 +178,26 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 class GRPOTrainer:
     """Owns the objects a run needs; `step()` is one GRPO step (its optimizer updates), `fit()` the whole run."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, lm: LoadedModel | None = None, rows: list[dict] | None = None):
+    def __init__(self, cfg: DictConfig, run_dir: Path, lm: LoadedModel | None = None, rows: list[dict] | None = None,
+                 stop: StopRequest | None = None):
         self.cfg, self.run_dir = cfg, run_dir
         self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
-        seed_everything(self.tcfg.seed)
-        rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
-        self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
-        self.lm = lm or load_policy(cfg.model, self.tcfg.device, seed=self.tcfg.seed)
-        self.dist = distributed.setup(self.lm.device)
+        # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
+        self.dist, device = distributed.setup(self.tcfg.device if lm is None else str(lm.device))
         if self.dist.enabled and cfg.data.prompts_per_step % self.dist.world_size:
             raise InvariantError(f"data.prompts_per_step={cfg.data.prompts_per_step} must divide evenly over "
                                  f"{self.dist.world_size} ranks (whole groups per rank)")
         check_mini_batches(cfg, self.dist.world_size)
+        self.stop = stop or StopRequest()
+        seed_everything(self.tcfg.seed)
+        rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
+        self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
+        lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if cfg.eval.every else ()))
+        context = declared_context_length(cfg.model) if lm is None else None
+        check_context_length(cfg, context, lengths)
+        self.lm = lm or load_policy(cfg.model, device, seed=self.tcfg.seed)
+        if context is None:  # known only now (the embedded model), still before any generation
+            check_context_length(cfg, config_context_length(self.lm.model.config), lengths)
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -191,9 +213,11 @@ class GRPOTrainer:
         self.skipped_in_a_row = 0
         self.skipped_updates = 0
         self.evaluator = None
+        self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
 
     # ---- one step -------------------------------------------------------------------------------
-    def rollout(self, step: int) -> Batch:
+    def rollout(self, step: int) -> Batch | None:
+        """The step's scored rollouts; None when a stop request ended generation (nothing is scored)."""
         G = self.algo.num_generations
         rows = self.sampler.batch(step)
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
@@ -209,7 +233,10 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         roll = generate(self.model, self.tokenizer, enc.ids, num_generations=G,
                         max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
-                        temperature=self.roll.temperature, top_p=self.roll.top_p, device=self.lm.device)
+                        temperature=self.roll.temperature, top_p=self.roll.top_p, device=self.lm.device,
+                        stop=self.stop)
+        if roll.interrupted:
+            return None
         gen_time = time.perf_counter() - t0
         prompts = [text for text in enc.texts for _ in range(G)]
         fields = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # messages: only for rewards naming it
@@ -342,9 +369,17 @@ class GRPOTrainer:
             clip_low=totals.mean("clip_low"), clip_high=totals.mean("clip_high"),
             first_ratio=first.mean("ratio"), first_kl=first.mean("kl"), max_logp=max_logp, updates=len(losses))
 
-    def step(self, step: int) -> tuple[dict, Batch]:
+    def stop_agreed(self, local: bool) -> bool:
+        """True on every rank when any rank was asked to stop (ranks stop at the same point)."""
+        return distributed.sum_floats([float(local)], self.dist, self.lm.device)[0] > 0
+
+    def step(self, step: int) -> tuple[dict, Batch] | None:
+        """One GRPO update; None when a stop request came before the update began (the step is discarded,
+        nothing of it has touched the weights, the optimiser or the logs)."""
         t0 = time.perf_counter()
         batch = self.rollout(step)
+        if self.stop_agreed(batch is None or self.stop()):
+            return None
         stats = self.update(step, batch)
         if self.algo.check:
             self.check_invariants(step, batch, stats)
@@ -423,16 +458,24 @@ class GRPOTrainer:
 
     # ---- the run --------------------------------------------------------------------------------
     def fit(self) -> dict:
-        """The whole run: resume, the steps (each evaluated, logged, checkpointed on schedule, stopped
-        cleanly on SIGINT/SIGTERM), the adapter, the summary."""
+        """The whole run: resume, the steps (each evaluated, logged, checkpointed on schedule), the adapter, the
+        summary. A stop request (SIGINT/SIGTERM) during generation discards the step in progress; during the
+        update the step finishes; either way the state after the last complete step is checkpointed."""
         start = self.resume()
         tracker = self.open_tracker(start)
         t_start = time.time()
-        with stop_on_signals() as stop:
+        # the CLI installs the handlers for the whole run (model load included); a bare fit() does it here
+        with contextlib.nullcontext() if self.stop.installed_now else self.stop.installed():
+            last_complete = rng_snapshot()
             for step in range(start, self.tcfg.max_steps):
-                metrics, batch = self.step(step)
-                self.record(tracker, step, metrics, batch)
-                self.checkpoint_if_due(step + 1, stop)
+                result = self.step(step)
+                if result is None:  # stopped before the update: checkpoint the state after `step` complete steps
+                    restore_rng(last_complete)
+                    raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(step),
+                                      completed=step, discarded=True)
+                self.record(tracker, step, *result)
+                last_complete = rng_snapshot()
+                self.checkpoint_if_due(step + 1)
         adapter_dir = self.save_adapter()
         return self.finish(tracker, adapter_dir, time.time() - t_start)
 
@@ -445,6 +488,7 @@ class GRPOTrainer:
             return 0
         state = checkpoint.load(found, self.model, self.optimizer, self.scheduler)
         start = state["step"]
+        self.last_checkpoint = (start, found)
         self.skipped_updates = state.get("skipped_updates", 0)
         self.fresh_adapter = start == 0
         if self.dist.is_main:
@@ -456,7 +500,7 @@ class GRPOTrainer:
         if not self.dist.is_main:
             return SilentTracker()
         tracker = Tracker(self.run_dir, self.cfg.logger, OmegaConf.to_container(self.cfg, resolve=True),
-                          self.tcfg.max_steps, start)
+                          self.tcfg.max_steps, start, resume=bool(self.tcfg.get("resume")))
         for text in getattr(self, "startup_warnings", []):
             tracker.warn(text)
         return tracker
@@ -467,20 +511,23 @@ class GRPOTrainer:
         every = self.cfg.eval.every
         if self.evaluator is not None and every and (step + 1) % every == 0:
             if self.dist.is_main:
-                metrics.update(self.evaluator(self.model))
+                try:
+                    metrics.update(self.evaluator(self.model, stop=self.stop))
+                except Interrupted:
+                    tracker.warn(f"evaluation after step {step + 1} was stopped; its metrics are left out")
             distributed.barrier(self.dist)
         tracker.log(metrics)
         self.save_samples(tracker, step, batch)
 
-    def checkpoint_if_due(self, done: int, stop: StopRequest) -> None:
-        """Checkpoint every trainer.save_every steps, and on a stop request (then raise Interrupted)."""
-        # every rank stops at the same step when any of them got the signal
-        stopping = distributed.sum_floats([float(stop.signum or 0)], self.dist, self.lm.device)[0] > 0
+    def checkpoint_if_due(self, done: int) -> None:
+        """Checkpoint every trainer.save_every steps, and on a stop request that came during the update (the
+        step was finished; then raise Interrupted). Every rank stops at the same step."""
+        stopping = self.stop_agreed(self.stop())
         every = self.tcfg.save_every
         if (every and done % every == 0) or stopping:
             ckpt = self.save_checkpoint(done)
             if stopping:
-                raise Interrupted(stop.signum or signal.SIGTERM, ckpt)
+                raise Interrupted(self.stop.signum or signal.SIGTERM, ckpt, completed=done)
 
     def finish(self, tracker: Tracker | SilentTracker, adapter_dir: Path, seconds: float) -> dict:
         """The run's summary (rank 0: from metrics.jsonl, so a resumed run counts every step once)."""
@@ -507,12 +554,21 @@ class GRPOTrainer:
             metrics["warning"] = text
             tracker.warn(text)
 
+    def checkpoint_at(self, done: int) -> Path:
+        """A checkpoint of the state after `done` complete steps: the one this run last wrote or resumed from
+        when it is that state, else a new one (weights, optimiser and RNG are still those after `done`)."""
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == done \
+                and self.last_checkpoint[1].parent == checkpoint.checkpoint_root(self.run_dir):
+            return self.last_checkpoint[1]
+        return self.save_checkpoint(done)
+
     def save_checkpoint(self, done: int) -> Path:
         path = checkpoint.checkpoint_root(self.run_dir) / f"{checkpoint.PREFIX}{done:06d}"
         if self.dist.is_main:
             path = checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.scheduler,
                                    {"skipped_updates": self.skipped_updates}, self.tcfg.keep_last)
         distributed.barrier(self.dist)
+        self.last_checkpoint = (done, path)
         return path
 
     def save_adapter(self) -> Path:
@@ -524,29 +580,6 @@ class GRPOTrainer:
             self.model.save_pretrained(out)
         distributed.barrier(self.dist)
         return out
-
-
-@dataclass
-class StopRequest:
-    """The signal that asked the run to stop (None while none did)."""
-
-    signum: int | None = None
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[StopRequest]:
-    """SIGINT / SIGTERM only set the request (the step in progress finishes); the handlers are restored after."""
-    stop = StopRequest()
-
-    def on_signal(signum, _frame):
-        stop.signum = signum
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 class SilentTracker:

@@ -4,6 +4,11 @@
 `reward.functions.NAME: {_target_, weight, ...options}`: a function gets its options as keyword arguments;
 a class (e.g. `rewards.reward_model.RewardModel`) is built once with them and then called like a function.
 Only a reward that names a `messages` parameter receives each prompt's chat messages.
+A function must return
+one real number per completion: int, float, bool (True = 1.0: a pass/fail check is a reward), or a numpy /
+torch scalar. Anything else (a string, even "1.0", None, a list per completion, the wrong count) is a bug in
+the function and stops the run with one line, whatever reward.on_error says; on_error=zero is for functions
+that raise on some inputs.
 """
 
 from __future__ import annotations
@@ -11,9 +16,49 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 from dataclasses import dataclass
 
 from grpo_cli.errors import RewardError
+
+SCORE_TYPES = "a number per completion (int, float, bool, or a numpy/torch scalar)"
+
+
+def _as_number(value) -> float | None:
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy / torch scalars, 0-d arrays
+        value = value.item()
+    if isinstance(value, numbers.Real):  # includes bool and numpy's registered number types
+        return float(value)
+    return None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def to_scores(name: str, returned, expected: int) -> list[float]:
+    """The scores a reward function returned, as floats; RewardError for a wrong count or a non-number."""
+    values = None
+    if not isinstance(returned, (str, bytes, dict)):
+        try:
+            values = list(returned)
+        except TypeError:  # not iterable: None, a bare number, a 0-d tensor
+            pass
+    if values is None:
+        raise RewardError(f"reward {name} returned {type(returned).__name__} {_shown(returned)}, not a list of "
+                          f"{expected} scores; it must return {SCORE_TYPES}")
+    if len(values) != expected:
+        raise RewardError(f"reward {name} returned {len(values)} scores for {expected} completions; it must return "
+                          f"{SCORE_TYPES}")
+    scores = []
+    for i, value in enumerate(values):
+        number = _as_number(value)
+        if number is None:
+            raise RewardError(f"reward {name} returned {type(value).__name__} {_shown(value)} for completion {i}; "
+                              f"it must return {SCORE_TYPES}")
+        scores.append(number)
+    return scores
 
 
 @dataclass
@@ -44,9 +89,7 @@ class RewardSet:
         per_fn, errors = {}, 0
         for rf in self.functions:
             try:
-                scores = [float(s) for s in rf.fn(prompts, completions, **fields)]
-                if len(scores) != len(completions):
-                    raise RewardError(f"reward {rf.name} returned {len(scores)} scores for {len(completions)} completions")
+                returned = rf.fn(prompts, completions, **fields)
             except Exception as err:
                 if self.on_error != "zero":
                     index = self._first_failing(rf, prompts, completions, fields)
@@ -54,6 +97,8 @@ class RewardSet:
                     raise RewardError(f"reward {rf.name} raised {type(err).__name__}{where}: {err}; "
                                       "fix it or set reward.on_error=zero") from None
                 scores, errors = [0.0] * len(completions), errors + len(completions)
+            else:
+                scores = to_scores(rf.name, returned, len(completions))
             for i, s in enumerate(scores):
                 if not math.isfinite(s):
                     if self.on_error != "zero":

@@ -1,0 +1,59 @@
+"""The stop request of a run: what SIGINT / SIGTERM ask for, polled by the step loop and every decode step.
+
+The first SIGINT or SIGTERM only sets a flag: generation stops at its next decode step, the unfinished
+step is discarded and the last complete state is checkpointed. After that first signal SIGINT has its
+default action again, so a second Ctrl-C ends the process at once, even inside a long native call (a
+shell reports 130); the last complete checkpoint on disk is kept. Repeated SIGTERMs are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    """Callable: True once a stop was asked for. `installed()` owns the signal handlers for the run."""
+
+    def __init__(self, prog: str = "grpo-train", announce: bool | None = None,
+                 effect: str = "an unfinished step is discarded, the last complete one is kept"):
+        self.prog, self.effect = prog, effect
+        self.signum: int | None = None
+        self.installed_now = False
+        # under torchrun every rank gets the signal; one line from rank 0 is enough
+        self.announce = os.environ.get("RANK", "0") == "0" if announce is None else announce
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGTERM).name
+
+    def request(self, signum: int) -> None:
+        if self.signum is not None:
+            return  # already stopping (a repeated SIGTERM); a second SIGINT never gets here
+        self.signum = signum
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if self.announce:
+            # os.write, not print: the main thread may be inside a write to stderr right now
+            os.write(2, f"{self.prog}: {signal.Signals(signum).name} received: stopping now ({self.effect}); "
+                        "Ctrl-C again to exit at once\n".encode())
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.request(signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        self.installed_now = True
+        try:
+            yield self
+        finally:
+            self.installed_now = False
+            for s, handler in previous.items():
+                signal.signal(s, handler)
