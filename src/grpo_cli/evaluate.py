@@ -17,7 +17,7 @@ from grpo_cli.config import resolve_callable
 from grpo_cli.data import load_rows
 from grpo_cli.errors import ConfigError
 from grpo_cli.rewards.parsing import extract_final_answer, parse_number
-from grpo_cli.rollout import encode_prompts, generate
+from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine
 
 EVAL_BATCH_PROMPTS = 16
 
@@ -58,19 +58,20 @@ class Evaluator:
         fields = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
         return [float(s) for s in self.judge([None] * len(texts), texts, **fields)]
 
-    def run(self, model) -> dict:
-        """Metrics under the `eval/` prefix; the sampled part only when samples > 1."""
+    def run(self, engine: Engine) -> dict:
+        """Metrics under the `eval/` prefix; the sampled part only when samples > 1. `engine` is the rollout
+        engine to sample with (a bare model is wrapped in the `hf` engine)."""
+        engine = as_engine(engine, self.tokenizer)
         greedy_correct, pass_k, majority_k, examples = [], [], [], []
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
             ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
-            roll = generate(model, self.tokenizer, ids, num_generations=1, max_new_tokens=self.max_new_tokens, greedy=True)
+            roll = engine.generate(ids, 1, max_new_tokens=self.max_new_tokens, greedy=True)
             greedy_correct += self._score(roll.texts, rows)
             examples += roll.texts[:2] if start == 0 else []
             if self.samples > 1:
                 k = self.samples
-                sampled = generate(model, self.tokenizer, ids, num_generations=k, max_new_tokens=self.max_new_tokens,
-                                   temperature=self.temperature)
+                sampled = engine.generate(ids, k, max_new_tokens=self.max_new_tokens, temperature=self.temperature)
                 scores = self._score(sampled.texts, [r for r in rows for _ in range(k)])
                 for i, row in enumerate(rows):
                     group = sampled.texts[i * k:(i + 1) * k]
@@ -84,14 +85,14 @@ class Evaluator:
             result[f"eval/majority@{self.samples}"] = sum(majority_k) / n
         return result
 
-    def __call__(self, model) -> dict:
-        return self.run(model)
+    def __call__(self, engine: Engine) -> dict:
+        return self.run(engine)
 
 
 def run_eval(cfg, run_dir: Path) -> dict:
     """`grpo-eval`: load the base model (and `eval.adapter` if given), evaluate, print a table, write eval.json."""
     from grpo_cli.errors import ModelLoadError
-    from grpo_cli.models import load_base_model, load_tokenizer, resolve_device
+    from grpo_cli.models import LoadedModel, load_base_model, load_tokenizer, resolve_device
 
     device, dtype = resolve_device(cfg.trainer.device)
     torch.manual_seed(cfg.trainer.seed)
@@ -109,7 +110,11 @@ def run_eval(cfg, run_dir: Path) -> dict:
         model = PeftModel.from_pretrained(model, adapter)
         label = str(adapter)
     model.to(device).eval()
-    result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(model)}
+    engine = make_engine(cfg.rollout, LoadedModel(model, tokenizer, device, dtype), max_prompt_tokens=cfg.data.max_prompt_tokens)
+    try:
+        result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(engine)}
+    finally:
+        engine.close()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     table = Table(title=f"grpo-eval: {cfg.model.name_or_path} + {label}")

@@ -24,7 +24,7 @@ from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.models import LoadedModel, load_policy
 from grpo_cli.rewards import RewardSet
-from grpo_cli.rollout import Rollout, completion_logits, encode_prompts, generate
+from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine
 from grpo_cli.tracking import Tracker
 
 
@@ -46,17 +46,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float, chunk_size: int | None,
-                        with_entropy: bool = False):
-    """Per-token log-probs (and entropy) of the completion tokens of `rows` under `model`."""
-    logits = completion_logits(model, rollout, rows)
-    if with_entropy:
-        return algorithm.token_logprobs_and_entropy(logits, rollout.completion_ids[rows], temperature=temperature,
-                                                    chunk_size=chunk_size)
-    return algorithm.token_logprobs(logits, rollout.completion_ids[rows], temperature=temperature,
-                                    chunk_size=chunk_size), None
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -88,6 +77,9 @@ class GRPOTrainer:
             raise InvariantError(f"data.prompts_per_step={cfg.data.prompts_per_step} must divide evenly over "
                                  f"{self.dist.world_size} ranks (whole groups per rank)")
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
+        if self.tcfg.get("gradient_checkpointing"):
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
         self.rewards = RewardSet.from_config(cfg.reward)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         opt = cfg.optimizer
@@ -116,11 +108,12 @@ class GRPOTrainer:
         rows = [rows[i] for i in enc.kept]
         # sampling depends on (seed, step, rank) only: exact resume
         torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank)
-        t0 = time.perf_counter()
-        roll = generate(self.model, self.tokenizer, enc.ids, num_generations=G,
-                        max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
-                        temperature=self.roll.temperature, top_p=self.roll.top_p, device=self.lm.device)
-        gen_time = time.perf_counter() - t0
+        t0, compile_before = time.perf_counter(), self.engine.compile_s
+        roll = self.engine.generate(enc.ids, G, max_new_tokens=self.roll.max_new_tokens,
+                                    min_new_tokens=self.roll.min_new_tokens, temperature=self.roll.temperature,
+                                    top_p=self.roll.top_p)
+        compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
+        gen_time = time.perf_counter() - t0 - compile_s
         prompts = [text for text in enc.texts for _ in range(G)]
         fields = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != "messages"}
         totals, per_fn, errors = self.rewards.score(prompts, roll.texts, fields)
@@ -132,7 +125,7 @@ class GRPOTrainer:
         gen_tokens = int(roll.completion_mask.sum())
         return Batch(roll, prompts, rewards, per_fn, advantages.to(self.lm.device), mask, errors, stats={
             "gen_time_s": gen_time, "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9),
-            "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped,
+            "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped, "gen_compile_s": compile_s,
         })
 
     def micro_batches(self, n: int) -> list[slice]:
@@ -210,6 +203,7 @@ class GRPOTrainer:
             grad_norms.append(grad_norm)
             if math.isfinite(grad_norm) and math.isfinite(pass_loss):
                 self.optimizer.step()
+                self.engine.policy_changed()
                 self.skipped_in_a_row = 0
             else:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -264,6 +258,7 @@ class GRPOTrainer:
             "step_time_s": seconds,
             "gen_tokens_per_s": batch.stats["gen_tokens_per_s"],
             "gen_time_s": batch.stats["gen_time_s"],
+            "gen_compile_s": batch.stats.get("gen_compile_s", 0.0),
             "reward_errors": batch.reward_errors,
             "skipped_updates": self.skipped_updates,
             "prompts_truncated": batch.stats["prompts_truncated"],
@@ -331,7 +326,7 @@ class GRPOTrainer:
                 self.track_zero_std(metrics, tracker)
                 if self.evaluator is not None and cfg.eval.every and (step + 1) % cfg.eval.every == 0:
                     if main:
-                        metrics.update(self.evaluator(self.model))
+                        metrics.update(self.evaluator(self.engine))
                     distributed.barrier(self.dist)
                 tracker.log(metrics)
                 self.save_samples(tracker, step, batch)
