@@ -175,6 +175,7 @@ def varied_batch(trainer: GRPOTrainer, step: int):
     return batch
 
 
+@pytest.mark.slow  # three training updates
 def test_frozen_base_is_bit_identical_after_training_with_compiled(trained):
     trainer, base_before, lora_before = trained
     assert isinstance(trainer.engine, CompiledEngine)
@@ -191,6 +192,7 @@ def test_frozen_base_is_bit_identical_after_training_with_compiled(trained):
     assert merged.get_input_embeddings().weight is trainer.model.get_input_embeddings().weight  # shared, not copied
 
 
+@pytest.mark.slow  # three training updates
 def test_merged_copy_gives_the_policy_logits_after_optimizer_steps(trained):
     trainer, _, _ = trained
     engine = trainer.engine

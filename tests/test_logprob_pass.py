@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_cli import algorithm
-from grpo_cli.models import attach_lora, load_base_model, load_tokenizer
+from grpo_cli.models import attach_lora, enable_activation_checkpointing, load_base_model, load_tokenizer
 from grpo_cli.rollout import HFEngine, Rollout, completion_logprobs, positions
 
 CHUNKS = (1, 5, 64, None)
@@ -160,12 +160,12 @@ def test_gradient_checkpointing_gives_the_same_values_and_grads(policy):
     out = []
     for checkpointing in (False, True):
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         model.zero_grad(set_to_none=True)
         logp, _ = completion_logprobs(model, roll, rows, 0.8, 16)
         (logp * roll.completion_mask).sum().backward()
         out.append((logp.detach(), _lora_grads(model)))
-    model.gradient_checkpointing_disable()
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     real = roll.completion_mask.bool()
     torch.testing.assert_close(out[1][0][real], out[0][0][real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-4, atol=1e-5 * float(out[0][1].abs().max()))
@@ -262,3 +262,56 @@ def test_cuda_bf16_logprob_pass_matches_full_forward_and_saves_memory():
     full.sum().backward()
     full_peak = torch.cuda.max_memory_allocated() - base
     assert chunked_peak < full_peak / 2, (chunked_peak, full_peak)
+
+
+@pytest.mark.slow
+def test_trainer_with_gradient_checkpointing_gives_the_same_update(compose, tmp_path):
+    from grpo_cli.trainer import GRPOTrainer
+
+    grads = []
+    batch = None
+    for checkpointing in ("false", "true"):
+        cfg = compose(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu",
+                       "optimizer.lr=1e-30", f"trainer.gradient_checkpointing={checkpointing}"])
+        trainer = GRPOTrainer(cfg, tmp_path / checkpointing)
+        if batch is None:
+            batch = trainer.rollout(0)
+            G = trainer.algo.num_generations
+            batch.rewards = torch.arange(batch.rewards.numel(), dtype=torch.float32) % G
+            batch.advantages = algorithm.group_advantages(batch.rewards, G)
+        assert trainer.model.get_base_model().get_decoder().gradient_checkpointing is (checkpointing == "true")
+        trainer.update(0, batch)
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.params]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * float(grads[0].abs().max()))
+
+
+@pytest.mark.parametrize("with_checkpointing", (False, True))
+def test_a_trainable_head_takes_the_logits_path(policy, with_checkpointing):
+    """A head that trains (here: the tied embedding unfrozen) is not folded into the chunked head pass; the
+    logits path gives the same values and a gradient for the head."""
+    from grpo_cli.rollout.logprobs import plain_head
+
+    model, roll = policy
+    head = model.get_output_embeddings()
+    model.train()
+    head.weight.requires_grad_(True)
+    try:
+        if with_checkpointing:
+            enable_activation_checkpointing(model)
+        assert plain_head(model) is None
+        model.zero_grad(set_to_none=True)
+        logp, ent = completion_logprobs(model, roll, slice(0, roll.completion_ids.shape[0]), 0.9, 4, with_entropy=True)
+        (logp * roll.completion_mask).sum().backward()
+        assert head.weight.grad is not None and head.weight.grad.abs().max() > 0
+        with torch.no_grad():
+            ref, ref_ent = full_sequence_logprobs(model, roll, 0.9)
+        real = roll.completion_mask.bool()
+        torch.testing.assert_close(logp[real], ref[real], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent[real], ref_ent[real], rtol=1e-5, atol=1e-4)
+    finally:
+        head.weight.requires_grad_(False)
+        head.weight.grad = None
+        if with_checkpointing:
+            (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    assert plain_head(model) is head

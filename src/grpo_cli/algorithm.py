@@ -293,10 +293,13 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             lse[rows] = c_lse
             logp[rows] = z.gather(-1, y).squeeze(-1) - c_lse
             logp_all = z.sub_(c_lse.unsqueeze(-1))
+            if not (with_entropy or keep_grad):
+                continue
+            p = logp_all.exp()
             if with_entropy:
-                ent[rows] = -(logp_all.exp() * logp_all.clamp_min(_NEG_BIG)).sum(-1)
+                ent[rows] = -(p * logp_all.clamp_min_(_NEG_BIG)).sum(-1)
             if keep_grad:
-                d = logp_all.exp_().neg_().scatter_add_(-1, y, torch.ones_like(y, dtype=logp_all.dtype))
+                d = p.neg_().scatter_add_(-1, y, torch.ones_like(y, dtype=p.dtype))  # onehot_y - p
                 u[rows] = d.to(weight.dtype) @ weight
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent, u)

@@ -188,6 +188,15 @@ def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward (non-reentrant, so frozen inputs need no grad). transformers
+    5.2x renamed gradient_checkpointing_enable to activation_checkpointing_enable; 5.17 has only the old name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class InferenceCopy:
     """A plain transformers model for generation that computes what the peft policy computes, without the
     per-layer LoRA detour: each LoRA-wrapped linear layer becomes an ordinary linear layer whose weight is

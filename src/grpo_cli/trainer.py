@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_cli import algorithm, checkpoint, distributed
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
-from grpo_cli.models import LoadedModel, load_policy
+from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine
 from grpo_cli.tracking import Tracker
@@ -78,7 +78,7 @@ class GRPOTrainer:
                                  f"{self.dist.world_size} ranks (whole groups per rank)")
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         if self.tcfg.get("gradient_checkpointing"):
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.model)
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
         self.rewards = RewardSet.from_config(cfg.reward)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -13,6 +13,25 @@ from grpo_cli import algorithm
 from grpo_cli.rollout.common import Rollout, cache_kwarg, hf_model, output_cache, positions, prefill
 
 
+def checkpointing(model) -> bool:
+    """Gradient checkpointing is on and the model trains: transformers then drops the KV cache (5.17 even
+    without grad), so a pass must run prompt and completion as one sequence."""
+    decoder = hf_model(model).get_decoder()
+    return decoder.training and any(getattr(m, "gradient_checkpointing", False) is True for m in decoder.modules())
+
+
+def full_sequence(rollout: Rollout, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, mask, positions) of each row's prompt + completion[:-1], with the positions and mask the cached
+    pass uses, so that both give the same values."""
+    G = rollout.group_size
+    owner = torch.arange(rows.start, rows.stop, device=rollout.prompt_ids.device) // G
+    p_ids, p_mask = rollout.prompt_ids[owner], rollout.prompt_mask[owner]
+    c_ids, c_mask = rollout.completion_ids[rows], rollout.completion_mask[rows]
+    c_pos = p_mask.sum(dim=1, keepdim=True) + torch.arange(c_ids.shape[1] - 1, device=c_ids.device)
+    return (torch.cat([p_ids, c_ids[:, :-1]], dim=1), torch.cat([p_mask, c_mask], dim=1)[:, :-1],
+            torch.cat([positions(p_mask), c_pos], dim=1))
+
+
 def completion_logits(model, rollout: Rollout, rows: slice) -> torch.Tensor:
     """Logits [R, T, V] that predict the completion tokens of `rows`, computed only at completion positions.
 
@@ -20,6 +39,10 @@ def completion_logits(model, rollout: Rollout, rows: slice) -> torch.Tensor:
     to the rows; the gradient through the shared prompt pass is the sum over its rows, as with copies.
     Used only for models whose head is not a plain linear layer (see `plain_head`)."""
     G = rollout.group_size
+    if checkpointing(model):
+        ids, mask, pos = full_sequence(rollout, rows)
+        width = rollout.prompt_ids.shape[1]
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[:, width - 1:]
     first, last = rows.start // G, (rows.stop - 1) // G
     p_ids, p_mask = rollout.prompt_ids[first:last + 1], rollout.prompt_mask[first:last + 1]
     prompt_logits, cache = prefill(model, p_ids, p_mask)
@@ -60,20 +83,18 @@ def completion_hidden(model, rollout: Rollout, rows: slice) -> torch.Tensor:
     gradient checkpointing (which drops the KV cache while training) each row runs prompt and completion in
     one sequence instead, with the same positions and mask, so the result is the same."""
     decoder = hf_model(model).get_decoder()
+    if checkpointing(model):
+        ids, mask, pos = full_sequence(rollout, rows)
+        out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        return out.last_hidden_state[:, rollout.prompt_ids.shape[1] - 1:]
     G = rollout.group_size
     first, last = rows.start // G, (rows.stop - 1) // G
     p_ids, p_mask = rollout.prompt_ids[first:last + 1], rollout.prompt_mask[first:last + 1]
     owner = torch.arange(rows.start, rows.stop, device=p_ids.device) // G - first
     c_ids, c_mask = rollout.completion_ids[rows], rollout.completion_mask[rows]
-    width, T = p_ids.shape[1], c_ids.shape[1]
+    T = c_ids.shape[1]
     c_pos = p_mask[owner].sum(dim=1, keepdim=True) + torch.arange(T - 1, device=c_ids.device)
     full_mask = torch.cat([p_mask[owner], c_mask], dim=1)[:, :-1]
-    checkpointing = decoder.training and torch.is_grad_enabled() and any(
-        getattr(m, "gradient_checkpointing", False) is True for m in decoder.modules())
-    if checkpointing:
-        out = decoder(input_ids=torch.cat([p_ids[owner], c_ids[:, :-1]], dim=1), attention_mask=full_mask,
-                      position_ids=torch.cat([positions(p_mask)[owner], c_pos], dim=1), use_cache=False)
-        return out.last_hidden_state[:, width - 1:]
     out = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=positions(p_mask), use_cache=True)
     first_hidden = out.last_hidden_state[:, -1:][owner]
     if T == 1:
