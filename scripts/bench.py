@@ -4,6 +4,7 @@
     python scripts/bench.py --mode compare            # ours vs TRL, A B A B, ratios (make bench)
     python scripts/bench.py --mode scaling            # ours alone over G x max_new_tokens (make bench-scaling)
     python scripts/bench.py --mode compare --device cuda --model qwen-shape     # GPU figures, no hub needed
+    python scripts/bench.py --mode compare --engine hf ...                       # our rollout engine (default auto)
 
 Every measurement runs in a subprocess of its own (this script with --worker), one after the other, never
 two at once. A subprocess per side and round gives each side a clean peak RSS (getrusage's ru_maxrss is a
@@ -20,6 +21,11 @@ advantages, the reference pass, forward/backward, clipping and the optimizer ste
 on_step_begin before `training_step`, where TRL generates, and on_step_end after `optimizer.step()`).
 The time between consecutive `on_step_end`s (which adds the dataloader fetch and the Trainer's logging
 bookkeeping) is recorded too, as `trl_interval_s`. On CUDA every clock read is preceded by a synchronize.
+
+Rollout. `--engine` picks our rollout engine (`rollout.engine`: auto = compiled on CUDA, hf on CPU). The
+compiled engine compiles its decode step once per run, inside the warm-up step; that time is reported on
+its own (`compile_s`) and is in neither the step times nor the rollout time. `decode ms / step` is the
+rollout time divided by max_new_tokens (every completion is exactly that long): prefill included.
 
 Memory. CPU: the peak RSS of the subprocess (ru_maxrss), over its whole life (model load included), and
 the peak over the training steps alone (the high-water mark is reset after the model and trainer are
@@ -112,6 +118,7 @@ def compose_cfg(spec: dict):
         "algo.loss_type=grpo",
         f"rollout.max_new_tokens={T}",
         f"rollout.min_new_tokens={T}",
+        f"rollout.engine={spec.get('engine', 'auto')}",
         "rollout.temperature=1.0",
         "rollout.top_p=1.0",
         f"trainer.device={spec['device']}",
@@ -270,11 +277,13 @@ def worker_ours(spec: dict) -> dict:
         metrics, batch = trainer.step(k)
         sync(device)
         dt = time.perf_counter() - t0
-        steps.append({"s": dt, "gen_s": metrics["gen_time_s"], "gen_tokens": int(batch.rollout.completion_mask.sum()),
+        steps.append({"s": dt, "gen_s": metrics["gen_time_s"], "compile_s": metrics["gen_compile_s"],
+                      "gen_tokens": int(batch.rollout.completion_mask.sum()),
                       "completion_tokens": int(batch.rollout.completion_ids.numel()),
                       "prompt_width": int(batch.rollout.prompt_ids.shape[1]), "kl": metrics["kl"],
                       "loss": metrics["loss"]})
-    return {"side": "ours", "load_s": load_s, "warmup": steps[0], "steps": steps[1:], "prompts": prompt_order,
+    return {"side": "ours", "engine": trainer.engine.name, "load_s": load_s, "warmup": steps[0], "steps": steps[1:],
+            "compile_s": sum(st["compile_s"] for st in steps), "prompts": prompt_order,
             "weight_bytes": weight_bytes(trainer.model), "dtype": str(trainer.lm.dtype), "device": str(device),
             "threads": torch.get_num_threads(), **mem.result()}
 
@@ -480,6 +489,9 @@ def summarise(runs: list[dict], spec: dict) -> dict:
     }
     if "interval_s" in steps[0]:
         out["interval_s"] = med([s["interval_s"] for s in steps])
+    out["decode_ms_per_step"] = 1000.0 * gen_s / spec["max_new_tokens"]
+    out["compile_s"] = max((r.get("compile_s", 0.0) for r in runs), default=0.0)
+    out["engine"] = runs[0].get("engine", "-")
     if spec["device"] == "cuda":
         decode_steps_per_s = spec["max_new_tokens"] / gen_s
         out["decode_steps_per_s"] = decode_steps_per_s
@@ -514,7 +526,7 @@ def fmt(x, spec=".3f"):
 def base_spec(args, device: str) -> dict:
     return {**DEFAULTS, "prompts": args.prompts, "G": args.G, "max_new_tokens": args.max_new_tokens,
             "model": args.model, "device": device, "steps": args.steps, "threads": args.threads,
-            "trl_grad_ckpt": args.trl_grad_ckpt}
+            "trl_grad_ckpt": args.trl_grad_ckpt, "engine": args.engine}
 
 
 def compare(args, device: str, log_dir: Path) -> dict:
@@ -552,16 +564,25 @@ def compare(args, device: str, log_dir: Path) -> dict:
         ["prompt width (tokens)", str(ours["prompt_width"]), str(trl["prompt_width"]), ""],
         ["timed steps", str(ours["steps"]), str(trl["steps"]), ""],
     ]
+    rows.append(["decode ms / step (rollout s / T)", fmt(ours["decode_ms_per_step"], ".2f"), fmt(trl["decode_ms_per_step"], ".2f"),
+                 fmt(ours["decode_ms_per_step"] / trl["decode_ms_per_step"])])
+    rows.append([f"compile s (engine {ours['engine']}, once, not in the steps)", fmt(ours["compile_s"], ".1f"), "-", ""])
     if device == "cuda":
         rows.append(["decode steps / s", fmt(ours["decode_steps_per_s"], ".1f"), fmt(trl["decode_steps_per_s"], ".1f"), ""])
         rows.append(["H200 bandwidth-bound fraction", fmt(ours["h200_bw_fraction"], ".4f"), fmt(trl["h200_bw_fraction"], ".4f"), ""])
-    title = (f"GRPO step, ours vs TRL {versions()['trl']}: {args.model}, {device}, threads={spec['threads'] or 'default'}, "
+    title = (f"GRPO step, ours (engine {ours['engine']}) vs TRL {versions()['trl']}: {args.model}, {device}, threads={spec['threads'] or 'default'}, "
              f"P={spec['prompts']} G={spec['G']} "
              f"T={spec['max_new_tokens']}, per-round ratios {[round(x, 3) for x in round_ratios]}")
     print_table(title, ["", "ours", "TRL", "ours/TRL"], rows)
-    targets = {"time_ratio_le_0.5": ratio <= 0.5, "peak_mem_le_trl": mem_ratio <= 1.0}
-    print(f"targets: ours/TRL time {ratio:.3f} (target <= 0.5: {'met' if targets['time_ratio_le_0.5'] else 'NOT met'}); "
-          f"peak memory {mem_ratio:.3f} (target <= 1: {'met' if targets['peak_mem_le_trl'] else 'NOT met'})")
+    goal = args.target_ratio
+    targets = {f"time_ratio_le_{goal}": ratio <= goal, "peak_mem_le_trl": mem_ratio <= 1.0}
+    line = (f"targets: ours/TRL time {ratio:.3f} (target <= {goal}: {'met' if ratio <= goal else 'NOT met'}); "
+            f"peak memory {mem_ratio:.3f} (target <= 1: {'met' if mem_ratio <= 1.0 else 'NOT met'})")
+    if args.target_decode_ms is not None:
+        targets[f"decode_ms_le_{args.target_decode_ms}"] = ours["decode_ms_per_step"] <= args.target_decode_ms
+        line += (f"; decode {ours['decode_ms_per_step']:.2f} ms/step (target <= {args.target_decode_ms}: "
+                 f"{'met' if ours['decode_ms_per_step'] <= args.target_decode_ms else 'NOT met'})")
+    print(line)
     return {
         "mode": "compare", "ours_s_per_step": ours["s_per_step"], "trl_s_per_step": trl["s_per_step"], "ratio": ratio,
         "round_ratios": round_ratios, "ratio_median_of_rounds": med(round_ratios),
@@ -570,7 +591,9 @@ def compare(args, device: str, log_dir: Path) -> dict:
         "train_peak_mb_ratio": train_mem_ratio,
         "ours_tokens_per_s": ours["tokens_per_s"], "trl_tokens_per_s": trl["tokens_per_s"],
         "ours_gen_tokens_per_s": ours["gen_tokens_per_s"], "trl_gen_tokens_per_s": trl["gen_tokens_per_s"],
-        "trl_interval_s": trl.get("interval_s"), "targets": targets,
+        "trl_interval_s": trl.get("interval_s"), "targets": targets, "engine": ours["engine"],
+        "ours_decode_ms_per_step": ours["decode_ms_per_step"], "trl_decode_ms_per_step": trl["decode_ms_per_step"],
+        "ours_compile_s": ours["compile_s"],
         "steps": {"rounds": args.rounds, "timed_per_round": args.steps, "timed_ours": ours["steps"], "timed_trl": trl["steps"],
                   "warmup_per_subprocess": 1},
         "ours": ours, "trl": trl, "config": spec, "wall_s": time.perf_counter() - t_all,
@@ -587,18 +610,21 @@ def scaling(args, device: str, log_dir: Path) -> dict:
         res = spawn("ours", spec, log_dir, f"scaling-G{G}-T{T}", args.worker_timeout)
         s = summarise([res], spec)
         cells.append({"G": G, "max_new_tokens": T, **{k: s[k] for k in (
-            "s_per_step", "tokens_per_s", "gen_s", "gen_tokens_per_s", "peak_mb", "train_peak_mb", "steps")},
+            "s_per_step", "tokens_per_s", "gen_s", "gen_tokens_per_s", "peak_mb", "train_peak_mb", "steps",
+            "decode_ms_per_step", "compile_s")},
             **({"h200_bw_fraction": s["h200_bw_fraction"]} if device == "cuda" else {}),
             "subprocess_s": res["wall_s"]})
         note(f"bench:   {s['s_per_step']:.2f} s/step, subprocess {res['wall_s']:.0f} s")
     mem_label = "peak MB" if device == "cuda" else "peak RSS MB"
     rows = [[str(c["G"]), str(c["max_new_tokens"]), str(c["G"] * args.prompts * c["max_new_tokens"]), fmt(c["s_per_step"]),
-             fmt(c["tokens_per_s"], ".1f"), fmt(c["gen_s"]), fmt(c["gen_tokens_per_s"], ".1f"), fmt(c["peak_mb"], ".0f")]
+             fmt(c["tokens_per_s"], ".1f"), fmt(c["gen_s"]), fmt(c["gen_tokens_per_s"], ".1f"),
+             fmt(c["decode_ms_per_step"], ".2f"), fmt(c["compile_s"], ".1f"), fmt(c["peak_mb"], ".0f")]
             + ([fmt(c["h200_bw_fraction"], ".4f")] if device == "cuda" else []) for c in cells]
-    columns = ["G", "max_new_tokens", "tokens/step", "s/step", "tokens/s", "rollout s", "rollout tok/s", mem_label] + (
+    columns = ["G", "max_new_tokens", "tokens/step", "s/step", "tokens/s", "rollout s", "rollout tok/s", "decode ms/step",
+               "compile s", mem_label] + (
         ["H200 bw fraction"] if device == "cuda" else [])
     wall = time.perf_counter() - t_all
-    print_table(f"our GRPO step, {args.model}, {device}, P={args.prompts}, {args.steps} timed steps per cell "
+    print_table(f"our GRPO step (engine {args.engine}), {args.model}, {device}, P={args.prompts}, {args.steps} timed steps per cell "
                 f"(grid took {wall / 60:.1f} min)", columns, rows)
     return {"mode": "scaling", "cells": cells, "config": base_spec(args, device), "quick": args.quick, "wall_s": wall}
 
@@ -622,6 +648,10 @@ def main(argv=None) -> None:
                    help="torch threads in each subprocess; default 1 on CPU (see the module docstring), torch's own on CUDA")
     p.add_argument("--trl-grad-ckpt", action="store_true",
                    help="leave TRL's gradient checkpointing on (its default); off by default, as ours has none")
+    p.add_argument("--engine", default="auto", choices=("auto", "hf", "compiled"),
+                   help="our rollout engine (rollout.engine): auto = compiled on CUDA, hf on CPU")
+    p.add_argument("--target-ratio", type=float, default=0.5, help="compare: the ours/TRL time ratio to meet")
+    p.add_argument("--target-decode-ms", type=float, default=None, help="compare: our decode ms/step to meet")
     p.add_argument("--json-out", type=Path, default=None, help="also write the JSON object here")
     p.add_argument("--log-dir", type=Path, default=None, help="subprocess logs and results (default: a temp dir)")
     p.add_argument("--worker-timeout", type=int, default=3600)

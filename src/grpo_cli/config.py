@@ -18,6 +18,7 @@ RECIPES_DIR = PACKAGE_DIR / "recipes"
 SCALE_REWARDS = ("group", "batch", "none")
 RATIO_LEVELS = ("token", "sequence")
 SCHEDULES = ("constant", "linear", "cosine")
+ROLLOUT_ENGINES = ("auto", "hf", "compiled")
 
 
 def recipe_dirs() -> list[Path]:
@@ -160,6 +161,11 @@ def validate(cfg: DictConfig) -> list[str]:
       f"needs 0 <= min_new_tokens <= rollout.max_new_tokens ({cfg.rollout.max_new_tokens})")
     r(cfg, "rollout.temperature", lambda v: v > 0, "needs temperature > 0")
     r(cfg, "rollout.top_p", lambda v: 0 < v <= 1, "needs 0 < top_p <= 1")
+    _check_choice(cfg, "rollout.engine", ROLLOUT_ENGINES)
+    if OmegaConf.select(cfg, "rollout.compile") not in ("auto", True, False):
+        _fail("rollout.compile", OmegaConf.select(cfg, "rollout.compile"), "use auto, true or false")
+    if OmegaConf.select(cfg, "trainer.gradient_checkpointing") not in (None, True, False):
+        _fail("trainer.gradient_checkpointing", OmegaConf.select(cfg, "trainer.gradient_checkpointing"), "use true or false")
     r(cfg, "data.prompts_per_step", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
     r(cfg, "data.max_prompt_tokens", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
     _check_choice(cfg, "data.overlong", ("truncate", "drop"))

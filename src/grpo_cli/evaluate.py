@@ -19,7 +19,7 @@ from grpo_cli.data import load_rows
 from grpo_cli.errors import ConfigError, Interrupted
 from grpo_cli.rewards import to_scores
 from grpo_cli.rewards.parsing import extract_final_answer, parse_number
-from grpo_cli.rollout import encode_prompts, generate
+from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine
 
 EVAL_BATCH_PROMPTS = 16
 
@@ -65,21 +65,22 @@ class Evaluator:
         if roll.interrupted:
             raise Interrupted(getattr(stop, "signum", None) or signal.SIGTERM)
 
-    def run(self, model, stop=None) -> dict:
-        """Metrics under the `eval/` prefix; the sampled part only when samples > 1. Raises Interrupted
-        when `stop` (polled every decode step) turns true."""
+    def run(self, engine: Engine, stop=None) -> dict:
+        """Metrics under the `eval/` prefix; the sampled part only when samples > 1. `engine` is the rollout
+        engine to sample with (a bare model is wrapped in the `hf` engine). Raises Interrupted when `stop`
+        (polled every decode step) turns true."""
+        engine = as_engine(engine, self.tokenizer)
         greedy_correct, pass_k, majority_k = [], [], []
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
             ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
-            roll = generate(model, self.tokenizer, ids, num_generations=1, max_new_tokens=self.max_new_tokens, greedy=True,
-                            stop=stop)
+            roll = engine.generate(ids, 1, max_new_tokens=self.max_new_tokens, greedy=True, stop=stop)
             self._check(roll, stop)
             greedy_correct += self._score(roll.texts, rows)
             if self.samples > 1:
                 k = self.samples
-                sampled = generate(model, self.tokenizer, ids, num_generations=k, max_new_tokens=self.max_new_tokens,
-                                   temperature=self.temperature, stop=stop)
+                sampled = engine.generate(ids, k, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                          stop=stop)
                 self._check(sampled, stop)
                 scores = self._score(sampled.texts, [r for r in rows for _ in range(k)])
                 for i, row in enumerate(rows):
@@ -94,8 +95,8 @@ class Evaluator:
             result[f"eval/majority@{self.samples}"] = sum(majority_k) / n
         return result
 
-    def __call__(self, model, stop=None) -> dict:
-        return self.run(model, stop)
+    def __call__(self, engine: Engine, stop=None) -> dict:
+        return self.run(engine, stop)
 
 
 def run_eval(cfg, run_dir: Path, stop=None) -> dict:
@@ -103,6 +104,7 @@ def run_eval(cfg, run_dir: Path, stop=None) -> dict:
     from grpo_cli.config import check_context_length
     from grpo_cli.errors import ModelLoadError
     from grpo_cli.models import (
+        LoadedModel,
         config_context_length,
         declared_context_length,
         load_base_model,
@@ -130,7 +132,11 @@ def run_eval(cfg, run_dir: Path, stop=None) -> dict:
         model = PeftModel.from_pretrained(model, adapter)
         label = str(adapter)
     model.to(device).eval()
-    result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(model, stop)}
+    engine = make_engine(cfg.rollout, LoadedModel(model, tokenizer, device, dtype), max_prompt_tokens=cfg.data.max_prompt_tokens)
+    try:
+        result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(engine, stop)}
+    finally:
+        engine.close()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     table = Table(title=f"grpo-eval: {cfg.model.name_or_path} + {label}")

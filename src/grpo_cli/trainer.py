@@ -31,10 +31,16 @@ from grpo_cli.config import check_context_length, check_mini_batches
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.metrics import final_mean, read_metrics
-from grpo_cli.models import LoadedModel, config_context_length, declared_context_length, load_policy
+from grpo_cli.models import (
+    LoadedModel,
+    config_context_length,
+    declared_context_length,
+    enable_activation_checkpointing,
+    load_policy,
+)
 from grpo_cli.optim import build_optimizer
 from grpo_cli.rewards import RewardSet
-from grpo_cli.rollout import Rollout, completion_logits, encode_prompts, generate
+from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine
 from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import Tracker
 
@@ -145,17 +151,6 @@ def restore_rng(snapshot: tuple) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float, chunk_size: int | None,
-                        with_entropy: bool = False):
-    """Per-token log-probs (and entropy) of the completion tokens of `rows` under `model`."""
-    logits = completion_logits(model, rollout, rows)
-    if with_entropy:
-        return algorithm.token_logprobs_and_entropy(logits, rollout.completion_ids[rows], temperature=temperature,
-                                                    chunk_size=chunk_size)
-    return algorithm.token_logprobs(logits, rollout.completion_ids[rows], temperature=temperature,
-                                    chunk_size=chunk_size), None
-
-
 def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
     """Groups of each mini-batch: group g goes to mini-batch g mod mini_batches."""
     return [list(range(j, num_groups, mini_batches)) for j in range(mini_batches)]
@@ -199,6 +194,9 @@ class GRPOTrainer:
         if context is None:  # known only now (the embedded model), still before any generation
             check_context_length(cfg, config_context_length(self.lm.model.config), lengths)
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
+        if self.tcfg.get("gradient_checkpointing"):
+            enable_activation_checkpointing(self.model)
+        self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
         self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         opt = cfg.optimizer
@@ -230,14 +228,14 @@ class GRPOTrainer:
         rows = [rows[i] for i in enc.kept]
         # sampling depends on (seed, step, rank) only: exact resume
         torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank)
-        t0 = time.perf_counter()
-        roll = generate(self.model, self.tokenizer, enc.ids, num_generations=G,
-                        max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
-                        temperature=self.roll.temperature, top_p=self.roll.top_p, device=self.lm.device,
-                        stop=self.stop)
+        t0, compile_before = time.perf_counter(), self.engine.compile_s
+        roll = self.engine.generate(enc.ids, G, max_new_tokens=self.roll.max_new_tokens,
+                                    min_new_tokens=self.roll.min_new_tokens, temperature=self.roll.temperature,
+                                    top_p=self.roll.top_p, stop=self.stop)
         if roll.interrupted:
             return None
-        gen_time = time.perf_counter() - t0
+        compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
+        gen_time = time.perf_counter() - t0 - compile_s
         prompts = [text for text in enc.texts for _ in range(G)]
         fields = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # messages: only for rewards naming it
         totals, per_fn, errors = self.rewards.score(prompts, roll.texts, fields)
@@ -249,7 +247,7 @@ class GRPOTrainer:
         gen_tokens = int(roll.completion_mask.sum())
         return Batch(roll, prompts, rewards, per_fn, advantages.to(self.lm.device), mask, errors, stats={
             "gen_time_s": gen_time, "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9),
-            "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped,
+            "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped, "gen_compile_s": compile_s,
         })
 
     @property
@@ -326,6 +324,7 @@ class GRPOTrainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm))
         if math.isfinite(grad_norm) and math.isfinite(loss):
             self.optimizer.step()
+            self.engine.policy_changed()
             self.skipped_in_a_row = 0
         else:
             self.optimizer.zero_grad(set_to_none=True)
@@ -411,6 +410,7 @@ class GRPOTrainer:
             "step_time_s": seconds,
             "gen_tokens_per_s": batch.stats["gen_tokens_per_s"],
             "gen_time_s": batch.stats["gen_time_s"],
+            "gen_compile_s": batch.stats.get("gen_compile_s", 0.0),
             "reward_errors": batch.reward_errors,
             "skipped_updates": self.skipped_updates,
             "prompts_truncated": batch.stats["prompts_truncated"],
@@ -512,7 +512,7 @@ class GRPOTrainer:
         if self.evaluator is not None and every and (step + 1) % every == 0:
             if self.dist.is_main:
                 try:
-                    metrics.update(self.evaluator(self.model, stop=self.stop))
+                    metrics.update(self.evaluator(self.engine, stop=self.stop))
                 except Interrupted:
                     tracker.warn(f"evaluation after step {step + 1} was stopped; its metrics are left out")
             distributed.barrier(self.dist)

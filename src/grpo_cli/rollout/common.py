@@ -1,0 +1,166 @@
+"""What every engine shares: prompt encoding, the Rollout record, padding, masks, the stop hook."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+StopFn = Callable[[], bool]
+
+
+@dataclass
+class EncodedPrompts:
+    ids: list[list[int]]
+    texts: list[str]
+    kept: list[int]          # indices of the rows that survived `overlong=drop`
+    truncated: int
+    dropped: int
+
+
+@dataclass
+class Rollout:
+    """G completions for each of P prompts; completion row i belongs to prompt i // G."""
+
+    prompt_ids: torch.Tensor       # [P, Lp] left-padded, one row per prompt (shared by its G completions)
+    prompt_mask: torch.Tensor      # [P, Lp]
+    completion_ids: torch.Tensor   # [N, T] right-padded
+    completion_mask: torch.Tensor  # [N, T] 1 on real tokens up to and including EOS
+    truncated: torch.Tensor        # [N] bool: hit max_new_tokens without EOS
+    texts: list[str]
+    group_size: int
+    interrupted: bool = False      # the caller's stop() fired during generation: partial, to be discarded
+
+
+def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int, overlong: str = "truncate") -> EncodedPrompts:
+    """Chat-template each row's messages; prompts longer than max_prompt_tokens lose their left end
+    (`truncate`) or are dropped (`drop`)."""
+    ids, texts, kept, truncated, dropped = [], [], [], 0, 0
+    for i, row in enumerate(rows):
+        text = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(tokens) > max_prompt_tokens:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            tokens, truncated = tokens[-max_prompt_tokens:], truncated + 1
+        ids.append(tokens)
+        texts.append(text)
+        kept.append(i)
+    return EncodedPrompts(ids, texts, kept, truncated, dropped)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
+def completion_masks(completion_ids: torch.Tensor, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask = 1 up to and including the first EOS; truncated = no EOS at all."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))
+    seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    return (~seen_before).long(), ~is_eos.any(dim=1)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: 0 at each row's first real token."""
+    return (mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def finish_rollout(tokenizer, eos: list[int], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                   completion: torch.Tensor, num_generations: int, interrupted: bool) -> Rollout:
+    """Masks, padding after EOS, texts: the part of a Rollout every engine builds the same way."""
+    cmask, truncated = completion_masks(completion, eos)
+    completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
+    texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, completion, cmask, truncated, texts, num_generations, interrupted)
+
+
+def hf_model(model) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (the LoRA layers stay injected in it), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def cache_kwarg(model) -> str:
+    """transformers renamed the cache argument of forward/generate from `past_key_values` to `cache`
+    (5.2x); the GPU machine's 5.17 knows only the old name, 5.24 warns on it."""
+    params = inspect.signature(type(hf_model(model)).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out):
+    cache = out.get("cache")
+    return cache if cache is not None else out.get("past_key_values")
+
+
+def stop_criteria(stop: StopFn | None):
+    """A transformers StoppingCriteriaList that ends every row once `stop()` is true (polled each decode step),
+    and remembers that it fired; None when there is nothing to poll."""
+    if stop is None:
+        return None, lambda: False
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopWhenAsked(StoppingCriteria):
+        fired = False
+
+        def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+            if not self.fired and stop():
+                self.fired = True
+            return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+
+    criterion = StopWhenAsked()
+    return StoppingCriteriaList([criterion]), lambda: criterion.fired
+
+
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """One forward over the P prompts; returns (logits at each prompt's last position [P, 1, V], KV cache).
+    Gradients flow through the cache when grad is enabled, so G completions can share one prompt pass."""
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
+                use_cache=True, logits_to_keep=1)
+    return out.logits, output_cache(out)
+
+
+class Engine:
+    """The rollout seam: everything that samples completions for the trainer and the evaluator.
+
+    `generate` returns G completions per prompt (rows g*G .. g*G+G-1 share prompt g), sampled from the
+    global torch RNG (the caller seeds it), polling `stop()` at every decode step; `policy_changed()` is
+    called after every optimizer step that changed the policy's weights; `close()` frees what the engine
+    holds. Log-probs for the loss never come from an engine: the trainer recomputes them, so an engine may
+    sample with other numerics (merged bf16 weights, CUDA graphs) without biasing the update.
+    """
+
+    name = "base"
+    compile_s = 0.0  # seconds spent compiling so far (0 for engines that do not compile)
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
+                 min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 stop: StopFn | None = None) -> Rollout:
+        raise NotImplementedError
+
+    def policy_changed(self) -> None:
+        """The policy's trainable weights changed (an optimizer step, a loaded checkpoint)."""
+
+    def close(self) -> None:
+        """Free what the engine holds; it is not used afterwards."""
+
+
+def sampling_kwargs(greedy: bool, temperature: float, top_p: float) -> dict:
+    """transformers' generate arguments for our sampling: plain temperature / nucleus sampling, no top-k."""
+    if greedy:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}

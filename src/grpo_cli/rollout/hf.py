@@ -1,0 +1,66 @@
+"""The `hf` engine: transformers' generate on the policy itself (through the peft LoRA layers), with each
+prompt prefilled once and its KV cache repeated for its G completions. The CPU default."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_cli.rollout.common import (
+    Engine,
+    Rollout,
+    StopFn,
+    cache_kwarg,
+    eos_ids,
+    finish_rollout,
+    left_pad,
+    prefill,
+    sampling_kwargs,
+    stop_criteria,
+)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: int, max_new_tokens: int,
+             min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+             device=None, stop: StopFn | None = None) -> Rollout:
+    """G completions for each prompt, ordered so rows g*G .. g*G+G-1 share prompt g.
+
+    The prompts are prefilled once and their KV cache repeated G times, instead of prefilling every
+    prompt G times as `num_return_sequences` would."""
+    device = device or next(model.parameters()).device
+    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, device)
+    eos = eos_ids(model, tokenizer)
+    criteria, fired = stop_criteria(stop)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = {}
+        if ids.shape[1] > 1:
+            _, kv = prefill(model, ids[:, :-1], mask[:, :-1])
+            kv.batch_repeat_interleave(num_generations)
+            cache = {cache_kwarg(model): kv}
+        out = model.generate(
+            input_ids=ids.repeat_interleave(num_generations, dim=0),
+            attention_mask=mask.repeat_interleave(num_generations, dim=0), **cache,
+            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos, stopping_criteria=criteria, **sampling_kwargs(greedy, temperature, top_p),
+        )
+    finally:
+        model.train(was_training)
+    return finish_rollout(tokenizer, eos, ids, mask, out[:, ids.shape[1]:], num_generations, fired())
+
+
+class HFEngine(Engine):
+    """Today's path, unchanged numerics: generate through the peft model, nothing to refresh."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, device=None):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
+                 min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 stop: StopFn | None = None) -> Rollout:
+        return generate(self.model, self.tokenizer, prompt_ids, num_generations=num_generations,
+                        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
+                        top_p=top_p, greedy=greedy, device=self.device, stop=stop)
