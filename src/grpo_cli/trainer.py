@@ -361,6 +361,7 @@ class GRPOTrainer:
                 losses.append(sums.loss)
                 totals, max_logp = totals + sums, max(max_logp, local_max_logp)
         first = first or UpdateSums()
+        self.fresh_adapter = False  # updated now: the policy has left the reference
         first_pass_tokens = max(1.0, sum(mini.tokens_total for mini in plan))  # kl, entropy: first pass only
         return StepStats(
             loss=sum(losses) / max(1, len(losses)), grad_norm=sum(grad_norms) / max(1, len(grad_norms)),
@@ -383,7 +384,6 @@ class GRPOTrainer:
         if self.algo.check:
             self.check_invariants(step, batch, stats)
         metrics = self.metrics(step, batch, stats, time.perf_counter() - t0)
-        self.fresh_adapter = False
         return metrics, batch
 
     # ---- bookkeeping ----------------------------------------------------------------------------
