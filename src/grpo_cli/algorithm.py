@@ -1,6 +1,7 @@
 """GRPO algorithm core: pure torch, one function per formula.
 
-Implements sections 1-5 of ``shared/reference/grpo-algorithm.md``. Shapes: ``N = P*G`` completions
+Every formula here, with the trainer code around it (accumulation, passes, metrics), is written out in
+``docs/algorithm.md``. Shapes: ``N = P*G`` completions
 (rows ``g*G .. g*G+G-1`` share prompt ``g``), ``B`` rows in one (micro-)batch, ``T`` completion positions,
 ``V`` vocabulary size. ``m`` is the completion mask (1 on real tokens, 0 on padding).
 
