@@ -1,4 +1,4 @@
-"""Tests for grpo_cli.algorithm against shared/reference/grpo-algorithm.md sections 1-5."""
+"""Tests for grpo_cli.algorithm against the formulas of docs/algorithm.md (sections 1-5)."""
 
 import math
 

@@ -1,8 +1,9 @@
 """GRPO algorithm core: pure torch, one function per formula.
 
-Implements sections 1-5 of the project's algorithm contract (``grpo-algorithm.md``). Shapes: ``N = P*G``
-completions (rows ``g*G .. g*G+G-1`` share prompt ``g``), ``B`` rows in one (micro-)batch, ``T``
-completion positions, ``V`` vocabulary size. ``m`` is the completion mask (1 on real tokens, 0 on padding).
+Every formula here, with the trainer code around it (accumulation, mini-batches, passes, metrics), is
+written out in ``docs/algorithm.md``. Shapes: ``N = P*G`` completions (rows ``g*G .. g*G+G-1`` share
+prompt ``g``), ``B`` rows in one (micro-)batch, ``T`` completion positions, ``V`` vocabulary size. ``m`` is
+the completion mask (1 on real tokens, 0 on padding).
 
 The loss types (``algo.loss_type``) live in one registry, :data:`LOSS_TYPES`: one function per type,
 registered with :func:`register_loss_type` together with how its micro-batch losses add up. Config

@@ -14,11 +14,21 @@ from grpo_cli.errors import ConfigError
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"
 RECIPES_DIR = PACKAGE_DIR / "recipes"
+SAMPLE_DATA_DIR = PACKAGE_DIR / "sample_data"
 
 SCALE_REWARDS = ("group", "batch", "none")
 RATIO_LEVELS = ("token", "sequence")
 SCHEDULES = ("constant", "linear", "cosine")
 ROLLOUT_ENGINES = ("auto", "hf", "compiled")
+
+
+def packaged_data(name: str) -> str:
+    """``${packaged_data:gsm8k/train.jsonl}`` in a config: the path of a data file shipped in the package."""
+    return str(SAMPLE_DATA_DIR / name)
+
+
+# Registered on import: every command and test that composes a config imports this module first.
+OmegaConf.register_new_resolver("packaged_data", packaged_data, replace=True)
 
 
 def recipe_dirs() -> list[Path]:

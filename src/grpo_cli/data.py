@@ -88,7 +88,7 @@ def _gsm8k_rows(path: str | None, split: str, system_prompt, suffix: str) -> lis
         except Exception as err:
             raise DataError(
                 f"openai/gsm8k could not be loaded from the hub ({str(err).splitlines()[0][:120]}); offline, pass "
-                "data.path=FILE.jsonl (e.g. ../shared/data/gsm8k/train.jsonl) and data.eval_path=..."
+                "data.path=DIR/train.jsonl data.eval_path=DIR/test.jsonl (a local GSM8K copy), or data=gsm8k_sample"
             ) from None
     return [{"messages": _messages(r["question"], system_prompt, suffix), "answer": gold_answer(r["answer"])} for r in raw]
 

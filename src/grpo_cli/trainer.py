@@ -1,4 +1,4 @@
-"""The GRPO step loop (section 7 of grpo-algorithm.md) and the only place that calls backward.
+"""The GRPO step loop (docs/algorithm.md, section 6) and the only place that calls backward.
 
     prompts -> rollout (adapter on) -> rewards -> group advantages -> ref log-probs (adapter off)
     -> old log-probs (adapter on; only when off-policy) -> for each pass, for each mini-batch:
