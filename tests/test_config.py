@@ -106,8 +106,8 @@ def test_optimizer_name_picks_the_torch_optimizer(compose):
     params = [torch.nn.Parameter(torch.zeros(3))]
     sgd = build_optimizer(params, compose(["optimizer=sgd", "optimizer.nesterov=true"]).optimizer)
     assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9 and sgd.defaults["nesterov"] is True
-    adamw = build_optimizer(params, compose(["+recipe=quickstart"]).optimizer)
-    assert type(adamw) is torch.optim.AdamW and adamw.defaults["betas"] == (0.9, 0.99) and adamw.defaults["lr"] == 1e-4
+    adamw = build_optimizer(params, compose(["+recipe=quickstart", "optimizer.lr=3e-4"]).optimizer)
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["betas"] == (0.9, 0.99) and adamw.defaults["lr"] == 3e-4
 
 
 def test_gsm8k_system_prompt_lives_beside_its_reward(compose):

@@ -103,8 +103,10 @@ def test_mixes_with_rule_rewards_in_a_reward_set(compose, classifier):
     totals, per_fn, errors = rewards.score(prompts, COMPLETIONS, fields)
     assert set(per_fn) == {"correct", "bare", "rm"} and errors == 0
     assert per_fn["rm"] == pytest.approx(rm(prompts, COMPLETIONS, messages=MESSAGES))
+    w = {name: cfg.reward.functions[name].weight for name in ("correct", "bare")}  # the recipe's own weights
     for i, total in enumerate(totals):
-        assert total == pytest.approx(0.5 * per_fn["correct"][i] + 0.5 * per_fn["bare"][i] + 0.5 * per_fn["rm"][i])
+        assert total == pytest.approx(w["correct"] * per_fn["correct"][i] + w["bare"] * per_fn["bare"][i]
+                                      + 0.5 * per_fn["rm"][i])
 
 
 @pytest.mark.parametrize("override,words", [
