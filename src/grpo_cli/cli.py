@@ -77,7 +77,6 @@ def _quiet_libraries() -> None:
     """Library deprecation chatter and load progress bars would bury the one line that matters."""
     import warnings
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its own tqdm bar
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     from transformers.utils import logging as hf_logging
@@ -217,3 +216,6 @@ def export() -> None:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# transformers' GGUF loader draws its own tqdm bar; tqdm reads this when first imported (validation may
+# import it already), so it is set here, before anything else
+os.environ.setdefault("TQDM_DISABLE", "1")
