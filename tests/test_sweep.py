@@ -98,6 +98,9 @@ def test_grid_summary_csv_and_json(grid):
         for side in ("low", "high"):
             assert js[f"final_clip_fraction/{side}"] == pytest.approx(metrics[-1][f"clip_fraction/{side}"])
             assert float(row[f"final_clip_fraction/{side}"]) == js[f"final_clip_fraction/{side}"]
+        for key in ("clip_fraction", "clip_fraction/low", "clip_fraction/high"):
+            assert js[f"mean_{key}"] == pytest.approx(sum(m[key] for m in metrics) / len(metrics))
+            assert float(row[f"mean_{key}"]) == pytest.approx(js[f"mean_{key}"])
         assert js["eval_accuracy"] is None and row["eval_accuracy"] == ""
         assert js["steps"] == 2 and row["steps"] == "2"
         assert js["status"] == row["status"] == "ok" and js["error"] == row["error"] == ""

@@ -60,7 +60,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: dict, kee
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / "adapter")
+        model.save_pretrained(tmp / "adapter", save_embedding_layers=False)
         torch_state = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             torch_state["cuda"] = torch.cuda.get_rng_state_all()

@@ -63,8 +63,11 @@ SWEEP_ID_FILE = ".grpo_sweep_id"
 LOCK_FILE = ".sweep_summary.lock"
 JOB_STATUS = "job_status.json"
 ERROR_FILE = "error.txt"
-METRIC_COLUMNS = ["final_reward", "best_reward", "final_kl", "final_clip_fraction", "final_clip_fraction/low",
-                  "final_clip_fraction/high", "eval_accuracy", "steps"]
+CLIP_KEYS = ("clip_fraction", "clip_fraction/low", "clip_fraction/high")
+# final_*: the last step's value; mean_clip_fraction*: over every step of the run (a run whose groups all agree
+# at the end clips nothing then: its advantages are 0, however far the ratio moved)
+METRIC_COLUMNS = ["final_reward", "best_reward", "final_kl", *(f"final_{k}" for k in CLIP_KEYS),
+                  *(f"mean_{k}" for k in CLIP_KEYS), "eval_accuracy", "steps"]
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
@@ -88,6 +91,11 @@ def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
 def metric_summary(rows: list[dict]) -> dict:
     rewards = [_number(r.get("reward")) for r in rows]
     rewards = [r for r in rewards if not math.isnan(r)]
@@ -97,9 +105,8 @@ def metric_summary(rows: list[dict]) -> dict:
         "final_reward": final_mean(rewards),
         "best_reward": max(rewards) if rewards else math.nan,
         "final_kl": _number(last.get("kl")),
-        "final_clip_fraction": _number(last.get("clip_fraction")),
-        "final_clip_fraction/low": _number(last.get("clip_fraction/low")),
-        "final_clip_fraction/high": _number(last.get("clip_fraction/high")),
+        **{f"final_{k}": _number(last.get(k)) for k in CLIP_KEYS},
+        **{f"mean_{k}": _mean([_number(r.get(k)) for r in rows]) for k in CLIP_KEYS},
         "eval_accuracy": evals[-1] if evals else math.nan,
         "steps": len(rows),
     }

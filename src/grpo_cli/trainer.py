@@ -577,7 +577,7 @@ class GRPOTrainer:
                 raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
         out = self.run_dir / "adapter"
         if self.dist.is_main:
-            self.model.save_pretrained(out)
+            self.model.save_pretrained(out, save_embedding_layers=False)  # LoRA weights only; the base is not resized
         distributed.barrier(self.dist)
         return out
 
