@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -246,7 +246,8 @@ def test_sigterm_stops_every_rank_at_the_same_point(tmp_path):
     from conftest import script
 
     run = tmp_path / "run"
-    child = subprocess.Popen([script("grpo-train"), "+recipe=quickstart", "model=tiny", "trainer.nproc=2", "trainer.device=cpu",
+    child = subprocess.Popen([script("grpo-train"), "+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "trainer.nproc=2",
+                              "trainer.device=cpu",
                               "model.tiny.max_position_embeddings=200000", "rollout.max_new_tokens=100000",
                               "trainer.log_samples_every=0", f"hydra.run.dir={run}"], cwd=tmp_path, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

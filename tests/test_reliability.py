@@ -310,7 +310,7 @@ def test_sigterm_stops_a_generation_that_would_run_for_hours(tmp_path):
     """The issue's case: 100000 new tokens (the tiny model's context raised to allow it). SIGTERM ends the run in
     seconds with exit 143 and a checkpoint of the state before the step (none complete: step 0), which resumes."""
     run = tmp_path / "run"
-    huge = ["+recipe=quickstart", "model=tiny", "model.tiny.max_position_embeddings=200000",
+    huge = ["+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "model.tiny.max_position_embeddings=200000",
             "rollout.max_new_tokens=100000", "trainer.log_samples_every=0"]
     child = start([*huge, f"hydra.run.dir={run}"], tmp_path)
     wait_for(lambda: "training 50 steps" in (tmp_path / "stdout.txt").read_text(), child)  # the model is loaded: step 1 starts
@@ -351,7 +351,7 @@ def test_second_sigint_exits_at_once(tmp_path):
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
-HUGE_EVAL = ["+recipe=quickstart", "model=tiny", "model.tiny.max_position_embeddings=200000", "eval.max_new_tokens=100000",
+HUGE_EVAL = ["+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "model.tiny.max_position_embeddings=200000", "eval.max_new_tokens=100000",
              "eval.num_prompts=2", "rollout.max_new_tokens=4", "trainer.log_samples_every=0"]
 
 
