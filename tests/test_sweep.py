@@ -93,6 +93,7 @@ def test_grid_summary_csv_and_json(grid):
         assert math.isfinite(js["final_reward"])
         assert js["final_reward"] == pytest.approx(final_reward(metrics)) == pytest.approx(float(row["final_reward"]))
         assert js["best_reward"] == pytest.approx(max(m["reward"] for m in metrics))
+        assert js["mean_reward"] == pytest.approx(sum(m["reward"] for m in metrics) / len(metrics))
         assert js["final_kl"] == pytest.approx(metrics[-1]["kl"])
         assert js["final_clip_fraction"] == pytest.approx(metrics[-1]["clip_fraction"])
         for side in ("low", "high"):
@@ -221,6 +222,7 @@ def test_callback_records_a_failure_and_keeps_the_basic_sweep_going(tmp_path):
     assert [(d["job"], d["overrides"], d["algo.beta"], d["status"]) for d in data] == [
         (0, "algo.beta=0.0", 0.0, "ok"), (1, "algo.beta=0.1", 0.1, "failed")]
     assert data[0]["final_reward"] == 0.3 and data[0]["best_reward"] == 0.5 and data[0]["steps"] == 3
+    assert data[0]["mean_reward"] == pytest.approx(0.3)
     assert data[0]["final_kl"] == pytest.approx(0.2)
     assert "model" not in data[0]  # the same in every job: not a swept key
 

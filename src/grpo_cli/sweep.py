@@ -64,9 +64,10 @@ LOCK_FILE = ".sweep_summary.lock"
 JOB_STATUS = "job_status.json"
 ERROR_FILE = "error.txt"
 CLIP_KEYS = ("clip_fraction", "clip_fraction/low", "clip_fraction/high")
-# final_*: the last step's value; mean_clip_fraction*: over every step of the run (a run whose groups all agree
-# at the end clips nothing then: its advantages are 0, however far the ratio moved)
-METRIC_COLUMNS = ["final_reward", "best_reward", "final_kl", *(f"final_{k}" for k in CLIP_KEYS),
+# final_reward: mean of the last 10 % of steps; final_*: the last step's value; mean_*: over every step of the run
+# (mean_reward ranks how fast runs learn when they all end at the task's ceiling; a run whose groups all agree at
+# the end clips nothing then: its advantages are 0, however far the ratio moved)
+METRIC_COLUMNS = ["final_reward", "mean_reward", "best_reward", "final_kl", *(f"final_{k}" for k in CLIP_KEYS),
                   *(f"mean_{k}" for k in CLIP_KEYS), "eval_accuracy", "steps"]
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
@@ -103,6 +104,7 @@ def metric_summary(rows: list[dict]) -> dict:
     evals = [_number(r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     return {
         "final_reward": final_mean(rewards),
+        "mean_reward": _mean(rewards),
         "best_reward": max(rewards) if rewards else math.nan,
         "final_kl": _number(last.get("kl")),
         **{f"final_{k}": _number(last.get(k)) for k in CLIP_KEYS},
