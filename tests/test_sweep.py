@@ -286,6 +286,23 @@ def test_optuna_preset_maximises_the_reward():
     assert s.max_failure_rate == 1.0 and s.n_trials >= 1
 
 
+@pytest.mark.slow
+def test_optuna_sweep_of_the_real_cli_reports_its_best_trial(tmp_path):
+    """`grpo-train -m hydra/sweeper=optuna_reward`: each trial's return value is its final reward, so Optuna's
+    best value is the best final_reward of the sweep summary, and its parameters lie in the preset's intervals."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep_dir = tmp_path / "optuna"
+    proc = run_cli(["-m", "hydra/sweeper=optuna_reward", *TINY, "algo.mini_batches=2", "hydra.sweeper.n_trials=3",
+                    f"hydra.sweep.dir={sweep_dir}"], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    rows = json.loads((sweep_dir / "sweep_summary.json").read_text())
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    assert best["best_value"] == pytest.approx(max(r["final_reward"] for r in rows))
+    assert 0.0 <= best["best_params"]["algo.beta"] <= 0.1 and 0.05 <= best["best_params"]["algo.clip_eps"] <= 0.3
+    assert len({(r["algo.beta"], r["algo.clip_eps"]) for r in rows}) == 3  # three sampled points, one per trial
+
+
 def test_slurm_preset(monkeypatch):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     monkeypatch.delenv("SLURM_PARTITION", raising=False)
