@@ -48,3 +48,27 @@ def compose():
             return hydra_compose("config", overrides=overrides)
 
     return _compose
+
+
+TINY_TRAINER = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu"]
+
+
+def make_trainer(compose, tmp_path, *overrides):
+    """An in-process GRPOTrainer on the tiny model (6 new tokens, CPU) with extra overrides."""
+    from grpo_cli.trainer import GRPOTrainer
+
+    return GRPOTrainer(compose([*TINY_TRAINER, *overrides]), tmp_path)
+
+
+def fixed_batch(trainer, rewards):
+    """A real rollout whose rewards are replaced by `rewards(n, G)` (the tiny model earns none), with their
+    group advantages."""
+    import torch
+
+    from grpo_cli import algorithm
+
+    batch = trainer.rollout(0)
+    n, G = batch.rewards.numel(), trainer.algo.num_generations
+    batch.rewards = rewards(torch.arange(n, dtype=torch.float32), G)
+    batch.advantages = algorithm.group_advantages(batch.rewards, G)
+    return batch

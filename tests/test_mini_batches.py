@@ -9,25 +9,15 @@ import shutil
 
 import pytest
 import torch
-from conftest import read_jsonl, run_cli
+from conftest import fixed_batch, make_trainer, read_jsonl, run_cli
 
 from grpo_cli import algorithm
 from grpo_cli.trainer import GRPOTrainer, completion_logprobs, lr_lambda, mini_batch_groups
 
-TINY = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu"]
 
-
-def make_trainer(compose, tmp_path, *overrides) -> GRPOTrainer:
-    return GRPOTrainer(compose([*TINY, *overrides]), tmp_path)
-
-
-def fixed_batch(trainer: GRPOTrainer):
-    """A real rollout whose rewards are replaced by fixed, varied ones (the tiny model earns none)."""
-    batch = trainer.rollout(0)
-    n, G = batch.rewards.numel(), trainer.algo.num_generations
-    batch.rewards = (torch.arange(n, dtype=torch.float32) * 7 % 5) % G
-    batch.advantages = algorithm.group_advantages(batch.rewards, G)
-    return batch
+def varied_batch(trainer):
+    """Fixed rewards, varied within each group and not in group order."""
+    return fixed_batch(trainer, lambda i, G: (i * 7 % 5) % G)
 
 
 def lora_state(trainer: GRPOTrainer) -> list[torch.Tensor]:
@@ -52,7 +42,7 @@ def test_mini_batch_groups_do_not_depend_on_the_number_of_ranks():
 @pytest.mark.slow
 def test_select_groups_keeps_each_completion_with_its_prompt(compose, tmp_path):
     trainer = make_trainer(compose, tmp_path)
-    batch = fixed_batch(trainer)
+    batch = varied_batch(trainer)
     G = trainer.algo.num_generations
     picked = batch.select_groups([2, 0])
     rows = [*range(2 * G, 3 * G), *range(0, G)]
@@ -90,7 +80,7 @@ def reference_update(trainer: GRPOTrainer, batch) -> float:
 def test_one_mini_batch_reproduces_the_plain_update(compose, tmp_path):
     overrides = ("optimizer.lr=1e-2", "algo.beta=0.1", "algo.mini_batches=1", "algo.num_iterations=1")
     ours, by_hand = make_trainer(compose, tmp_path, *overrides), make_trainer(compose, tmp_path, *overrides)
-    batch = fixed_batch(ours)
+    batch = varied_batch(ours)
     before = lora_state(ours)
     assert all(torch.equal(a, b) for a, b in zip(before, lora_state(by_hand), strict=True))
     stats = ours.update(0, batch)
@@ -113,7 +103,7 @@ def test_later_mini_batches_are_off_policy_and_clip(compose, tmp_path):
     for clip in (0.05, 0.3):
         trainer = make_trainer(compose, tmp_path, "algo.mini_batches=4", f"algo.clip_eps={clip}",
                                "optimizer.lr=3e-2", "algo.beta=0.1")
-        batch = fixed_batch(trainer)
+        batch = varied_batch(trainer)
         stats = trainer.update(0, batch)
         assert stats.updates == 4 and trainer.scheduler.last_epoch == 4
         assert abs(stats.first_ratio - 1.0) < 1e-6  # the first update starts from the rollout policy
@@ -128,7 +118,7 @@ def test_later_mini_batches_are_off_policy_and_clip(compose, tmp_path):
 def test_scheduler_counts_optimizer_updates(compose, tmp_path):
     trainer = make_trainer(compose, tmp_path, "algo.mini_batches=2", "algo.num_iterations=2", "optimizer.lr=1e-3",
                            "optimizer.warmup_steps=2", "optimizer.schedule=linear", "trainer.max_steps=3")
-    batch = fixed_batch(trainer)
+    batch = varied_batch(trainer)
     seen = []
     trainer.optimizer.register_step_pre_hook(lambda opt, *_: seen.append(opt.param_groups[0]["lr"]))
     trainer.update(0, batch)
@@ -141,7 +131,7 @@ def test_scheduler_counts_optimizer_updates(compose, tmp_path):
 @pytest.mark.slow
 def test_bnpo_differs_from_dapo_with_micro_batches_and_equals_it_without(compose, tmp_path):
     trainer = make_trainer(compose, tmp_path, "optimizer.lr=1e-30", "algo.beta=0.1")
-    batch = fixed_batch(trainer)
+    batch = varied_batch(trainer)
     batch.mask[0, 1:] = 0  # micro-batches with different token counts
     got = {}
     for micro in (None, 8):

@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fixed_batch, make_trainer
 
 from grpo_cli import algorithm
-from grpo_cli.trainer import GRPOTrainer, completion_logprobs
-
-TINY = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu"]
+from grpo_cli.trainer import completion_logprobs
 
 
-def make_trainer(compose, tmp_path, *overrides) -> GRPOTrainer:
-    return GRPOTrainer(compose([*TINY, *overrides]), tmp_path)
-
-
-def fixed_batch(trainer: GRPOTrainer):
-    """A real rollout whose rewards are replaced by fixed, varied ones."""
-    batch = trainer.rollout(0)
-    n, G = batch.rewards.numel(), trainer.algo.num_generations
-    batch.rewards = torch.arange(n, dtype=torch.float32) % G
-    batch.advantages = algorithm.group_advantages(batch.rewards, G)
-    return batch
+def varied_batch(trainer):
+    """Fixed, varied rewards 0..G-1 within each group."""
+    return fixed_batch(trainer, lambda i, G: i % G)
 
 
 def logprobs(trainer, batch):
@@ -33,7 +24,7 @@ def logprobs(trainer, batch):
 def test_loss_goes_down_on_a_fixed_batch(compose, tmp_path):
     """Against the rollout policy (old fixed), the clipped surrogate loss falls with each update."""
     trainer = make_trainer(compose, tmp_path, "algo.beta=0.0", "optimizer.lr=1e-3")
-    batch = fixed_batch(trainer)
+    batch = varied_batch(trainer)
     old = logprobs(trainer, batch)
     losses = []
     for step in range(4):
@@ -49,7 +40,7 @@ def test_micro_batches_give_the_full_batch_gradient(compose, tmp_path):
     """Exact accumulation for every loss type whose loss is defined over the whole update (bnpo is a mean
     of micro-batch token means by definition: tests/test_mini_batches.py)."""
     trainer = make_trainer(compose, tmp_path, "optimizer.lr=1e-30")
-    batch = fixed_batch(trainer)
+    batch = varied_batch(trainer)
     for loss_type in (name for name, t in algorithm.LOSS_TYPES.items() if t.accumulate != "micro_batches"):
         grads = []
         for micro_batch_size in (None, 4):
@@ -62,7 +53,7 @@ def test_micro_batches_give_the_full_batch_gradient(compose, tmp_path):
 
 def test_fresh_adapter_policy_equals_reference(compose, tmp_path):
     trainer = make_trainer(compose, tmp_path)
-    batch = fixed_batch(trainer)
+    batch = varied_batch(trainer)
     policy = logprobs(trainer, batch)
     with trainer.model.disable_adapter():
         reference = logprobs(trainer, batch)
@@ -77,7 +68,7 @@ def test_saved_adapter_reproduces_log_probs(compose, tmp_path):
     from grpo_cli.models import load_base_model
 
     trainer = make_trainer(compose, tmp_path, "optimizer.lr=1e-2")
-    batch = fixed_batch(trainer)
+    batch = varied_batch(trainer)
     trainer.update(0, batch)
     trained = logprobs(trainer, batch)
     adapter_dir = trainer.save_adapter()
