@@ -268,3 +268,24 @@ def test_sigterm_stops_every_rank_at_the_same_point(tmp_path):
     assert sum(line.startswith("grpo-train: SIGTERM received") for line in output) == 1
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000000"]
     assert child.returncode != 0  # torchrun reports the signal it forwarded in its own words
+
+
+@pytest.mark.slow
+def test_grpo_train_nproc_gives_every_rank_one_run_dir(tmp_path):
+    """`grpo-train trainer.nproc=2` without hydra.run.dir: both ranks write one timestamped dir. With Hydra's
+    `--cfg job` it prints the config in one process instead of starting torchrun."""
+    from conftest import script
+
+    args = [script("grpo-train"), "+recipe=quickstart", "model=tiny", "trainer.nproc=2", "trainer.device=cpu",
+            "trainer.max_steps=1", "rollout.max_new_tokens=4", "trainer.log_samples_every=0"]
+    shown = subprocess.run([*args, "--cfg", "job"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "  nproc: 2\n" in shown.stdout and "torch.distributed" not in shown.stderr
+    assert not (tmp_path / "outputs").exists()
+
+    proc = subprocess.run(args, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.jsonl")]
+    assert len(runs) == 1, list((tmp_path / "outputs").rglob("*"))
+    assert [r["step"] for r in read_jsonl(runs[0] / "metrics.jsonl")] == [0]
+    assert (runs[0] / "adapter" / "adapter_model.safetensors").is_file()

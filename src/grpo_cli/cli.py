@@ -139,7 +139,7 @@ def train() -> None:
     """`grpo-train`: one run, or a sweep with -m; `trainer.nproc=K` relaunches itself under torchrun."""
     argv = sys.argv[1:]
     nproc = _requested_nproc(argv)
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+    if nproc > 1 and "LOCAL_RANK" not in os.environ and not _HYDRA_INFO_FLAGS.intersection(argv):
         if "-m" in argv or "--multirun" in argv:
             _bad_input("grpo-train: trainer.nproc > 1 with -m is not supported; launch torchrun per job (see README)")
         register_recipes()
@@ -151,6 +151,10 @@ def train() -> None:
                 _bad_input(f"grpo-train: {err}")
         _relaunch_under_torchrun(nproc, argv)
     _hydra_app(_train_task, "grpo-train")()
+
+
+# Hydra prints (config, help, info) and exits for these: one process does that, no torchrun
+_HYDRA_INFO_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc"}
 
 
 def _requested_nproc(argv: list[str]) -> int:
@@ -168,7 +172,9 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> None:
     import time
 
     if not any(a.startswith("hydra.run.dir=") for a in argv):
-        argv = [*argv, f"hydra.run.dir=outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"]
+        # beside the other overrides: argparse takes them only as one unbroken run (`a=b --flag x c=d` fails)
+        first = next(i for i, a in enumerate(argv) if "=" in a and not a.startswith("-"))
+        argv = [*argv[:first], f"hydra.run.dir=outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}", *argv[first:]]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "grpo_cli.train", *argv]
     os.execv(sys.executable, command)
 
