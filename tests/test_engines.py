@@ -114,6 +114,24 @@ def test_sampling_is_the_same_under_the_same_seed(tiny):
     assert b.completion_ids.shape == (8, 10) and bool(b.completion_mask.all())  # min_new_tokens: no EOS early
 
 
+def test_a_decode_step_that_fails_to_compile_costs_the_speed_up_not_the_run(tiny, capsys):
+    """rollout.compile=auto: a compile failure (here a real one: a backend torch does not have) is one warning, and
+    the engine generates uncompiled, exactly as with rollout.compile=false; rollout.compile=true raises it."""
+    prompts = chat_prompts(tiny.tokenizer)
+    expected = engines(tiny)[1].generate(prompts, 2, max_new_tokens=5, greedy=True)
+    broken = CompiledEngine(tiny.model, tiny.tokenizer, tiny.device, compile=True, max_prompt_tokens=64,
+                            compile_fallback=True, compile_backend="no_such_backend")
+    for _ in range(2):
+        assert_same_rollout(broken.generate(prompts, 2, max_new_tokens=5, greedy=True), expected)
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warned) == 1 and warned[0].startswith("warning: rollout.compile=auto: compiling the decode step failed")
+    assert "rollout.compile=false" in warned[0] and not broken.compile
+    strict = CompiledEngine(tiny.model, tiny.tokenizer, tiny.device, compile=True, max_prompt_tokens=64,
+                            compile_backend="no_such_backend")
+    with pytest.raises(Exception, match="no_such_backend"):
+        strict.generate(prompts, 2, max_new_tokens=5, greedy=True)
+
+
 def test_compiled_engine_sizes_its_cache_once(tiny):
     """A smaller call reuses the first call's static cache (spare rows are padding) and still gives hf's tokens."""
     hf, compiled = engines(tiny, max_prompt_tokens=64)

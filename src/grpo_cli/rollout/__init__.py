@@ -52,9 +52,10 @@ def make_engine(cfg_rollout, lm, *, max_prompt_tokens: int | None = None) -> Eng
     if name == "compiled":
         from grpo_cli.rollout.compiled import CompiledEngine
 
-        compile_ = cfg_rollout.get("compile", "auto")
-        compile_ = lm.device.type == "cuda" if compile_ == "auto" else bool(compile_)
-        return CompiledEngine(lm.model, lm.tokenizer, lm.device, compile=compile_, max_prompt_tokens=max_prompt_tokens)
+        setting = cfg_rollout.get("compile", "auto")
+        compile_ = lm.device.type == "cuda" if setting == "auto" else bool(setting)
+        return CompiledEngine(lm.model, lm.tokenizer, lm.device, compile=compile_, max_prompt_tokens=max_prompt_tokens,
+                              compile_fallback=setting == "auto")
     raise ValueError(f"rollout.engine={name} is invalid: use one of {', '.join(ENGINES)}")
 
 

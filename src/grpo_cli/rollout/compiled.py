@@ -14,6 +14,7 @@ Sampling is transformers' own (temperature, top_p, min_new_tokens, EOS), from th
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import OrderedDict
 
@@ -39,11 +40,15 @@ MAX_CACHES = 2      # static caches kept (training rows, evaluation rows); the l
 class CompiledEngine(Engine):
     name = "compiled"
 
-    def __init__(self, model, tokenizer, device: torch.device, *, compile: bool, max_prompt_tokens: int | None = None):
+    def __init__(self, model, tokenizer, device: torch.device, *, compile: bool, max_prompt_tokens: int | None = None,
+                 compile_fallback: bool = False, compile_backend: str = "inductor"):
         from grpo_cli.models import InferenceCopy
 
         self.policy, self.tokenizer, self.device = model, tokenizer, device
         self.compile = compile
+        # rollout.compile=auto: a decode step that fails to compile (no Triton, an unsupported op) costs the speed-up,
+        # not the run; with rollout.compile=true it is an error
+        self.compile_fallback, self.compile_backend = compile_fallback, compile_backend
         self.max_prompt_tokens = max_prompt_tokens or 0
         self.copy = InferenceCopy(model) if hasattr(model, "get_base_model") else None
         self.stale = True  # refreshed at the first generation: after a checkpoint's adapter is loaded
@@ -79,7 +84,13 @@ class CompiledEngine(Engine):
         model.eval()
         try:
             if fresh and self.compile:
-                self.warm_up(model, key, common, max_new_tokens)
+                try:
+                    self.warm_up(model, key, common, max_new_tokens)
+                except Exception as err:
+                    if not self.compile_fallback:
+                        raise
+                    self.stop_compiling(err)
+                    common.update(self.compile_kwargs())
             cache.reset()
             criteria, fired = stop_criteria(stop)
             out = model.generate(**common, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
@@ -118,10 +129,19 @@ class CompiledEngine(Engine):
         from transformers import CompileConfig
 
         if self.device.type == "cuda":
-            return {"compile_config": CompileConfig(mode="reduce-overhead")}
-        config = CompileConfig(mode="default")  # no CUDA graphs off CUDA; transformers compiles on CUDA only unless told
+            return {"compile_config": CompileConfig(mode="reduce-overhead", backend=self.compile_backend)}
+        # no CUDA graphs off CUDA; transformers compiles on CUDA only unless told
+        config = CompileConfig(mode="default", backend=self.compile_backend)
         config._compile_all_devices = True
         return {"compile_config": config}
+
+    def stop_compiling(self, err: BaseException) -> None:
+        first = next((line for line in str(err).splitlines() if line.strip()), "")
+        print(f"warning: rollout.compile=auto: compiling the decode step failed ({type(err).__name__}: {first[:200]}); "
+              "generating uncompiled from here (set rollout.compile=false to skip the attempt, "
+              "rollout.compile=true to make it an error)", file=sys.stderr, flush=True)
+        self.compile = False
+        torch._dynamo.reset()
 
     def warm_up(self, model, key: tuple[int, int], common: dict, max_new_tokens: int) -> None:
         """A short greedy generation on a new cache shape, timed: compiling and capturing the decode step
