@@ -3,6 +3,8 @@
 The CLI prints them without a traceback. Kept free of heavy imports so a bad config fails fast.
 """
 
+import re
+
 
 class UserError(Exception):
     """Base: bad input from the user (exit code 2)."""
@@ -61,3 +63,11 @@ class Interrupted(Exception):
         super().__init__(f"signal {signum}")
         self.signum, self.checkpoint_dir = signum, checkpoint_dir
         self.completed, self.discarded = completed, discarded
+
+
+def error_line(err: BaseException) -> str:
+    """One line that says what went wrong; `grpo-train: ...` messages from cli._fail are kept as they are."""
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    if re.match(r"grpo-[a-z]+: ", text):
+        return text
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__

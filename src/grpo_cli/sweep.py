@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import traceback
 import uuid
@@ -52,7 +51,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli.errors import MetricsError
+from grpo_cli.errors import MetricsError, error_line
 from grpo_cli.metrics import final_mean, read_metrics
 
 log = logging.getLogger(__name__)
@@ -78,14 +77,6 @@ def device_for_job(job_num: int, device_count: int) -> int:
     if device_count < 1:
         raise ValueError(f"device_count={device_count}: needs at least one device")
     return int(job_num) % device_count
-
-
-def error_line(err: BaseException) -> str:
-    """One line that says what went wrong; `grpo-train: ...` messages from cli._fail are kept as they are."""
-    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-    if re.match(r"grpo-[a-z]+: ", text):
-        return text
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _number(value: Any) -> float:

@@ -136,8 +136,9 @@ class CompiledEngine(Engine):
         return {"compile_config": config}
 
     def stop_compiling(self, err: BaseException) -> None:
-        first = next((line for line in str(err).splitlines() if line.strip()), "")
-        print(f"warning: rollout.compile=auto: compiling the decode step failed ({type(err).__name__}: {first[:200]}); "
+        from grpo_cli.errors import error_line
+
+        print(f"warning: rollout.compile=auto: compiling the decode step failed ({error_line(err)[:240]}); "
               "generating uncompiled from here (set rollout.compile=false to skip the attempt, "
               "rollout.compile=true to make it an error)", file=sys.stderr, flush=True)
         self.compile = False
