@@ -48,6 +48,7 @@ def grid(tmp_path_factory) -> Path:
     return sweep_dir
 
 
+@pytest.mark.slow
 def test_grid_over_clip_eps_on_policy_warns_once(grid):
     lines = [line for line in (grid.parent / "stderr.txt").read_text().splitlines() if "warning" in line]
     assert lines == [lines[0]] and lines[0].startswith("grpo-train: warning: sweeping algo.clip_eps measures nothing")
