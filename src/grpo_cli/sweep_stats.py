@@ -1,0 +1,113 @@
+"""Seed-aware statistics of a sweep: jobs grouped into cells, each metric's spread over seeds, a ranking
+that says which differences are real.
+
+A *cell* is the set of jobs whose swept overrides match except for the seed (`trainer.seed`). For every
+metric column a cell gets n, mean, std (over its seeds, ddof 1) and a 95 % Student-t confidence interval;
+a cell with n = 1 gets no interval (its std and bounds are None). Cells are ranked by the sweep metric
+(higher is better) and each is compared with the best cell by Welch's t-test (unequal variances: seeds of
+different settings need not spread alike): `best`, `tied with best` (p >= 0.05) or `worse`. A comparison
+that needs two seeds on both sides says `n = 1: not tested` instead of guessing.
+
+Why Welch's t-test and not rliable's bootstrap: with 2-5 seeds a cell a bootstrap has too few distinct
+resamples to give a stable interval, while the t-interval and Welch's test are exact under normal noise and
+honest (wide) at small n. Both come from scipy.stats, not from code of ours.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+SEED_KEY = "trainer.seed"
+CONFIDENCE = 0.95
+ALPHA = 0.05
+BEST, TIED, WORSE, UNTESTED = "best", "tied with best", "worse", "n = 1: not tested"
+
+
+def describe(values: Sequence[float]) -> dict:
+    """n, mean, std and the 95 % t-interval of the finite values; None where n is too small for it."""
+    from scipy import stats
+
+    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    n = len(xs)
+    if n == 0:
+        return {"n": 0, "mean": None, "std": None, "ci_low": None, "ci_high": None}
+    mean = sum(xs) / n
+    if n == 1:
+        return {"n": 1, "mean": mean, "std": None, "ci_low": None, "ci_high": None}
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1) * std / math.sqrt(n)
+    return {"n": n, "mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half}
+
+
+def welch_p(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Two-sided p-value of Welch's t-test of a against b; None when either has fewer than two values.
+    Two samples without spread are equal (p = 1) or not (p = 0)."""
+    from scipy import stats
+
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    if max(a) == min(a) and max(b) == min(b):
+        return 1.0 if a[0] == b[0] else 0.0
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def cell_keys(swept: Sequence[str]) -> list[str]:
+    """The swept keys that define a cell: all of them but the seed."""
+    return [k for k in swept if k != SEED_KEY]
+
+
+def group_cells(rows: list[dict], swept: Sequence[str]) -> list[tuple[tuple, list[dict]]]:
+    """(cell values, its job rows) in order of first appearance; a cell's values follow `cell_keys(swept)`."""
+    keys = cell_keys(swept)
+    cells: dict[tuple, list[dict]] = {}
+    for row in rows:
+        cells.setdefault(tuple(_hashable(row.get(k)) for k in keys), []).append(row)
+    return list(cells.items())
+
+
+def _hashable(value):
+    return repr(value) if isinstance(value, (list, dict)) else value
+
+
+def _metric_values(jobs: list[dict], metric: str) -> list[float]:
+    values = []
+    for job in jobs:
+        v = job.get(metric)
+        if job.get("status", "ok") == "ok" and isinstance(v, (int, float)) and math.isfinite(v):
+            values.append(float(v))
+    return values
+
+
+def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], rank_by: str) -> list[dict]:
+    """One row per cell: its swept values, jobs / ok / failed counts, `<metric>_{n,mean,std,ci_low,ci_high}`
+    for every metric, and `rank`, `p_vs_best`, `label` by `rank_by`; best first."""
+    keys = cell_keys(swept)
+    cells = []
+    for values, jobs in group_cells(rows, swept):
+        cell = dict(zip(keys, (jobs[0].get(k) for k in keys), strict=True))
+        ok = [j for j in jobs if j.get("status", "ok") == "ok"]
+        cell.update(jobs=len(jobs), ok=len(ok), failed=len(jobs) - len(ok),
+                    seeds=[j.get(SEED_KEY) for j in jobs if SEED_KEY in j])
+        for metric in metrics:
+            for stat, v in describe(_metric_values(jobs, metric)).items():
+                cell[f"{metric}_{stat}"] = v
+        cell["_values"] = _metric_values(jobs, rank_by)
+        cells.append(cell)
+    ranked = sorted(cells, key=lambda c: -math.inf if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"],
+                    reverse=True)
+    best = ranked[0]["_values"] if ranked and ranked[0][f"{rank_by}_mean"] is not None else None
+    for rank, cell in enumerate(ranked, 1):
+        values = cell.pop("_values")
+        if cell[f"{rank_by}_mean"] is None or best is None:
+            cell.update(rank=None, p_vs_best=None, label="no result")
+            continue
+        cell["rank"] = rank
+        if rank == 1:
+            cell.update(p_vs_best=None, label=BEST)
+            continue
+        p = welch_p(values, best)
+        cell["p_vs_best"] = p
+        cell["label"] = UNTESTED if p is None else (TIED if p >= ALPHA else WORSE)
+    return ranked
