@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 
@@ -280,6 +279,8 @@ def _override_key(line: str) -> str:
 
 
 def _validate_rewards(cfg: DictConfig) -> None:
+    from grpo_cli.rewards import resolve_callable
+
     functions = cfg.reward.get("functions") or {}
     if not functions:
         _fail("reward.functions", "{}", "list at least one reward function with _target_ and weight")
@@ -295,16 +296,6 @@ def _validate_rewards(cfg: DictConfig) -> None:
         if not isinstance(weight, (int, float)):
             _fail(f"reward.functions.{name}.weight", weight, "needs a number")
         _check_reward_options(f"reward.functions.{name}", resolve_callable(target), spec)
-
-
-def resolve_callable(dotted: str):
-    module, _, attr = str(dotted).rpartition(".")
-    if not module:
-        raise ValueError(f"{dotted!r} is not a dotted path")
-    fn = getattr(importlib.import_module(module), attr)
-    if not callable(fn):
-        raise ValueError(f"{dotted} is not callable")
-    return fn
 
 
 def _check_reward_options(prefix: str, target, spec: DictConfig) -> None:
