@@ -1,4 +1,6 @@
-"""Recipe registration and config validation: every bad value is caught here, before any model loads."""
+"""Composing the config (recipes, resolvers, the schema's root defaults in Hydra's ConfigStore) and validating
+it: every bad value is caught here, before any model loads. What each key accepts is declared in schema.py;
+the rules here relate several keys."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"
 RECIPES_DIR = PACKAGE_DIR / "recipes"
 SAMPLE_DATA_DIR = PACKAGE_DIR / "sample_data"
+
 
 def packaged_data(name: str) -> str:
     """``${packaged_data:gsm8k/train.jsonl}`` in a config: the path of a data file shipped in the package."""
@@ -146,8 +149,8 @@ def validate(cfg: DictConfig) -> list[str]:
         fail("data.prompts_per_step", cfg.data.prompts_per_step,
              f"must divide over the {n_ranks} ranks (each takes whole prompt groups); use a multiple of {n_ranks}, "
              f"e.g. data.prompts_per_step={n_ranks * max(1, round(cfg.data.prompts_per_step / n_ranks))}")
-    tiny = cfg.model.get("tiny")
-    if tiny is not None and tiny.hidden_size % tiny.num_heads:
+    tiny = cfg.model.get("tiny") or {}
+    if "hidden_size" in tiny and "num_heads" in tiny and tiny.hidden_size % tiny.num_heads:
         fail("model.tiny.hidden_size", tiny.hidden_size, f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
     low, high = cfg.data.get("low"), cfg.data.get("high")
     if low is not None and high is not None and high < low:

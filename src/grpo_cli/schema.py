@@ -146,7 +146,7 @@ def _betas(value) -> bool:
     return isinstance(value, ListConfig) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)
 
 
-DEVICE = (Rule(_is_device, "auto, cpu, cuda or cuda:N", failure="use auto, cpu, cuda or cuda:N"),
+DEVICE = (Rule(_is_device, "auto, cpu, cuda or cuda:N", verb="use"),
           Rule(_cuda_visible, "", failure="no CUDA device is visible here; use trainer.device=auto or cpu"))
 RESUME = Rule(lambda v: v == "auto" or _existing_path(v), "auto or a checkpoint / run dir",
               failure="no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
@@ -159,7 +159,7 @@ TARGET_MODULES = Rule(_target_modules, "all-linear or [names]",
 BETAS = Rule(_betas, "[beta1, beta2] in [0, 1)", failure="needs [beta1, beta2], each in [0, 1)")
 DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
                    failure="give the dotted path of a callable, e.g. pkg.module.fn")
-MODEL_NAME = Rule(lambda v: isinstance(v, str) and bool(v.strip()), "hub id, dir, embedded:NAME, tiny-random",
+MODEL_NAME = Rule(TEXT.test, "hub id, dir, embedded:NAME, tiny-random",
                   failure="give a hub id, a local directory, embedded:NAME or tiny-random")
 
 
@@ -294,9 +294,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("reward.functions.*.weight", number(), "its weight in the summed reward (1 when left out)", optional=True),
 )
 
-OPTION_BY_KEY = {option.key: option for option in OPTIONS}
-
-
 def root_defaults() -> dict:
     """The root sections' defaults as nested dicts: stored as `grpo_defaults` for conf/config.yaml."""
     tree: dict = {}
@@ -327,7 +324,7 @@ def check_options(cfg: DictConfig) -> None:
     for option in OPTIONS:
         for key in _expand(cfg, option.key):
             value = OmegaConf.select(cfg, key, default=ABSENT)
-            if value is ABSENT and option.optional or value is None and option.nullable:
+            if (value is ABSENT and option.optional) or (value is None and option.nullable):
                 continue
             value = None if value is ABSENT else value
             for rule in option.rules:
