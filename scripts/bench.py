@@ -295,7 +295,7 @@ def _texts(completions) -> list[str]:
 
 def trl_reward_functions(cfg) -> tuple[list, list[float]]:
     """Our configured reward functions (the same code), adapted to TRL's conversational completions."""
-    from grpo_cli.config import resolve_callable
+    from grpo_cli.rewards import resolve_callable
 
     funcs, weights = [], []
     for name, fspec in cfg.reward.functions.items():

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import REPO, run_cli
 from omegaconf import OmegaConf
 
-from grpo_cli.config import CONF_DIR, RECIPES_DIR, ConfigError, validate
+from grpo_cli.config import CONF_DIR, RECIPES_DIR, ConfigError, options_table, validate
+from grpo_cli.schema import OPTIONS, check_options, root_defaults
 
 GROUPS = ["model", "reward", "optimizer", "data", "logger"]
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -28,6 +30,7 @@ def test_every_group_option_composes(compose, group, option):
     cfg = compose([f"{group}={option}"])
     OmegaConf.resolve(cfg)
     assert cfg[group] is not None
+    check_options(cfg)  # each of its keys is declared in the schema, and its values pass
 
 
 def test_recipe_overrides_its_groups(compose):
@@ -65,6 +68,19 @@ def test_recipe_overrides_its_groups(compose):
     ("logger.backend=tensorboard", "logger.backend"),
     ("data.high=0", "data.high"),
     ("data.size=0", "data.size"),
+    # not numbers, or not finite, where a number is wanted
+    ("algo.beta=nan", "algo.beta"),
+    ("algo.beta=inf", "algo.beta"),
+    ("algo.beta=abc", "algo.beta"),
+    ("optimizer.lr=-inf", "optimizer.lr"),
+    ("algo.num_generations=inf", "algo.num_generations"),
+    ("algo.num_generations=true", "algo.num_generations"),
+    ("trainer.max_steps=abc", "trainer.max_steps"),
+    ("trainer.max_steps=4.0", "trainer.max_steps"),
+    ("reward.functions.correct.weight=nan", "reward.functions.correct.weight"),
+    ("rollout.engine=vllm", "rollout.engine"),
+    ("rollout.compile=1", "rollout.compile"),
+    ("+algo.betas=[0.9,0.99]", "algo.betas"),  # a key no option declares
 ])
 def test_validate_names_key_and_value(compose, override, key):
     cfg = compose(["+recipe=quickstart", override])
@@ -148,3 +164,68 @@ def test_clip_eps_on_the_command_line_of_an_on_policy_run_warns():
     assert explicit_clip_warning(on_policy, ["+recipe=quickstart", "algo.beta=0.1"]) is None  # the recipe's own
     for off_policy in ({"mini_batches": 4, "num_iterations": 1}, {"mini_batches": 1, "num_iterations": 2}):
         assert explicit_clip_warning(OmegaConf.create({"algo": off_policy}), ["algo.clip_eps=0.1"]) is None
+
+
+@pytest.mark.parametrize("override,allowed", [
+    ("algo.beta=inf", "needs beta >= 0"),
+    ("algo.clip_eps=abc", "needs 0 < clip_eps < 1"),
+    ("trainer.max_steps=abc", "needs an integer >= 1"),
+    ("rollout.engine=vllm", "use one of auto, hf, compiled"),
+    ("optimizer.name=adam", "use one of adamw, sgd"),
+    ("algo.check=maybe", "use true or false"),
+    ("trainer.logprob_chunk_size=0", "needs an integer >= 1, or null"),
+    ("+algo.betas=[0.9,0.99]", "no such option"),
+])
+def test_the_line_says_what_is_allowed(compose, override, allowed):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["+recipe=quickstart", override]))
+    assert f" is invalid: {allowed}" in str(err.value), str(err.value)
+
+
+def test_plug_in_choices_come_from_their_registries(compose, monkeypatch):
+    """A loss type, optimizer or rollout engine added to its registry is a legal value at once, nothing else edited."""
+    from grpo_cli import algorithm, optim, rollout
+
+    monkeypatch.setitem(algorithm.LOSS_TYPES, "toy_loss", algorithm.LOSS_TYPES["grpo"])
+    monkeypatch.setitem(optim.OPTIMIZERS, "toy_optimizer", ("SGD", ()))
+    monkeypatch.setattr(rollout, "ENGINES", (*rollout.ENGINES, "toy_engine"))
+    validate(compose(["+recipe=quickstart", "algo.loss_type=toy_loss", "optimizer=sgd", "optimizer.name=toy_optimizer",
+                      "~optimizer.momentum", "~optimizer.nesterov", "rollout.engine=toy_engine"]))
+    with pytest.raises(ConfigError, match="use one of grpo, bnpo, dapo, dr_grpo, toy_loss"):
+        validate(compose(["+recipe=quickstart", "algo.loss_type=nope"]))
+
+
+def test_root_defaults_are_declared_once_in_the_schema(compose):
+    """algo, rollout, trainer and eval come from schema.OPTIONS (stored as grpo_defaults), not from a YAML copy."""
+    text = (CONF_DIR / "config.yaml").read_text()
+    for section in ("algo", "rollout", "trainer", "eval"):
+        assert f"\n{section}:" not in text
+        assert OmegaConf.to_container(compose([])[section]) == root_defaults()[section]
+
+
+def test_readme_configuration_table_is_the_schemas():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("<!-- options:start -->\n")[1].split("<!-- options:end -->")[0]
+    assert block == options_table() + "\n", (
+        "README.md's configuration table is out of date; paste the output of `python -m grpo_cli.config --markdown` "
+        "between its <!-- options:start --> and <!-- options:end --> lines")
+    assert len(block.splitlines()) == len(OPTIONS) + 2
+
+
+@pytest.mark.slow
+def test_help_lists_every_option_with_its_value_here(tmp_path):
+    proc = run_cli(["+recipe=gsm8k", "--help"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    listed = proc.stdout.split("== Options")[1]
+    for option in OPTIONS:
+        assert f" {option.key.replace('*', 'NAME')} " in listed, option.key
+    assert any(line.split()[:2] == ["algo.mini_batches", "4"] for line in listed.splitlines())  # the recipe's value
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override", ["algo.beta=inf", "trainer.max_steps=abc", "optimizer.lr=nan"])
+def test_non_numbers_for_numbers_are_one_line_exit_2(tmp_path, override):
+    proc = run_cli(["+recipe=quickstart", "model=tiny", override], tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"grpo-train: {override} is invalid: needs "), proc.stderr

@@ -14,10 +14,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from grpo_cli.config import resolve_callable
 from grpo_cli.data import load_rows
 from grpo_cli.errors import ConfigError, Interrupted
-from grpo_cli.rewards import to_scores
+from grpo_cli.rewards import resolve_callable, to_scores
 from grpo_cli.rewards.parsing import extract_final_answer, parse_number
 from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine
 

@@ -24,6 +24,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from grpo_cli.errors import ConfigError
+
 SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd")  # anywhere in a key
 # ...and keys that end in one of these words: hf_token, access_token, token; not max_new_tokens or tokenizer
 SECRET_SUFFIX = re.compile(r"(^|[^a-z0-9])(token|access_?key|private_?key|credentials?)$")
@@ -118,8 +120,6 @@ def has_wandb_credentials() -> bool:
 def resolve_wandb_mode(mode: str | None) -> tuple[str, str | None]:
     """(mode to start W&B in, a warning or None). `auto` honours WANDB_MODE when it is set, else goes online
     only with credentials; `online` without credentials would prompt or fail, so it is offline with a warning."""
-    from grpo_cli.config import ConfigError
-
     mode = str(mode or "auto").lower()
     if mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={mode} is invalid: use one of {', '.join(WANDB_MODES)}")

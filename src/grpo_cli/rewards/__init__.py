@@ -14,6 +14,7 @@ that raise on some inputs.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import numbers
@@ -137,12 +138,21 @@ def takes_messages(fn) -> bool:
         return False
 
 
+def resolve_callable(dotted: str):
+    """The callable a `_target_` names (pkg.module.fn or pkg.module.Class)."""
+    module, _, attr = str(dotted).rpartition(".")
+    if not module:
+        raise ValueError(f"{dotted!r} is not a dotted path")
+    fn = getattr(importlib.import_module(module), attr)
+    if not callable(fn):
+        raise ValueError(f"{dotted} is not callable")
+    return fn
+
+
 def build_reward(name: str, spec, **context):
     """The callable for one entry: the function with its options bound, or the class built with its options
     (plus `name`, `device`, `dtype` when its constructor takes them). Row field `messages` is dropped for
     callables that do not name it, so functions written for the plain row fields keep working."""
-    from grpo_cli.config import resolve_callable
-
     target = resolve_callable(spec["_target_"])
     options = reward_options(spec)
     if inspect.isclass(target):

@@ -11,7 +11,6 @@ ENGINES. Log-probs for the loss are recomputed by `completion_logprobs`, never t
 
 from __future__ import annotations
 
-from grpo_cli.config import ROLLOUT_ENGINES
 from grpo_cli.rollout.common import (
     EncodedPrompts,
     Engine,
@@ -27,7 +26,7 @@ from grpo_cli.rollout.common import (
 from grpo_cli.rollout.hf import HFEngine, generate
 from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, completion_logprobs
 
-ENGINES = ROLLOUT_ENGINES
+ENGINES = ("auto", "hf", "compiled")  # the names rollout.engine takes
 
 __all__ = [
     "ENGINES", "EncodedPrompts", "Engine", "HFEngine", "Rollout", "StopFn", "as_engine",

@@ -1,0 +1,402 @@
+"""Every config option, declared once: what it accepts, a one-line help, and, for the sections of the root
+config (algo, rollout, trainer, eval), its default.
+
+Validation (`check_options`), the option list of `grpo-train --help` (`options_help`) and the README's
+configuration table (`options_markdown`) are all read from `OPTIONS`. The keys of the config groups (model,
+data, optimizer, logger, reward) take their values from the group option picked (`conf/GROUP/OPTION.yaml`);
+the root sections take theirs from here (`root_defaults`, stored in Hydra's ConfigStore as `grpo_defaults`,
+which conf/config.yaml composes). Rules that relate several keys live in config.py.
+
+Choices of plug-in kinds are read from their registries when a value is checked, so this module imports
+nothing heavy and lists no engine, optimizer, logger or loss type itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from grpo_cli.errors import ConfigError
+
+FROM_GROUP = object()  # the default is the picked group option's value
+ABSENT = object()
+
+
+def shown(value) -> str:
+    """A value as YAML spells it: true, false, null."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
+
+
+def fail(key: str, value, allowed: str):
+    raise ConfigError(f"{key}={shown(value)} is invalid: {allowed}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A test of one value. `allowed` says what passes (a callable for a registry's names, read when asked);
+    the error line says `verb allowed`, or `failure` where that reads better."""
+
+    test: Callable[[object], bool]
+    allowed: str | Callable[[], str]
+    verb: str = "needs"
+    failure: str = ""
+
+    def describe(self) -> str:
+        return self.allowed() if callable(self.allowed) else self.allowed
+
+    def message(self, name: str) -> str:
+        """`{name}` in the text becomes the key's last part: `needs 0 < clip_eps < 1`."""
+        return (self.failure or f"{self.verb} {self.describe()}").replace("{name}", name)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def integer(minimum: int | None = None) -> Rule:
+    if minimum is None:
+        return Rule(is_int, "an integer")
+    return Rule(lambda v: is_int(v) and v >= minimum, f"an integer >= {minimum}")
+
+
+def number(low: float | None = None, high: float | None = None, *, low_open: bool = False,
+           high_open: bool = False) -> Rule:
+    """A finite number within the bounds given; `*_open` leaves the bound itself out."""
+    def test(v) -> bool:
+        return is_number(v) and (low is None or (v > low if low_open else v >= low)) and (
+            high is None or (v < high if high_open else v <= high))
+
+    if low is None and high is None:
+        return Rule(test, "a finite number")
+    if high is None:
+        return Rule(test, f"{{name}} {'>' if low_open else '>='} {low}")
+    return Rule(test, f"{low} {'<' if low_open else '<='} {{name}} {'<' if high_open else '<='} {high}")
+
+
+def one_of(*choices, names: Callable[[], tuple] | None = None) -> Rule:
+    """One of `choices`, or of the names `names()` returns when asked (a plug-in registry)."""
+    def current() -> tuple:
+        return names() if names else choices
+
+    return Rule(lambda v: any(v == c and type(v) is type(c) for c in current()),
+                lambda: ", ".join(shown(c) for c in current()), verb="use one of")
+
+
+BOOLEAN = Rule(lambda v: isinstance(v, bool), "true or false", verb="use")
+AUTO_OR_BOOLEAN = Rule(lambda v: v == "auto" or isinstance(v, bool), "auto, true or false", verb="use")
+TEXT = Rule(lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty string")
+ANY_TEXT = Rule(lambda v: isinstance(v, str), "a string")
+MAPPING = Rule(lambda v: isinstance(v, DictConfig), "a mapping")
+TEXT_LIST = Rule(lambda v: isinstance(v, ListConfig) and all(isinstance(t, str) for t in v), "a list of strings")
+
+
+def registry_names(module: str, attribute: str, *, auto: bool = False) -> Callable[[], tuple]:
+    """The names registered in `module.attribute` (a Registry or any dict/sequence of names), read when asked."""
+    def names() -> tuple:
+        found = tuple(str(n) for n in getattr(importlib.import_module(module), attribute))
+        return ("auto", *(n for n in found if n != "auto")) if auto else found
+
+    return names
+
+
+def logger_backends() -> tuple:
+    """`logger.backend` names: tracking's LOGGERS registry; before it exists, the two backends it knows."""
+    tracking = importlib.import_module("grpo_cli.tracking")
+    return tuple(getattr(tracking, "LOGGERS", ("none", "wandb")))
+
+
+def _is_device(value) -> bool:
+    return isinstance(value, str) and bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", value))
+
+
+def _cuda_visible(value) -> bool:
+    if not str(value).startswith("cuda"):
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _existing_path(value) -> bool:
+    return Path(str(value)).expanduser().exists()
+
+
+def _adapter_dir(value) -> bool:
+    return (Path(str(value)).expanduser() / "adapter_config.json").is_file()
+
+
+def _target_modules(value) -> bool:
+    return (isinstance(value, str) and bool(value)) or (
+        isinstance(value, ListConfig) and len(value) > 0 and all(isinstance(t, str) and t for t in value))
+
+
+def _betas(value) -> bool:
+    return isinstance(value, ListConfig) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)
+
+
+DEVICE = (Rule(_is_device, "auto, cpu, cuda or cuda:N", verb="use"),
+          Rule(_cuda_visible, "", failure="no CUDA device is visible here; use trainer.device=auto or cpu"))
+RESUME = Rule(lambda v: v == "auto" or _existing_path(v), "auto or a checkpoint / run dir",
+              failure="no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
+JSONL_FILE = Rule(lambda v: Path(str(v)).expanduser().is_file(), "an existing .jsonl file",
+                  failure="no such file; give the path of an existing .jsonl file")
+ADAPTER = Rule(_adapter_dir, "a run's adapter/ dir",
+               failure="holds no adapter_config.json; point it at a run's adapter/ folder")
+TARGET_MODULES = Rule(_target_modules, "all-linear or [names]",
+                      failure="give all-linear or a list of module names, e.g. [q_proj, v_proj]")
+BETAS = Rule(_betas, "[beta1, beta2] in [0, 1)", failure="needs [beta1, beta2], each in [0, 1)")
+DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
+                   failure="give the dotted path of a callable, e.g. pkg.module.fn")
+MODEL_NAME = Rule(TEXT.test, "hub id, dir, embedded:NAME, tiny-random",
+                  failure="give a hub id, a local directory, embedded:NAME or tiny-random")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One config key. `nullable`: null is allowed too; `optional`: only some group options have the key;
+    `free`: what lies below the key (a mapping) is the user's (a reward's options, a generator's arguments)."""
+
+    key: str
+    check: Rule | tuple[Rule, ...]
+    help: str
+    default: object = FROM_GROUP
+    nullable: bool = False
+    optional: bool = False
+    free: bool = False
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return self.check if isinstance(self.check, tuple) else (self.check,)
+
+    def allowed(self) -> str:
+        text = self.rules[0].describe()
+        return f"{text}, or null" if self.nullable else text
+
+
+OPTIONS: tuple[Option, ...] = (
+    # ---- algo: the GRPO objective
+    Option("algo.num_generations", integer(2), "G: completions per prompt (the group)", 8),
+    Option("algo.beta", number(0), "KL coefficient; 0 skips the reference pass", 0.04),
+    Option("algo.clip_eps", number(0, 1, low_open=True, high_open=True), "eps_low of the clipped ratio", 0.2),
+    Option("algo.clip_eps_high", number(0, 1, low_open=True, high_open=True), "eps_high; null = clip_eps", None,
+      nullable=True),
+    Option("algo.adv_eps", number(0, 1, low_open=True, high_open=True),
+      "stability constant in the advantage denominator (1e-4 is usual)", 1.0e-4),
+    Option("algo.scale_rewards", one_of("group", "batch", "none"),
+      "advantages divided by the reward std of the group, the batch, or not (Dr. GRPO)", "group"),
+    Option("algo.loss_type", one_of(names=registry_names("grpo_cli.algorithm", "LOSS_TYPES")),
+      "how token losses add up (see Loss types)", "grpo"),
+    Option("algo.ratio_level", one_of("token", "sequence"), "importance ratio per token, or per sequence (GSPO)", "token"),
+    Option("algo.mini_batches", integer(1), "optimizer updates per rollout batch, on whole groups; 1 (and "
+      "num_iterations 1) = on-policy, clipping never acts", 1),
+    Option("algo.num_iterations", integer(1), "mu: passes over the mini-batches of one rollout batch", 1),
+    Option("algo.mask_truncated", BOOLEAN, "leave completions that hit max_new_tokens without EOS out of the loss",
+      False),
+    Option("algo.check", BOOLEAN, "live invariant checks (cheap)", True),
+    # ---- rollout: sampling the completions
+    Option("rollout.max_new_tokens", integer(1), "tokens per completion at most", 64),
+    Option("rollout.min_new_tokens", integer(0), "tokens before EOS may end a completion (<= max_new_tokens)", 0),
+    Option("rollout.temperature", number(0, low_open=True), "sampling temperature", 1.0),
+    Option("rollout.top_p", number(0, 1, low_open=True), "nucleus sampling mass", 1.0),
+    Option("rollout.engine", one_of(names=registry_names("grpo_cli.rollout", "ENGINES", auto=True)),
+      "auto = compiled on CUDA, hf on the CPU", "auto"),
+    Option("rollout.compile", AUTO_OR_BOOLEAN, "compiled engine: compile the decode step; auto = on CUDA, "
+      "warn and go on if it fails; true = anywhere, fail if it fails", "auto"),
+    # ---- trainer: the loop, memory, checkpoints
+    Option("trainer.max_steps", integer(1), "training steps (rollout batches)", 50),
+    Option("trainer.seed", integer(0), "seed of sampling, data order and LoRA init", 0),
+    Option("trainer.device", DEVICE, "auto = the first CUDA device, else the CPU", "auto"),
+    Option("trainer.micro_batch_size", integer(1), "completions per forward/backward; null = a whole mini-batch",
+      None, nullable=True),
+    Option("trainer.max_grad_norm", number(0, low_open=True), "gradient clipping norm", 1.0),
+    Option("trainer.logprob_chunk_size", integer(1), "token rows per log-softmax chunk (bounds memory); null = one "
+      "pass", 1024, nullable=True),
+    Option("trainer.gradient_checkpointing", BOOLEAN, "recompute activations in the backward (less memory, ~1/3 "
+      "more compute)", False),
+    Option("trainer.save_every", integer(0), "checkpoint every K steps; 0 = only the final adapter", 0),
+    Option("trainer.keep_last", integer(1), "checkpoints kept", 2),
+    Option("trainer.resume", RESUME, "auto (with hydra.run.dir=RUN_DIR) or the path of a checkpoint or run dir",
+      None, nullable=True),
+    Option("trainer.max_skipped", integer(1), "stop after this many non-finite updates in a row", 3),
+    Option("trainer.log_samples_every", integer(0), "write sample completions every K steps; 0 = never", 10),
+    Option("trainer.nproc", integer(1), "processes; > 1 relaunches under torchrun", 1),
+    # ---- eval: held-out accuracy (grpo-eval, and during training)
+    Option("eval.every", integer(0), "evaluate every K training steps; 0 = never (needs reward.accuracy)", 0),
+    Option("eval.num_prompts", integer(1), "held-out prompts per evaluation", 50),
+    Option("eval.samples", integer(1), "k: pass@k and majority@k when > 1", 1),
+    Option("eval.temperature", number(0, low_open=True), "sampling temperature when samples > 1", 0.8),
+    Option("eval.max_new_tokens", integer(1), "tokens per completion at most", "${rollout.max_new_tokens}"),
+    Option("eval.adapter", ADAPTER, "grpo-eval: a trained adapter dir; null = the base model", None, nullable=True),
+    # ---- model=NAME
+    Option("model.name_or_path", MODEL_NAME, "hub id, local dir, embedded:NAME or tiny-random"),
+    Option("model.trust_remote_code", BOOLEAN, "run a hub model's own code"),
+    Option("model.lora.r", integer(1), "LoRA rank"),
+    Option("model.lora.alpha", number(0, low_open=True), "LoRA scale is alpha / r (2 x r is usual)"),
+    Option("model.lora.dropout", number(0, 1, high_open=True), "LoRA dropout"),
+    Option("model.lora.target_modules", TARGET_MODULES, "modules that get adapters"),
+    Option("model.tiny.hidden_size", integer(1), "tiny-random: width (a multiple of num_heads)", optional=True),
+    Option("model.tiny.num_layers", integer(1), "tiny-random: layers", optional=True),
+    Option("model.tiny.num_heads", integer(1), "tiny-random: attention heads", optional=True),
+    Option("model.tiny.max_position_embeddings", integer(1), "tiny-random: context length", optional=True),
+    # ---- data=NAME
+    Option("data.source", one_of("sums", "reasoning_gym", "gsm8k", "jsonl"), "where prompts come from"),
+    Option("data.task", TEXT, "reasoning_gym: the generator", optional=True),
+    Option("data.task_args", MAPPING, "reasoning_gym: the generator's arguments", optional=True, free=True),
+    Option("data.low", integer(), "sums: smallest term", optional=True),
+    Option("data.high", integer(), "sums: largest term (>= low)", optional=True),
+    Option("data.size", integer(1), "generated training prompts", optional=True),
+    Option("data.eval_size", integer(1), "generated held-out prompts", optional=True),
+    Option("data.question_suffix", ANY_TEXT, "appended to each question"),
+    Option("data.system_prompt", ANY_TEXT, "system turn; null = the model's own default", nullable=True),
+    Option("data.prompts_per_step", integer(1), "prompts per step (each sampled G times)"),
+    Option("data.max_prompt_tokens", integer(1), "longest prompt in tokens"),
+    Option("data.overlong", one_of("truncate", "drop"), "a longer prompt: cut from the left, or dropped"),
+    Option("data.path", JSONL_FILE, "training rows (.jsonl); null = the source's own", nullable=True),
+    Option("data.eval_path", JSONL_FILE, "held-out rows (.jsonl); null = the source's own", nullable=True),
+    # ---- optimizer=NAME
+    Option("optimizer.name", one_of(names=registry_names("grpo_cli.optim", "OPTIMIZERS")), "the torch optimizer"),
+    Option("optimizer.lr", number(0, low_open=True), "learning rate (after warmup)"),
+    Option("optimizer.weight_decay", number(0), "decoupled weight decay"),
+    Option("optimizer.warmup_steps", integer(0), "linear warmup, in training steps"),
+    Option("optimizer.schedule", one_of("constant", "linear", "cosine"), "learning rate after warmup"),
+    Option("optimizer.betas", BETAS, "adamw: moment decay rates", optional=True),
+    Option("optimizer.momentum", number(0, 1, high_open=True), "sgd: momentum", optional=True),
+    Option("optimizer.nesterov", BOOLEAN, "sgd: Nesterov momentum (needs momentum > 0)", optional=True),
+    # ---- logger=NAME
+    Option("logger.backend", one_of(names=logger_backends), "where metrics go besides metrics.jsonl and the console"),
+    Option("logger.wandb.mode", one_of(names=registry_names("grpo_cli.tracking", "WANDB_MODES")),
+      "auto = online with credentials, else offline", optional=True),
+    Option("logger.wandb.project", TEXT, "W&B project", optional=True),
+    Option("logger.wandb.entity", TEXT, "W&B entity; null = yours", optional=True, nullable=True),
+    Option("logger.wandb.name", TEXT, "run name; null = the overrides", optional=True, nullable=True),
+    Option("logger.wandb.group", TEXT, "null = the recipe (and sweep dir)", optional=True, nullable=True),
+    Option("logger.wandb.tags", TEXT_LIST, "W&B tags", optional=True),
+    Option("logger.wandb.init_timeout", number(0, low_open=True), "seconds to reach the server, then offline",
+      optional=True),
+    Option("logger.wandb.finish_timeout", number(0, low_open=True), "seconds to upload at the end", optional=True),
+    # ---- reward=NAME
+    Option("reward.on_error", one_of("raise", "zero"), "a reward that raises: stop, or score 0 and count it"),
+    Option("reward.accuracy", TEXT, "the 0/1 function of reward.functions that judges correctness", nullable=True),
+    Option("reward.functions", MAPPING, "NAME: {_target_, weight, options...} per reward function", free=True),
+    Option("reward.functions.*._target_", DOTTED_PATH, "dotted path of the function or class"),
+    Option("reward.functions.*.weight", number(), "its weight in the summed reward (1 when left out)", optional=True),
+)
+
+def root_defaults() -> dict:
+    """The root sections' defaults as nested dicts: stored as `grpo_defaults` for conf/config.yaml."""
+    tree: dict = {}
+    for option in OPTIONS:
+        if option.default is not FROM_GROUP:
+            *parents, leaf = option.key.split(".")
+            node = tree
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = option.default
+    return tree
+
+
+def _expand(cfg: DictConfig, key: str) -> Iterator[str]:
+    """The keys of `cfg` that `key` names: itself, or one per entry where a part is `*`."""
+    head, star, tail = key.partition(".*.")
+    if not star:
+        yield key
+        return
+    entries = OmegaConf.select(cfg, head)
+    for name in entries.keys() if isinstance(entries, DictConfig) else ():
+        yield from _expand(cfg, f"{head}.{name}.{tail}")
+
+
+def check_options(cfg: DictConfig) -> None:
+    """Raise ConfigError, one line naming the key, the value and what is allowed, for the first value an
+    option refuses, or for a key that no option declares."""
+    for option in OPTIONS:
+        for key in _expand(cfg, option.key):
+            value = OmegaConf.select(cfg, key, default=ABSENT)
+            if (value is ABSENT and option.optional) or (value is None and option.nullable):
+                continue
+            value = None if value is ABSENT else value
+            for rule in option.rules:
+                if not rule.test(value):
+                    message = rule.message(key.rpartition(".")[2])
+                    fail(key, value, f"{message}, or null" if option.nullable else message)
+    for key, value in _undeclared(cfg, ""):
+        fail(key, value, "no such option; `grpo-train --help` lists them")
+
+
+def _matches(pattern: str, key: str, *, prefix: bool = False) -> bool:
+    """`key` is the option key `pattern` (a `*` part matches any name), or with prefix=True lies above it."""
+    wanted, parts = pattern.split("."), key.split(".")
+    if len(parts) > len(wanted) or (not prefix and len(parts) != len(wanted)):
+        return False
+    return all(w in ("*", k) for w, k in zip(wanted, parts, strict=False))
+
+
+def _undeclared(node: DictConfig, prefix: str) -> Iterator[tuple[str, object]]:
+    """(key, value) for each key below `node` that no option declares, nor lies above one; below a `free`
+    option everything is the user's (a reward's options, a generator's arguments)."""
+    for name in node.keys():
+        key, child = f"{prefix}{name}", OmegaConf.select(node, str(name))
+        option = next((o for o in OPTIONS if _matches(o.key, key)), None)
+        if option is not None and (option.free or not isinstance(child, DictConfig)):
+            continue
+        if isinstance(child, DictConfig) and any(_matches(o.key, key, prefix=True) for o in OPTIONS):
+            yield from _undeclared(child, key + ".")
+        elif option is None:
+            yield key, OmegaConf.to_container(child) if isinstance(child, DictConfig) else child
+
+
+def raw_value(cfg: DictConfig, key: str) -> str:
+    """The value of `key` in `cfg` as written (`${...}` unresolved), or "-" where the composition lacks it."""
+    node = OmegaConf.to_container(cfg, resolve=False)
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return "-"
+        node = node[part]
+    return ("{...}" if node else "{}") if isinstance(node, dict) else shown(node)
+
+
+def _display_key(option: Option) -> str:
+    return option.key.replace("*", "NAME")
+
+
+def options_help(cfg: DictConfig) -> str:
+    """The option list of --help: per section, one line per option (key, its value in `cfg`, help)."""
+    lines, section = [], None
+    for option in OPTIONS:
+        head = option.key.split(".")[0]
+        if head != section:
+            lines.append(f"  {head}:" if section is None else f"\n  {head}:")
+            section = head
+        value = raw_value(cfg, option.key) if "*" not in option.key else ""
+        value = value if len(value) <= 24 else value[:21] + "..."
+        lines.append(f"    {_display_key(option):<34} {value:<24} {option.help}")
+    return "\n".join(lines)
+
+
+def options_markdown(cfg: DictConfig) -> str:
+    """The README's configuration table: key | default | allowed | what it does. A group's keys show the
+    value of `cfg` (the default composition); the root sections' the default declared here."""
+    lines = ["| key | default | allowed | what it does |", "|---|---|---|---|"]
+    for option in OPTIONS:
+        if "*" in option.key:
+            default = ""
+        elif option.default is FROM_GROUP:
+            default = raw_value(cfg, option.key)
+        else:
+            default = shown(option.default)
+        default = f"`{default}`" if default not in ("", "-") else default
+        allowed = option.allowed().replace("{name}", option.key.rpartition(".")[2])
+        lines.append(f"| `{_display_key(option)}` | {default} | {allowed} | {option.help} |".replace("|  |", "| |"))
+    return "\n".join(lines)
