@@ -194,7 +194,7 @@ def _job_config(sweep_dir: Path, num: int, sweeper: str = sweep.BASIC_SWEEPER):
     return cfg, job_dir
 
 
-def test_callback_records_a_failure_and_keeps_the_basic_sweep_going(tmp_path):
+def test_callback_records_a_failure_and_keeps_the_basic_sweep_going(tmp_path, capsys):
     sweep_dir = tmp_path / "sweep"
     cb = sweep.SweepSummary()
     cb.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "runtime": {"cwd": "/"}}}))
@@ -230,7 +230,8 @@ def test_callback_records_a_failure_and_keeps_the_basic_sweep_going(tmp_path):
     end_cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "runtime": {"cwd": "/"}}})
     with pytest.raises(SystemExit) as stop:
         cb.on_multirun_end(end_cfg)
-    assert "1 of 2 sweep jobs failed" in str(stop.value.code) and "a.b is invalid" in str(stop.value.code)
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "1 of 2 sweep jobs failed" in err and "a.b is invalid" in err
 
 
 def test_callback_leaves_other_sweepers_failures_alone(tmp_path):
