@@ -19,7 +19,6 @@ SAMPLE_DATA_DIR = PACKAGE_DIR / "sample_data"
 SCALE_REWARDS = ("group", "batch", "none")
 RATIO_LEVELS = ("token", "sequence")
 SCHEDULES = ("constant", "linear", "cosine")
-ROLLOUT_ENGINES = ("auto", "hf", "compiled")
 
 
 def packaged_data(name: str) -> str:
@@ -171,7 +170,9 @@ def validate(cfg: DictConfig) -> list[str]:
       f"needs 0 <= min_new_tokens <= rollout.max_new_tokens ({cfg.rollout.max_new_tokens})")
     r(cfg, "rollout.temperature", lambda v: v > 0, "needs temperature > 0")
     r(cfg, "rollout.top_p", lambda v: 0 < v <= 1, "needs 0 < top_p <= 1")
-    _check_choice(cfg, "rollout.engine", ROLLOUT_ENGINES)
+    from grpo_cli.rollout import ENGINES
+
+    _check_choice(cfg, "rollout.engine", ENGINES.names())
     if OmegaConf.select(cfg, "rollout.compile") not in ("auto", True, False):
         _fail("rollout.compile", OmegaConf.select(cfg, "rollout.compile"), "use auto, true or false")
     if OmegaConf.select(cfg, "trainer.gradient_checkpointing") not in (None, True, False):
@@ -338,7 +339,8 @@ def _is_int(value) -> bool:
 
 def _validate_rest(cfg: DictConfig) -> None:
     """The keys validate() above does not cover: every key of conf/ is used by the code and checked here."""
-    from grpo_cli.optim import COMMON_KEYS, OPTIMIZERS
+    from grpo_cli.optim import COMMON_KEYS, OPTIMIZERS, optimizer_keys
+    from grpo_cli.tracking import LOGGERS, WANDB_MODES
 
     r = _check_range
     for key in ("algo.mask_truncated", "algo.check", "model.trust_remote_code"):
@@ -380,20 +382,18 @@ def _validate_rest(cfg: DictConfig) -> None:
     if accuracy is None and cfg.eval.every:
         _fail("reward.accuracy", None, "eval.every > 0 needs the 0/1 reward function that judges correctness; name one "
                                        f"of reward.functions ({', '.join(cfg.reward.functions)})")
-    _check_choice(cfg, "logger.backend", ("none", "wandb"))
+    _check_choice(cfg, "logger.backend", LOGGERS.names())
     if cfg.logger.backend == "wandb":
-        from grpo_cli.tracking import WANDB_MODES
-
         _check_choice(cfg, "logger.wandb.mode", WANDB_MODES)
         for key in ("init_timeout", "finish_timeout"):
             r(cfg, f"logger.wandb.{key}", lambda v: v > 0, "needs a number of seconds > 0")
-    _check_choice(cfg, "optimizer.name", tuple(OPTIMIZERS))
-    allowed = (*COMMON_KEYS, *OPTIMIZERS[cfg.optimizer.name][1])
+    _check_choice(cfg, "optimizer.name", OPTIMIZERS.names())
+    allowed = (*COMMON_KEYS, *optimizer_keys(cfg.optimizer.name))
     for key in cfg.optimizer:
         if key not in allowed:
             _fail(f"optimizer.{key}", cfg.optimizer[key], f"optimizer.name={cfg.optimizer.name} does not use it "
                                                           f"(its keys: {', '.join(allowed)}); pick optimizer=NAME as a group")
-    for key in OPTIMIZERS[cfg.optimizer.name][1]:
+    for key in optimizer_keys(cfg.optimizer.name):
         if key not in cfg.optimizer:
             _fail(f"optimizer.{key}", None, f"optimizer.name={cfg.optimizer.name} needs it; pick optimizer="
                                             f"{cfg.optimizer.name} as a group rather than only optimizer.name")
