@@ -103,7 +103,8 @@ def exit_with(err: UserError | RunError) -> NoReturn:
 @contextmanager
 def one_line(prog: str, *, in_sweep: bool = False) -> Iterator[None]:
     """The body of an entry point: a UserError or RunError raised inside ends the command through `exit_with`.
-    In a sweep job (`in_sweep`) it is re-raised as that one line instead, for Hydra to record (the sweep goes on)."""
+    In a sweep job (`in_sweep`) it is re-raised as that one line instead, for Hydra to record (the sweep goes on).
+    When the body ends, warnings go to stderr again."""
     global _program
     _program = prog
     try:
@@ -112,6 +113,8 @@ def one_line(prog: str, *, in_sweep: bool = False) -> Iterator[None]:
         if in_sweep:
             raise RuntimeError(f"{prog}: {err}") from None
         exit_with(err)
+    finally:
+        send_warnings_to(None)  # a run that raised left its Tracker open: the next job's warnings are not its
 
 
 # ---- the one warnings channel --------------------------------------------------------------------
