@@ -313,3 +313,12 @@ def test_slurm_preset(monkeypatch):
     assert launcher.partition == "gpu" and launcher.gpus_per_node == 1 and launcher.timeout_min == 240
     monkeypatch.setenv("SLURM_PARTITION", "a100")
     assert _compose_hydra(["hydra/launcher=slurm"]).hydra.launcher.partition == "a100"
+
+
+@pytest.mark.parametrize("argv, words", [([], "usage: python -m grpo_cli.sweep SWEEP_DIR"),
+                                         (["/no/such/sweep"], "no such directory, /no/such/sweep")])
+def test_main_bad_input_is_one_line_exit_2(capsys, argv, words):
+    with pytest.raises(SystemExit) as stop:
+        sweep.main(argv)
+    err = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("grpo_cli.sweep: ") and words in err[0]

@@ -13,7 +13,6 @@ subclass registered as `@ENGINES.register("NAME")` (imported here, or named in t
 
 from __future__ import annotations
 
-from grpo_cli.rollout import compiled as _compiled  # noqa: F401  (registers `compiled`)
 from grpo_cli.rollout.common import (
     ENGINES,
     EncodedPrompts,
@@ -27,11 +26,12 @@ from grpo_cli.rollout.common import (
     positions,
     prefill,
 )
+from grpo_cli.rollout.compiled import CompiledEngine
 from grpo_cli.rollout.hf import HFEngine, generate
 from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, completion_logprobs
 
 __all__ = [
-    "ENGINES", "EncodedPrompts", "Engine", "HFEngine", "Rollout", "StopFn", "as_engine",
+    "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "HFEngine", "Rollout", "StopFn", "as_engine",
     "completion_hidden", "completion_logits", "completion_logprobs", "completion_masks", "encode_prompts",
     "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill",
 ]
