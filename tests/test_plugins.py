@@ -77,6 +77,7 @@ def test_a_plugin_module_that_cannot_be_imported_is_a_config_error():
         import_plugins("grpo_cli")
 
 
+@pytest.mark.slow  # a grpo-train process; the message itself is checked in-process above
 def test_bad_plugin_name_is_one_line_exit_2(tmp_path):
     proc = run_cli(["+recipe=quickstart", "model=tiny", "plugins=[no_such_plugin_module]"], tmp_path, timeout=120)
     assert proc.returncode == 2
