@@ -31,7 +31,7 @@ def test_plain_lines_off_a_terminal():
     for row in ROWS:
         view.log(row)
     view.warn("something [odd] happened")
-    view.close(SUMMARY, {"W&B": "wandb sync /runs/x/wandb/offline-run-1"})
+    view.close({**SUMMARY, "W&B": "wandb sync /runs/x/wandb/offline-run-1"})
     text = out.getvalue()
     lines = text.splitlines()
     steps = [line for line in lines if line.startswith("step ")]

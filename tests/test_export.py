@@ -166,7 +166,9 @@ def test_checkpoint_export(tiny_cfg, tiny_run, tmp_path):
 
 
 def one_line_exit_2(capsys, argv: list[str], *words: str) -> str:
-    assert export_main(argv) == 2
+    with pytest.raises(SystemExit) as stop:
+        export_main(argv)
+    assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("grpo-export: "), err
     for word in words:

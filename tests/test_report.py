@@ -120,7 +120,9 @@ def test_bad_dir_returns_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     d = tmp_path / "nope"
     if make == "empty":
         d.mkdir()
-    assert main([str(d)]) == 2
+    with pytest.raises(SystemExit) as stop:
+        main([str(d)])
+    assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("grpo-report: ") and str(d) in err and ";" in err
 

@@ -194,7 +194,7 @@ def _job_config(sweep_dir: Path, num: int, sweeper: str = sweep.BASIC_SWEEPER):
     return cfg, job_dir
 
 
-def test_callback_records_a_failure_and_keeps_the_basic_sweep_going(tmp_path):
+def test_callback_records_a_failure_and_keeps_the_basic_sweep_going(tmp_path, capsys):
     sweep_dir = tmp_path / "sweep"
     cb = sweep.SweepSummary()
     cb.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "runtime": {"cwd": "/"}}}))
@@ -230,7 +230,8 @@ def test_callback_records_a_failure_and_keeps_the_basic_sweep_going(tmp_path):
     end_cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "runtime": {"cwd": "/"}}})
     with pytest.raises(SystemExit) as stop:
         cb.on_multirun_end(end_cfg)
-    assert "1 of 2 sweep jobs failed" in str(stop.value.code) and "a.b is invalid" in str(stop.value.code)
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "1 of 2 sweep jobs failed" in err and "a.b is invalid" in err
 
 
 def test_callback_leaves_other_sweepers_failures_alone(tmp_path):
@@ -312,3 +313,12 @@ def test_slurm_preset(monkeypatch):
     assert launcher.partition == "gpu" and launcher.gpus_per_node == 1 and launcher.timeout_min == 240
     monkeypatch.setenv("SLURM_PARTITION", "a100")
     assert _compose_hydra(["hydra/launcher=slurm"]).hydra.launcher.partition == "a100"
+
+
+@pytest.mark.parametrize("argv, words", [([], "usage: python -m grpo_cli.sweep SWEEP_DIR"),
+                                         (["/no/such/sweep"], "no such directory, /no/such/sweep")])
+def test_main_bad_input_is_one_line_exit_2(capsys, argv, words):
+    with pytest.raises(SystemExit) as stop:
+        sweep.main(argv)
+    err = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("grpo_cli.sweep: ") and words in err[0]

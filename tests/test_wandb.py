@@ -244,11 +244,12 @@ def test_scrub_secrets_drops_keys_and_values(monkeypatch):
 FALLBACK = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from grpo_cli.tracking import Tracker
+    from grpo_cli.tracking import WandbSink, open_tracker
     run_dir = Path(sys.argv[1])
     cfg = {"backend": "wandb", "wandb": {"mode": "online", "init_timeout": 3, "finish_timeout": 10}}
-    tracker = Tracker(run_dir, cfg, {"algo": {"beta": 0.04}}, total_steps=2)
-    assert tracker.wandb is not None and tracker.wandb.mode == "offline", tracker.wandb
+    tracker = open_tracker(run_dir, cfg, {"algo": {"beta": 0.04}}, total_steps=2)
+    wandb = [s for s in tracker.sinks if isinstance(s, WandbSink)]
+    assert len(wandb) == 1 and wandb[0].mode == "offline", tracker.sinks
     for step in range(2):
         tracker.log({"step": step, "reward": 0.5 + step, "kl": 0.0, "clip_fraction": 0.0, "gen_tokens_per_s": 1.0,
                      "step_time_s": 0.1})

@@ -30,6 +30,8 @@ from typing import Literal
 
 import torch
 
+from grpo_cli.registry import Registry
+
 __all__ = [
     "group_advantages",
     "zero_std_group_fraction",
@@ -430,7 +432,7 @@ class LossType:
     note: str = ""
 
 
-LOSS_TYPES: dict[str, LossType] = {}
+LOSS_TYPES = Registry("loss type", key="algo.loss_type")  # name -> LossType, filled by register_loss_type
 
 _ACCUMULATE_DOC = {
     "rows": "weighted by rows: `rows_in_micro / rows_in_update`",
@@ -446,9 +448,7 @@ def register_loss_type(name: str, *, formula: str, accumulate: Accumulate, requi
         raise ValueError(f"accumulate must be one of {tuple(_ACCUMULATE_DOC)}, got accumulate={accumulate!r}")
 
     def register(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        if name in LOSS_TYPES:
-            raise ValueError(f"loss type {name!r} is registered twice")
-        LOSS_TYPES[name] = LossType(name, fn, formula, accumulate, tuple(requires), note)
+        LOSS_TYPES.register(name)(LossType(name, fn, formula, accumulate, tuple(requires), note))
         return fn
 
     return register

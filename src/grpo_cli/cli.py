@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 from grpo_cli.config import CONF_DIR, available_recipes, explicit_clip_warning, register_recipes, validate
-from grpo_cli.errors import Interrupted, RunError, UserError
-
-EXIT_BAD_INPUT = UserError.exit_code
+from grpo_cli.errors import ConfigError, Interrupted, one_line, warn
+from grpo_cli.registry import import_plugins
 
 
 def _is_multirun() -> bool:
@@ -20,26 +19,17 @@ def _is_multirun() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _fail(prog: str, err: UserError | RunError) -> None:
-    """One line on stderr and exit 2 (bad input) or 1 (a failed run); in a sweep, let Hydra record it."""
-    line = f"{prog}: {err}"
-    if _is_multirun():
-        raise RuntimeError(line) from None
-    print(line, file=sys.stderr, flush=True)
-    sys.exit(err.exit_code)
-
-
 def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     """Hydra's own messages for an unknown recipe, group option or key run to a page and exit 1; say it
     in one line, exit 2. A single run is composed once here for that (and returned, Hydra's part set up so
-    `${hydra:...}` resolves); sweeps and help are left to Hydra (None)."""
+    `${hydra:...}` resolves); sweeps and help are left to Hydra (None). Bad input raises ConfigError."""
     known = available_recipes()
     for arg in argv:
         if arg.lstrip("+~").startswith("recipe="):
             for name in arg.split("=", 1)[1].split(","):
                 if name and name not in known:
-                    _bad_input(f"{prog}: recipe {name!r} not found; known recipes: {', '.join(sorted(known))} "
-                               f"(or put {name}.yaml in ./recipes/)")
+                    raise ConfigError(f"recipe {name!r} not found; known recipes: {', '.join(sorted(known))} "
+                                      f"(or put {name}.yaml in ./recipes/)")
     if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "-sc", "--shell-completion") for a in argv):
         return None
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
@@ -52,16 +42,11 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     except Exception as err:  # Hydra raises several types; all are a bad override here
         first = " ".join(str(err).split()).split(" Config search path")[0]
-        _bad_input(f"{prog}: {first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys")
+        raise ConfigError(f"{first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys") from None
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
-
-
-def _bad_input(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-    sys.exit(EXIT_BAD_INPUT)
 
 
 def _hydra_app(task, prog: str, config_name: str = "config"):
@@ -89,6 +74,13 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _validated(cfg) -> list[str]:
+    """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked;
+    returns the warnings for legal but doubtful values."""
+    import_plugins(cfg.get("plugins"))
+    return validate(cfg)
+
+
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
     """After SIGINT/SIGTERM: where the run stands and how to resume it, then exit 128 + signal."""
     if _is_rank_zero():
@@ -107,50 +99,48 @@ def _train_task(cfg) -> float:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     stop = StopRequest("grpo-train")
-    try:
-        with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
-            warnings = validate(cfg)
-            _quiet_libraries()  # heavy imports only after the config is known good
-            from grpo_cli.trainer import GRPOTrainer
-            if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
-                clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
-                warnings += [clip] if clip else []
+    with one_line("grpo-train", in_sweep=_is_multirun()):
+        try:
+            with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
+                warnings = _validated(cfg)
+                _quiet_libraries()  # heavy imports only after the config is known good
+                from grpo_cli.trainer import GRPOTrainer
+                if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
+                    clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
+                    warnings += [clip] if clip else []
+                for text in warnings if _is_rank_zero() else []:
+                    warn(text)
 
-            trainer = GRPOTrainer(cfg, run_dir, stop=stop)
-            trainer.startup_warnings = warnings
-            if cfg.eval.every:
-                from grpo_cli.evaluate import Evaluator
+                trainer = GRPOTrainer(cfg, run_dir, stop=stop)
+                if cfg.eval.every:
+                    from grpo_cli.evaluate import Evaluator
 
-                trainer.evaluator = Evaluator.for_training(cfg, trainer.lm)
-            try:
-                summary = trainer.fit()
-            finally:
-                from grpo_cli.distributed import teardown
+                    trainer.evaluator = Evaluator.for_training(cfg, trainer.lm)
+                try:
+                    summary = trainer.fit()
+                finally:
+                    from grpo_cli.distributed import teardown
 
-                teardown(trainer.dist)
-    except Interrupted as stopped:
-        _stopped("grpo-train", stopped, run_dir)
-    except (UserError, RunError) as err:
-        _fail("grpo-train", err)
+                    teardown(trainer.dist)
+        except Interrupted as stopped:
+            _stopped("grpo-train", stopped, run_dir)
     return float(summary["final_reward"])
 
 
 def train() -> None:
     """`grpo-train`: one run, or a sweep with -m; `trainer.nproc=K` relaunches itself under torchrun."""
     argv = sys.argv[1:]
-    nproc = _requested_nproc(argv)
-    if nproc > 1 and "LOCAL_RANK" not in os.environ and not _HYDRA_INFO_FLAGS.intersection(argv):
-        if "-m" in argv or "--multirun" in argv:
-            _bad_input("grpo-train: trainer.nproc > 1 with -m is not supported; launch torchrun per job (see README)")
-        register_recipes()
-        cfg = _precheck("grpo-train", argv)
-        if cfg is not None:  # every bad value is one line here, not one per rank inside a torchrun traceback
-            try:
-                validate(cfg)
-            except UserError as err:
-                _bad_input(f"grpo-train: {err}")
-        _relaunch_under_torchrun(nproc, argv)
-    _hydra_app(_train_task, "grpo-train")()
+    with one_line("grpo-train"):
+        nproc = _requested_nproc(argv)
+        if nproc > 1 and "LOCAL_RANK" not in os.environ and not _HYDRA_INFO_FLAGS.intersection(argv):
+            if "-m" in argv or "--multirun" in argv:
+                raise ConfigError("trainer.nproc > 1 with -m is not supported; launch torchrun per job (see README)")
+            register_recipes()
+            cfg = _precheck("grpo-train", argv)
+            if cfg is not None:  # every bad value is one line here, not one per rank inside a torchrun traceback
+                _validated(cfg)
+            _relaunch_under_torchrun(nproc, argv)
+        _hydra_app(_train_task, "grpo-train")()
 
 
 # Hydra prints (config, help, info) and exits for these: one process does that, no torchrun
@@ -162,7 +152,7 @@ def _requested_nproc(argv: list[str]) -> int:
         if arg.lstrip("+").startswith("trainer.nproc="):
             value = arg.split("=", 1)[1]
             if not value.isdigit() or int(value) < 1:
-                _bad_input(f"grpo-train: trainer.nproc={value} is invalid: needs an integer >= 1")
+                raise ConfigError(f"trainer.nproc={value} is invalid: needs an integer >= 1")
             return int(value)
     return 1
 
@@ -185,25 +175,25 @@ def _eval_task(cfg) -> float:
     from grpo_cli.stopping import StopRequest
 
     stop = StopRequest("grpo-eval", effect="no result is written")
-    try:
-        with stop.installed():
-            validate(cfg)
-            _quiet_libraries()  # before the heavy imports, so their warnings and progress bars stay quiet
-            from grpo_cli.evaluate import run_eval
+    with one_line("grpo-eval", in_sweep=_is_multirun()):
+        try:
+            with stop.installed():
+                _validated(cfg)
+                _quiet_libraries()  # before the heavy imports, so their warnings and progress bars stay quiet
+                from grpo_cli.evaluate import run_eval
 
-            result = run_eval(cfg, Path(HydraConfig.get().runtime.output_dir), stop=stop)
-    except Interrupted as stopped:
-        print(f"grpo-eval: stopped by {signal.Signals(stopped.signum).name} before it finished; eval.json was not "
-              "written; run the command again for the result", file=sys.stderr, flush=True)
-        sys.exit(128 + stopped.signum)
-    except (UserError, RunError) as err:
-        _fail("grpo-eval", err)
+                result = run_eval(cfg, Path(HydraConfig.get().runtime.output_dir), stop=stop)
+        except Interrupted as stopped:
+            print(f"grpo-eval: stopped by {signal.Signals(stopped.signum).name} before it finished; eval.json was not "
+                  "written; run the command again for the result", file=sys.stderr, flush=True)
+            sys.exit(128 + stopped.signum)
     return float(result["accuracy"])
 
 
 def evaluate() -> None:
     """`grpo-eval`: greedy pass@1 (and pass@k, majority@k) of the base model or a trained adapter."""
-    _hydra_app(_eval_task, "grpo-eval", config_name="grpo_eval")()
+    with one_line("grpo-eval"):
+        _hydra_app(_eval_task, "grpo-eval", config_name="grpo_eval")()
 
 
 def report() -> None:

@@ -265,10 +265,10 @@ def _check_reward_options(prefix: str, target, spec: DictConfig) -> None:
 
 def _validate_optimizer(cfg: DictConfig) -> None:
     """An optimizer config holds the common keys and exactly the extra keys its optimizer.name reads."""
-    from grpo_cli.optim import COMMON_KEYS, OPTIMIZERS
+    from grpo_cli.optim import COMMON_KEYS, optimizer_keys
 
     optimizer = cfg.optimizer
-    own_keys = OPTIMIZERS[optimizer.name][1]
+    own_keys = optimizer_keys(optimizer.name)
     allowed = (*COMMON_KEYS, *own_keys)
     for key in optimizer:
         if key not in allowed:

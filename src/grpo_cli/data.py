@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_cli.errors import DataError
+from grpo_cli.errors import DataError, error_line
 from grpo_cli.rewards.parsing import gold_answer
 
 
@@ -87,7 +87,7 @@ def _gsm8k_rows(path: str | None, split: str, system_prompt, suffix: str) -> lis
             raw = list(datasets.load_dataset("openai/gsm8k", "main", split=split))
         except Exception as err:
             raise DataError(
-                f"openai/gsm8k could not be loaded from the hub ({str(err).splitlines()[0][:120]}); offline, pass "
+                f"openai/gsm8k could not be loaded from the hub ({error_line(err)[:120]}); offline, pass "
                 "data.path=DIR/train.jsonl data.eval_path=DIR/test.jsonl (a local GSM8K copy), or data=gsm8k_sample"
             ) from None
     return [{"messages": _messages(r["question"], system_prompt, suffix), "answer": gold_answer(r["answer"])} for r in raw]

@@ -1,9 +1,21 @@
-"""Errors whose message is a complete one-line explanation for the user: what, the value, the fix.
+"""Errors whose message is a complete one-line explanation for the user: what, the value, the fix; the one
+route they take out of a command, and the one channel for warnings.
 
-The CLI prints them without a traceback. Kept free of heavy imports so a bad config fails fast.
+    with one_line("grpo-report"):    # every entry point: a UserError is `grpo-report: message` on stderr, exit 2
+        ...
+    warn("text")                      # the console of the run being logged, else `PROG: warning: text` on stderr
+
+Kept free of heavy imports so a bad config fails fast.
 """
 
+from __future__ import annotations
+
 import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NoReturn
 
 
 class UserError(Exception):
@@ -66,8 +78,68 @@ class Interrupted(Exception):
 
 
 def error_line(err: BaseException) -> str:
-    """One line that says what went wrong; `grpo-train: ...` messages from cli._fail are kept as they are."""
+    """The first line of an exception, with its type; `grpo-train: ...` lines from `one_line` are kept as they are."""
     text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
     if re.match(r"grpo-[a-z]+: ", text):
         return text
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+# ---- the one route out ---------------------------------------------------------------------------
+_program: str | None = None
+
+
+def program() -> str:
+    """The command's name that prefixes its messages: the one its entry point gave `one_line`, else argv[0]'s."""
+    return _program or (Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "grpo-cli")
+
+
+def exit_with(err: UserError | RunError) -> NoReturn:
+    """`PROG: message` on stderr, then exit 2 (bad input) or 1 (a failed run); never a traceback."""
+    print(f"{program()}: {err}", file=sys.stderr, flush=True)
+    raise SystemExit(err.exit_code)
+
+
+@contextmanager
+def one_line(prog: str, *, in_sweep: bool = False) -> Iterator[None]:
+    """The body of an entry point: a UserError or RunError raised inside ends the command through `exit_with`.
+    In a sweep job (`in_sweep`) it is re-raised as that one line instead, for Hydra to record (the sweep goes on).
+    When the body ends, warnings go to stderr again."""
+    global _program
+    _program = prog
+    try:
+        yield
+    except (UserError, RunError) as err:
+        if in_sweep:
+            raise RuntimeError(f"{prog}: {err}") from None
+        exit_with(err)
+    finally:
+        send_warnings_to(None)  # a run that raised left its Tracker open: the next job's warnings are not its
+
+
+# ---- the one warnings channel --------------------------------------------------------------------
+_listener: Callable[[str], None] | None = None
+_shown: set[str] = set()
+
+
+def warn(text: str) -> None:
+    """Every warning of the package goes here, and each text is shown once: to the sinks of the run being logged
+    (its console shows it among the steps) while a tracking.Tracker is open, else `PROG: warning: text` on stderr."""
+    if text in _shown:
+        return
+    _shown.add(text)
+    if _listener is not None:
+        _listener(text)
+    else:
+        print(f"{program()}: warning: {text}", file=sys.stderr, flush=True)
+
+
+def send_warnings_to(listener: Callable[[str], None] | None) -> None:
+    """The open run's Tracker takes the warnings from now on (None: stderr again); it sees each text once."""
+    global _listener
+    _listener = listener
+    _shown.clear()
+
+
+def warnings_listener() -> Callable[[str], None] | None:
+    return _listener

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli.errors import CheckpointError, ExportError, UserError
+from grpo_cli.errors import CheckpointError, ExportError, error_line, one_line
 
 PROG = "grpo-export"
 DTYPES = ("bf16", "fp16", "fp32")
@@ -309,8 +309,7 @@ def _merge(model, adapter_dir: Path, base_name: str):
     try:
         peft_model = PeftModel.from_pretrained(model, adapter_dir)
     except (RuntimeError, ValueError, KeyError) as err:  # peft's own mismatch errors, in case the check missed one
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise ExportError(f"the adapter in {adapter_dir} does not fit base {base_name} ({first}); pass the right "
+        raise ExportError(f"the adapter in {adapter_dir} does not fit base {base_name} ({error_line(err)[:200]}); pass the right "
                           "base with --base") from None
     return peft_model.merge_and_unload()
 
@@ -339,12 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adapter-only", action="store_true", help="write a clean adapter with a model card, not a merged model")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     args = ap.parse_args(argv)
-    try:
+    with one_line(PROG):
         out = export(args.run_dir, args.out_dir, base=args.base, checkpoint=args.checkpoint, dtype=args.dtype,
                      adapter_only=args.adapter_only, overwrite=args.overwrite)
-    except UserError as err:
-        print(f"{PROG}: {err}", file=sys.stderr, flush=True)
-        return err.exit_code
     _say(f"done: {out}")
     return 0
 

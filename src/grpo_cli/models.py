@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_cli.errors import ModelLoadError
+from grpo_cli.errors import ModelLoadError, error_line
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODELS = {
@@ -119,9 +119,8 @@ def _ensure_dir(path: Path) -> Path:
 
 
 def _hub_hint(name_or_path: str, err: Exception) -> str:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (
-        f"model.name_or_path={name_or_path} could not be loaded ({first[:160]}); without a network use "
+        f"model.name_or_path={name_or_path} could not be loaded ({error_line(err)[:160]}); without a network use "
         "model=smollm2-135m (embedded) or model=tiny, or point model.name_or_path at a local directory"
     )
 

@@ -1,30 +1,52 @@
-"""`optimizer.name` -> a torch optimizer over the LoRA parameters. Each optimizer lists the config keys it
-reads; config.validate refuses any other key, so every key in `conf/optimizer/*.yaml` is used.
+"""`optimizer.name` -> a torch optimizer over the LoRA parameters, built by the builder registered under that name.
 
-No torch import at module level: config validation reads OPTIMIZERS before anything heavy loads.
+    @OPTIMIZERS.register("adamw")
+    def adamw(params, *, lr, weight_decay, betas): ...   # its keyword parameters are the config keys it reads
+
+A builder's keyword parameters are the keys of its `conf/optimizer/NAME.yaml` it reads; config validation
+refuses any other key (beyond COMMON_KEYS), so every key there is used. A new optimizer is one builder plus
+its YAML file. No torch import at module level: config validation reads OPTIMIZERS before anything heavy loads.
 """
 
 from __future__ import annotations
 
+import inspect
+
 from omegaconf import DictConfig
 
-# keys every optimizer config has: the learning rate and its schedule (read by the trainer's scheduler)
+from grpo_cli.registry import Registry
+
+# keys every optimizer config has: the name, and the learning rate and its schedule (lr, warmup_steps and
+# schedule are read by the trainer's scheduler as well)
 COMMON_KEYS = ("name", "lr", "weight_decay", "warmup_steps", "schedule")
-# name -> (torch.optim class, the extra keys it reads)
-OPTIMIZERS = {
-    "adamw": ("AdamW", ("betas",)),
-    "sgd": ("SGD", ("momentum", "nesterov")),
-}
+OPTIMIZERS = Registry("optimizer", key="optimizer.name")
+
+
+def builder_keys(name: str) -> tuple[str, ...]:
+    """The config keys the builder of optimizer `name` reads: its keyword parameters."""
+    params = inspect.signature(OPTIMIZERS.lookup(name)).parameters
+    return tuple(key for key, p in params.items() if p.kind is p.KEYWORD_ONLY)
+
+
+def optimizer_keys(name: str) -> tuple[str, ...]:
+    """The keys optimizer `name` reads beyond COMMON_KEYS (each must be in its config, and no other)."""
+    return tuple(key for key in builder_keys(name) if key not in COMMON_KEYS)
 
 
 def build_optimizer(params, cfg_opt: DictConfig):
-    """The optimizer `cfg_opt.name` names, with the keys of its config (validated by config.validate)."""
+    """The optimizer `cfg_opt.name` names, given the keys of its config it reads (validated by config.validate)."""
+    return OPTIMIZERS.lookup(cfg_opt.name)(params, **{key: cfg_opt[key] for key in builder_keys(cfg_opt.name)})
+
+
+@OPTIMIZERS.register("adamw")
+def adamw(params, *, lr: float, weight_decay: float, betas):
     import torch
 
-    class_name, _ = OPTIMIZERS[cfg_opt.name]
-    kwargs = {"lr": cfg_opt.lr, "weight_decay": cfg_opt.weight_decay}
-    if cfg_opt.name == "adamw":
-        kwargs["betas"] = tuple(cfg_opt.betas)
-    elif cfg_opt.name == "sgd":
-        kwargs.update(momentum=cfg_opt.momentum, nesterov=cfg_opt.nesterov)
-    return getattr(torch.optim, class_name)(params, **kwargs)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+
+
+@OPTIMIZERS.register("sgd")
+def sgd(params, *, lr: float, weight_decay: float, momentum: float, nesterov: bool):
+    import torch
+
+    return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)

@@ -10,14 +10,18 @@ kind. Config validation reads the allowed names from it, so adding one is a modu
 callable (plus a YAML file where a config group exists); nothing else lists the choices. A registry is a
 dict (name -> the registered object) so lookups stay plain; `lookup` turns an unknown name into the one-line
 ConfigError every entry point prints.
+
+A user's own plug-in lives in their own module, named in the config (`plugins=[my_pkg.my_engine]`): the
+commands import those modules (`import_plugins`) before they validate, so its registration runs first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, error_line
 
 T = TypeVar("T")
 
@@ -48,3 +52,17 @@ class Registry(dict):
         if name in self:
             return self[name]
         raise ConfigError(f"{self.key}={name} is invalid: use one of {', '.join(self.names())}")
+
+
+def import_plugins(modules: Sequence[str] | None) -> None:
+    """Import each module of the config key `plugins` (its registrations run); a bad name is one ConfigError."""
+    if not modules:
+        return
+    if isinstance(modules, str) or not all(isinstance(m, str) and m.strip() for m in modules):
+        raise ConfigError(f"plugins={modules} is invalid: give a list of module names, e.g. plugins=[my_pkg.my_engine]")
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ConfigError(f"plugins={name} is invalid: it cannot be imported ({error_line(err)}); put its folder on "
+                              "PYTHONPATH or fix the module name") from None

@@ -10,13 +10,12 @@ import argparse
 import csv
 import html
 import math
-import sys
 from pathlib import Path
 
 import yaml
 from matplotlib.figure import Figure  # no pyplot: renders headless via Agg, no global state
 
-from grpo_cli.errors import ReportError, UserError
+from grpo_cli.errors import ReportError, one_line
 from grpo_cli.metrics import final_mean, read_metrics
 
 RUN_PLOTS = {  # file stem -> (metric key, y label)
@@ -212,9 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dir", type=Path, help="run dir (metrics.jsonl) or sweep dir (multirun.yaml)")
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: DIR)")
     args = ap.parse_args(argv)
-    try:
+    with one_line("grpo-report"):
         print(make_report(args.dir, args.out))
-    except UserError as e:
-        print(f"grpo-report: {e}", file=sys.stderr)
-        return e.exit_code
     return 0

@@ -111,12 +111,6 @@ def registry_names(module: str, attribute: str, *, auto: bool = False) -> Callab
     return names
 
 
-def logger_backends() -> tuple:
-    """`logger.backend` names: tracking's LOGGERS registry; before it exists, the two backends it knows."""
-    tracking = importlib.import_module("grpo_cli.tracking")
-    return tuple(getattr(tracking, "LOGGERS", ("none", "wandb")))
-
-
 def _is_device(value) -> bool:
     return isinstance(value, str) and bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", value))
 
@@ -186,6 +180,7 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
+    Option("plugins", TEXT_LIST, "your modules to import first: what they register becomes a choice", []),
     # ---- algo: the GRPO objective
     Option("algo.num_generations", integer(2), "G: completions per prompt (the group)", 8),
     Option("algo.beta", number(0), "KL coefficient; 0 skips the reference pass", 0.04),
@@ -275,7 +270,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("optimizer.momentum", number(0, 1, high_open=True), "sgd: momentum", optional=True),
     Option("optimizer.nesterov", BOOLEAN, "sgd: Nesterov momentum (needs momentum > 0)", optional=True),
     # ---- logger=NAME
-    Option("logger.backend", one_of(names=logger_backends), "where metrics go besides metrics.jsonl and the console"),
+    Option("logger.backend", one_of(names=registry_names("grpo_cli.tracking", "LOGGERS")), "where metrics go besides metrics.jsonl and the console"),
     Option("logger.wandb.mode", one_of(names=registry_names("grpo_cli.tracking", "WANDB_MODES")),
       "auto = online with credentials, else offline", optional=True),
     Option("logger.wandb.project", TEXT, "W&B project", optional=True),

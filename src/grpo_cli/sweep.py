@@ -51,7 +51,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli.errors import MetricsError, error_line
+from grpo_cli.errors import MetricsError, RunError, UserError, error_line, exit_with, one_line, warn
 from grpo_cli.metrics import final_mean, read_metrics
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def on_policy_clip_sweep(config: DictConfig) -> str | None:
     policy_swept = {"algo.mini_batches", "algo.num_iterations", "recipe"} & swept  # jobs may differ: say nothing
     if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config):
         return None
-    return f"{_prog()}: warning: " + on_policy_clip_warning(clip, sweep=True)
+    return on_policy_clip_warning(clip, sweep=True)
 
 
 def _load_yaml(path: Path) -> dict:
@@ -321,10 +321,6 @@ def _job_dir(config: DictConfig) -> Path:
     return Path(str(config.hydra.runtime.output_dir))
 
 
-def _prog() -> str:
-    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "grpo-train"
-
-
 class SweepSummary(Callback):
     """See the module docstring. Listed first in `hydra.callbacks`: Hydra calls on_job_end and
     on_multirun_end in reverse order, so this one runs last (others see a failed job as failed, and its
@@ -343,7 +339,7 @@ class SweepSummary(Callback):
             (sweep_dir / name).unlink(missing_ok=True)
         warning = on_policy_clip_sweep(config)
         if warning:
-            print(warning, file=sys.stderr, flush=True)
+            warn(warning)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = _sweep_dir(config)
@@ -351,9 +347,9 @@ class SweepSummary(Callback):
         bad = [r for r in rows if r["status"] != "ok"]
         log.info(f"Sweep summary: {len(rows)} jobs, {len(rows) - len(bad)} ok: {sweep_dir / SUMMARY_CSV}")
         if bad and self.exit_on_failure:
-            lines = [f"{_prog()}: {len(bad)} of {len(rows)} sweep jobs failed; summary {sweep_dir / SUMMARY_CSV}"]
+            lines = [f"{len(bad)} of {len(rows)} sweep jobs failed; summary {sweep_dir / SUMMARY_CSV}"]
             lines += [f"  job {r['job']} ({r['overrides'] or r['dir']}): {r['error'] or r['status']}" for r in bad]
-            sys.exit("\n".join(lines))  # SystemExit passes Hydra's callback guard: the exit code is 1
+            exit_with(RunError("\n".join(lines)))  # its SystemExit passes Hydra's callback guard: the exit code is 1
 
     # -- job (runs in the job's process: the main one, a joblib worker or a submitit job) --
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -387,7 +383,7 @@ class SweepSummary(Callback):
         try:
             write_summary(_sweep_dir(config, in_job=True))
         except Exception as err:  # a summary problem must not fail the job
-            log.warning(f"could not write the sweep summary: {error_line(err)}")
+            warn(f"could not write the sweep summary: {error_line(err)}")
 
     def _write_status(self, config: DictConfig, fields: dict) -> None:
         sweep_file = _sweep_dir(config, in_job=True) / SWEEP_ID_FILE
@@ -412,14 +408,13 @@ class SweepSummary(Callback):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m grpo_cli.sweep SWEEP_DIR   (rewrites sweep_summary.csv/json)", file=sys.stderr)
-        return 2
-    sweep_dir = Path(argv[0])
-    if not sweep_dir.is_dir():
-        print(f"grpo_cli.sweep: no such directory, {sweep_dir}; pass a multirun sweep dir", file=sys.stderr)
-        return 2
-    rows = write_summary(sweep_dir)
+    with one_line("grpo_cli.sweep"):
+        if len(argv) != 1 or argv[0].startswith("-"):
+            raise UserError(f"usage: python -m grpo_cli.sweep SWEEP_DIR (rewrites sweep_summary.csv/json); got {argv}")
+        sweep_dir = Path(argv[0])
+        if not sweep_dir.is_dir():
+            raise UserError(f"no such directory, {sweep_dir}; pass a multirun sweep dir")
+        rows = write_summary(sweep_dir)
     print(f"{sweep_dir / SUMMARY_CSV}: {len(rows)} jobs, {sum(r['status'] == 'ok' for r in rows)} ok")
     return 0
 

@@ -1,8 +1,15 @@
-"""Metric sinks: metrics.jsonl (always), W&B (logger=wandb), and the rich console.
+"""Metric sinks behind one protocol: metrics.jsonl and samples.jsonl (always), the rich console (always), and
+the sink of the logger `logger.backend` names (LOGGERS: none, wandb, or a user's own).
 
-`Tracker` fans every step's row out to the sinks. metrics.jsonl is the source of truth; W&B and the console
-are best effort: a W&B failure (no credentials, a server that cannot be reached or is slow) is a warning,
-never the end of a run.
+    tracker = open_tracker(run_dir, cfg.logger, config, total_steps, start_step, resume)
+    tracker.log(row); tracker.samples(step, rows); tracker.warn(text); tracker.close(summary)
+
+`Tracker` fans each call out to its sinks (none on ranks other than 0). metrics.jsonl is the source of truth;
+W&B and the console are best effort: a W&B failure (no credentials, a server that cannot be reached or is
+slow) is a warning, never the end of a run. While a Tracker is open, errors.warn() shows on its console.
+
+A new logger is one module with a sink factory `(cfg_logger: dict, run: RunInfo) -> MetricSink | None`
+registered as `@LOGGERS.register("NAME")`, plus conf/logger/NAME.yaml.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import re
 import secrets
 import string
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import urlparse
 
 from rich.console import Console
@@ -24,7 +34,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, error_line, send_warnings_to, warn, warnings_listener
+from grpo_cli.registry import Registry
 
 SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd")  # anywhere in a key
 # ...and keys that end in one of these words: hf_token, access_token, token; not max_new_tokens or tokenizer
@@ -78,16 +89,68 @@ def _plain(obj):
     return obj
 
 
-# ---- metrics.jsonl -------------------------------------------------------------------------------
-class JsonlSink:
-    def __init__(self, path: Path):
-        self.path = path
+# ---- the protocol ---------------------------------------------------------------------------------
+class MetricSink(Protocol):
+    """Where a run's records go. `close` may return entries for the run's summary (e.g. where W&B put the run),
+    which the sinks closed after it (the console, last) show."""
+
+    def log(self, row: dict) -> None: ...
+    def samples(self, step: int, rows: list[dict]) -> None: ...
+    def warn(self, text: str) -> None: ...
+    def close(self, summary: dict) -> dict | None: ...
+
+
+class NullSink:
+    """A sink that drops everything: the base for a sink that needs only some of the calls."""
+
+    def log(self, row: dict) -> None: ...
+    def samples(self, step: int, rows: list[dict]) -> None: ...
+    def warn(self, text: str) -> None: ...
+
+    def close(self, summary: dict) -> dict | None:
+        return None
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a logger's sink factory gets to know about the run."""
+
+    run_dir: Path
+    config: dict                  # the resolved config, plain containers
+    total_steps: int
+    start_step: int = 0
+    resume: bool = False
+    say: Callable[[str], None] = print   # a line for the user (the console)
+
+
+# name -> sink factory `(cfg_logger: dict, run: RunInfo) -> MetricSink | None` (None: nothing to add)
+LOGGERS = Registry("logger", key="logger.backend")
+
+
+@LOGGERS.register("none")
+def no_logger(cfg_logger: dict, run: RunInfo) -> None:
+    """metrics.jsonl and the console only."""
+    return None
+
+
+# ---- metrics.jsonl, samples.jsonl ----------------------------------------------------------------
+class JsonlSink(NullSink):
+    """The run dir's records: one metrics.jsonl row per step (fsynced: the source of truth), samples.jsonl."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.samples_path = Path(run_dir) / "samples.jsonl"
 
     def log(self, row: dict) -> None:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        with self.samples_path.open("a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}) + "\n")
 
 
 # ---- W&B -----------------------------------------------------------------------------------------
@@ -193,16 +256,32 @@ def wandb_run_id(run_dir: Path, resume: bool) -> str:
     return run_id
 
 
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return redact(text.splitlines()[0] if text else type(err).__name__)[:160]
+def _said(err: Exception) -> str:
+    """An exception's first line, credentials blanked out, short enough for one console line."""
+    return redact(error_line(err))[:160]
 
 
-class WandbSink:
-    """One W&B run: its config is the resolved (scrubbed) Hydra config, its history one row per step."""
+@LOGGERS.register("wandb")
+def wandb_sink(cfg_logger: dict, run: RunInfo) -> WandbSink | None:
+    """A W&B run in the mode `logger.wandb.mode` resolves to; None (with a warning) when W&B cannot start."""
+    cfg_wandb = dict(_plain(cfg_logger.get("wandb")) or {})
+    mode, note = resolve_wandb_mode(cfg_wandb.get("mode"))
+    if note:
+        warn(note)
+    if mode == "disabled":
+        return None
+    try:
+        return WandbSink(cfg_wandb, run, mode)
+    except Exception as err:
+        warn(f"W&B could not start ({_said(err)}); logging to metrics.jsonl and the console only")
+        return None
 
-    def __init__(self, cfg_wandb: dict, run_dir: Path, config: dict, console: Console, mode: str,
-                 resume: bool = False):
+
+class WandbSink(NullSink):
+    """One W&B run: its config is the resolved (scrubbed) Hydra config, its history one row per step. Best
+    effort: a failing call is a warning, metrics.jsonl keeps the data."""
+
+    def __init__(self, cfg_wandb: dict, run: RunInfo, mode: str):
         # Before W&B starts its service (which inherits the environment): its own banner lines stay off, and so
         # does its crash reporting to Sentry, which off the network holds the process ~20 s at exit after a
         # failed online init. Either can be turned back on by setting the variable.
@@ -210,14 +289,15 @@ class WandbSink:
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         import wandb
 
-        self.wandb, self.console, self.run_dir = wandb, console, run_dir
+        run_dir = run.run_dir
+        self.wandb, self.run_dir = wandb, run_dir
         name, group = _hydra_names(cfg_wandb)
         self.kwargs = dict(
             project=cfg_wandb.get("project") or DEFAULT_PROJECT, entity=cfg_wandb.get("entity") or None,
             name=cfg_wandb.get("name") or name, group=cfg_wandb.get("group") or group,
             tags=[str(t) for t in (cfg_wandb.get("tags") or [])], dir=str(run_dir),
-            config=scrub_secrets(config), job_type="train",
-            id=wandb_run_id(run_dir, resume), resume="allow",
+            config=scrub_secrets(run.config), job_type="train",
+            id=wandb_run_id(run_dir, run.resume), resume="allow",
         )
         self.init_timeout = float(cfg_wandb.get("init_timeout") or 60)
         self.finish_timeout = float(cfg_wandb.get("finish_timeout") or 300)
@@ -226,8 +306,7 @@ class WandbSink:
         except Exception as err:  # unreachable or slow server, bad key: keep the data locally instead
             if mode != "online":
                 raise
-            console.print(f"[yellow]warning:[/] W&B online init failed ({escape(_first_line(err))}); "
-                          "logging offline instead", highlight=False, soft_wrap=True)
+            warn(f"W&B online init failed ({_said(err)}); logging offline instead")
             mode = "offline"
             self.wandb.teardown()  # its service still holds the run id of the failed attempt
             self.run = self._init(mode)
@@ -237,12 +316,11 @@ class WandbSink:
             # a resumed run logs each segment to its own folder, all under one run id: upload them together
             target = str(Path(run_dir) / "wandb" / f"offline-run-*-{self.run.id}") if len(segments) > 1 else self.sync_dir()
             self.location = f"wandb sync {target}"
-            console.print(f"W&B: logging offline to {escape(self.sync_dir())}; upload it later with "
-                          f"`{escape(self.location)}`", highlight=False, soft_wrap=True)
+            run.say(f"W&B: logging offline to {self.sync_dir()}; upload it later with `{self.location}`")
         else:
             self.location = str(getattr(self.run, "url", None) or "")
             if self.location:
-                console.print(f"W&B: {escape(self.location)}", highlight=False, soft_wrap=True)
+                run.say(f"W&B: {self.location}")
 
     def _init(self, mode: str):
         settings = self.wandb.Settings(silent=True, console="off", init_timeout=self.init_timeout,
@@ -256,7 +334,10 @@ class WandbSink:
     def log(self, row: dict) -> None:
         data = {k: v for k, v in row.items()
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self.run.log(data, step=int(row["step"]))
+        try:
+            self.run.log(data, step=int(row["step"]))
+        except Exception as err:
+            warn(f"W&B log failed at step {row['step']} ({_said(err)}); metrics.jsonl still has it")
 
     def samples(self, step: int, rows: list[dict]) -> None:
         if not rows:
@@ -265,14 +346,21 @@ class WandbSink:
         for r in rows:
             columns += [c for c in r if c not in columns]
         data = [[redact(v) if isinstance(v, str) else v for v in (r.get(c) for c in columns)] for r in rows]
-        self.run.log({"samples": self.wandb.Table(columns=columns, data=data)}, step=int(step))
+        try:
+            self.run.log({"samples": self.wandb.Table(columns=columns, data=data)}, step=int(step))
+        except Exception as err:
+            warn(f"W&B sample table failed at step {step} ({_said(err)})")
 
-    def close(self, summary: dict | None = None) -> None:
-        if summary:
+    def close(self, summary: dict) -> dict | None:
+        try:
             for key, value in summary.items():
                 if isinstance(value, (int, float, str)) and key != "steps":
                     self.run.summary[key] = value
-        self.run.finish()
+            self.run.finish()
+        except Exception as err:
+            warn(f"W&B finish failed ({_said(err)}); the run is on disk under {self.sync_dir()}")
+            return None
+        return {"W&B": self.location}
 
 
 # ---- console -------------------------------------------------------------------------------------
@@ -304,8 +392,9 @@ def _default_console() -> Console:
     return console
 
 
-class ConsoleView:
-    """A live progress bar on a terminal; one plain line per step otherwise (CI, scheduler logs)."""
+class ConsoleView(NullSink):
+    """The console sink: a live progress bar on a terminal; one plain line per step otherwise (CI, scheduler logs);
+    the summary table at the end."""
 
     def __init__(self, total_steps: int, start_step: int, console: Console | None = None):
         self.console = console or _default_console()
@@ -351,8 +440,8 @@ class ConsoleView:
         self.console.print(f"step {done}/{self.total}  {stats}  {step_time}  eta {eta}", markup=False, highlight=False,
                            soft_wrap=True)
 
-    def print(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+    def say(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def warn(self, text: str) -> None:
         self.console.print(f"[yellow]warning:[/] {escape(redact(text))}", highlight=False, soft_wrap=True)
@@ -364,12 +453,12 @@ class ConsoleView:
             finally:
                 self.progress = None
 
-    def close(self, summary: dict, extra: dict | None = None) -> None:
+    def close(self, summary: dict) -> None:
         self._stop()
         table = Table(title="grpo-train", show_header=False)
         table.add_column(style="bold")
         table.add_column(overflow="fold")
-        for key, value in {**summary, **(extra or {})}.items():
+        for key, value in summary.items():
             if key == "time_s" and isinstance(value, (int, float)):
                 text = f"{_duration(value)} ({value:.1f} s)"
             elif isinstance(value, float):
@@ -381,66 +470,52 @@ class ConsoleView:
 
 
 # ---- the fan-out ---------------------------------------------------------------------------------
-def _is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0") or 0) == 0
-
-
 class Tracker:
-    """Fans each step's metrics out to every sink; the jsonl file is the source of truth."""
+    """Fans each call out to its sinks, in order (the console last); with no sinks (ranks other than 0) it
+    drops everything. From its opening to `close` it is where errors.warn() sends warnings."""
 
-    def __init__(self, run_dir: Path, cfg_logger, config: dict, total_steps: int, start_step: int = 0,
-                 resume: bool = False):
-        run_dir = Path(run_dir)
-        self.metrics = JsonlSink(run_dir / "metrics.jsonl")
-        self.samples_path = run_dir / "samples.jsonl"
-        self.console = ConsoleView(total_steps, start_step)
-        self.wandb: WandbSink | None = None
-        cfg_logger = _plain(cfg_logger) or {}
-        backend = cfg_logger.get("backend") or "none"
-        if backend == "wandb" and _is_main_process():
-            cfg_wandb = dict(_plain(cfg_logger.get("wandb")) or {})
-            mode, note = resolve_wandb_mode(cfg_wandb.get("mode"))
-            if note:
-                self.console.warn(note)
-            if mode != "disabled":
-                try:
-                    self.wandb = WandbSink(cfg_wandb, run_dir, _plain(config), self.console.console, mode, resume)
-                except Exception as err:
-                    self.console.warn(f"W&B could not start ({_first_line(err)}); logging to metrics.jsonl and the "
-                                      "console only")
-        elif backend not in ("none", "wandb"):
-            self.console.warn(f"logger.backend={backend} is not known (use none or wandb); metrics.jsonl only")
-        where = f"resuming at step {start_step + 1} of {total_steps}" if start_step else f"training {total_steps} steps"
-        self.console.print(f"{where}; Ctrl-C stops and keeps a checkpoint (twice: exits at once)")
+    def __init__(self, sinks: list[MetricSink]):
+        self.sinks = list(sinks)
+        send_warnings_to(self._show_warning)
 
     def log(self, row: dict) -> None:
-        self.metrics.log(row)
-        if self.wandb:
-            try:
-                self.wandb.log(row)
-            except Exception as err:
-                self.console.warn(f"W&B log failed at step {row['step']} ({err}); metrics.jsonl still has it")
-        self.console.log(row)
+        for sink in self.sinks:
+            sink.log(row)
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        with self.samples_path.open("a", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps({"step": step, **r}) + "\n")
-        if self.wandb:
-            try:
-                self.wandb.samples(step, rows)
-            except Exception as err:
-                self.console.warn(f"W&B sample table failed at step {step} ({err})")
+        for sink in self.sinks:
+            sink.samples(step, rows)
 
     def warn(self, text: str) -> None:
-        self.console.warn(text)
+        warn(text)
+
+    def _show_warning(self, text: str) -> None:
+        for sink in self.sinks:
+            sink.warn(text)
 
     def close(self, summary: dict) -> None:
-        extra = {}
-        if self.wandb:
-            try:
-                self.wandb.close(summary)
-                extra["W&B"] = self.wandb.location
-            except Exception as err:
-                self.console.warn(f"W&B finish failed ({err}); the run is on disk under {self.wandb.sync_dir()}")
-        self.console.close(summary, extra)
+        """Each sink closes in turn and sees the summary with what the sinks before it added; then warnings go
+        to stderr again."""
+        try:
+            for sink in self.sinks:
+                summary = {**summary, **(sink.close(summary) or {})}
+        finally:
+            if warnings_listener() == self._show_warning:
+                send_warnings_to(None)
+
+
+def open_tracker(run_dir: Path, cfg_logger, config: dict, total_steps: int, start_step: int = 0,
+                 resume: bool = False) -> Tracker:
+    """The run's tracker: metrics.jsonl and samples.jsonl, the sink of `logger.backend` (if it gives one), the
+    console; warnings go to it from here on."""
+    console = ConsoleView(total_steps, start_step)
+    files = JsonlSink(run_dir)
+    tracker = Tracker([files, console])  # takes the warnings already: a logger that cannot start says so here
+    cfg_logger = _plain(cfg_logger) or {}
+    run = RunInfo(Path(run_dir), _plain(config), total_steps, start_step, resume, say=console.say)
+    logger = LOGGERS.lookup(str(cfg_logger.get("backend") or "none"))(cfg_logger, run)
+    if logger is not None:
+        tracker.sinks.insert(1, logger)
+    where = f"resuming at step {start_step + 1} of {total_steps}" if start_step else f"training {total_steps} steps"
+    console.say(f"{where}; Ctrl-C stops and keeps a checkpoint (twice: exits at once)")
+    return tracker

@@ -42,7 +42,7 @@ from grpo_cli.optim import build_optimizer
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine
 from grpo_cli.stopping import StopRequest
-from grpo_cli.tracking import Tracker
+from grpo_cli.tracking import Tracker, open_tracker
 
 
 @dataclass
@@ -495,17 +495,14 @@ class GRPOTrainer:
             shutil_copy_metrics(found, self.run_dir)
         return start
 
-    def open_tracker(self, start: int) -> Tracker | SilentTracker:
-        """Rank 0 logs (metrics.jsonl, W&B, console) and shows the startup warnings; the other ranks are silent."""
+    def open_tracker(self, start: int) -> Tracker:
+        """Rank 0 logs (metrics.jsonl, the logger's sink, the console); the other ranks' tracker has no sinks."""
         if not self.dist.is_main:
-            return SilentTracker()
-        tracker = Tracker(self.run_dir, self.cfg.logger, OmegaConf.to_container(self.cfg, resolve=True),
-                          self.tcfg.max_steps, start, resume=bool(self.tcfg.get("resume")))
-        for text in getattr(self, "startup_warnings", []):
-            tracker.warn(text)
-        return tracker
+            return Tracker([])
+        return open_tracker(self.run_dir, self.cfg.logger, OmegaConf.to_container(self.cfg, resolve=True),
+                            self.tcfg.max_steps, start, resume=bool(self.tcfg.get("resume")))
 
-    def record(self, tracker: Tracker | SilentTracker, step: int, metrics: dict, batch: Batch) -> None:
+    def record(self, tracker: Tracker, step: int, metrics: dict, batch: Batch) -> None:
         """Everything a finished step leaves behind but the checkpoint: warnings, eval, metrics, samples."""
         self.track_zero_std(metrics, tracker)
         every = self.cfg.eval.every
@@ -529,7 +526,7 @@ class GRPOTrainer:
             if stopping:
                 raise Interrupted(self.stop.signum or signal.SIGTERM, ckpt, completed=done)
 
-    def finish(self, tracker: Tracker | SilentTracker, adapter_dir: Path, seconds: float) -> dict:
+    def finish(self, tracker: Tracker, adapter_dir: Path, seconds: float) -> dict:
         """The run's summary (rank 0: from metrics.jsonl, so a resumed run counts every step once)."""
         if not self.dist.is_main:
             return {"final_reward": float("nan"), "adapter": str(adapter_dir)}
@@ -580,15 +577,6 @@ class GRPOTrainer:
             self.model.save_pretrained(out, save_embedding_layers=False)  # LoRA weights only; the base is not resized
         distributed.barrier(self.dist)
         return out
-
-
-class SilentTracker:
-    """What ranks other than 0 log to: nothing (rank 0 writes metrics, samples, W&B and the console)."""
-
-    def log(self, row: dict) -> None: ...
-    def samples(self, step: int, rows: list[dict]) -> None: ...
-    def warn(self, text: str) -> None: ...
-    def close(self, summary: dict) -> None: ...
 
 
 def shutil_copy_metrics(checkpoint_dir: Path, run_dir: Path) -> None:

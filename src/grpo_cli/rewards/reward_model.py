@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.errors import ConfigError, ModelLoadError
+from grpo_cli.errors import ConfigError, ModelLoadError, error_line
 
 
 def _is_int(value) -> bool:
@@ -78,8 +78,8 @@ class RewardModel:
             self.model = AutoModelForSequenceClassification.from_pretrained(
                 path, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-            raise ModelLoadError(f"{prefix}.model={model} could not be loaded as a sequence classifier ({first}); "
+            raise ModelLoadError(f"{prefix}.model={model} could not be loaded as a sequence classifier "
+                                 f"({error_line(err)[:160]}); "
                                  "give a local directory or a hub id reachable from here") from None
         num_labels = self.model.config.num_labels
         if label >= num_labels:

@@ -1,17 +1,20 @@
 """Rollouts: G completions per prompt behind one seam, and the log-prob pass over them.
 
-    engine = make_engine(cfg.rollout, lm, max_prompt_tokens=...)   # rollout.engine: auto | hf | compiled
+    engine = make_engine(cfg.rollout, lm, max_prompt_tokens=...)   # rollout.engine: a name in ENGINES
     roll = engine.generate(prompt_ids, G, max_new_tokens=..., temperature=..., stop=...)   # -> Rollout
     engine.policy_changed()                                          # after each optimizer step
     engine.close()
 
-The trainer and the evaluator see only this; a new engine (vLLM, SGLang) is one module and one line in
-ENGINES. Log-probs for the loss are recomputed by `completion_logprobs`, never taken from an engine.
+The trainer and the evaluator see only this. A new engine (vLLM, SGLang) is one module with an Engine
+subclass registered as `@ENGINES.register("NAME")` (imported here, or named in the config's `plugins`);
+`Engine.from_config` builds it, so nothing else names the engines. Log-probs for the loss are recomputed by
+`completion_logprobs`, never taken from an engine.
 """
 
 from __future__ import annotations
 
 from grpo_cli.rollout.common import (
+    ENGINES,
     EncodedPrompts,
     Engine,
     Rollout,
@@ -23,39 +26,21 @@ from grpo_cli.rollout.common import (
     positions,
     prefill,
 )
+from grpo_cli.rollout.compiled import CompiledEngine
 from grpo_cli.rollout.hf import HFEngine, generate
 from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, completion_logprobs
 
-ENGINES = ("auto", "hf", "compiled")  # the names rollout.engine takes
-
 __all__ = [
-    "ENGINES", "EncodedPrompts", "Engine", "HFEngine", "Rollout", "StopFn", "as_engine",
+    "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "HFEngine", "Rollout", "StopFn", "as_engine",
     "completion_hidden", "completion_logits", "completion_logprobs", "completion_masks", "encode_prompts",
-    "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill", "resolve_engine",
+    "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill",
 ]
 
 
-def resolve_engine(name: str, device) -> str:
-    """`auto`: `compiled` on CUDA (where it pays), `hf` elsewhere."""
-    if name == "auto":
-        return "compiled" if device.type == "cuda" else "hf"
-    return name
-
-
 def make_engine(cfg_rollout, lm, *, max_prompt_tokens: int | None = None) -> Engine:
-    """The engine `rollout.engine` names, for `lm` (a models.LoadedModel or anything with model, tokenizer,
-    device). `rollout.compile` (auto | true | false; auto = on CUDA only) applies to `compiled`."""
-    name = resolve_engine(str(cfg_rollout.get("engine", "auto")), lm.device)
-    if name == "hf":
-        return HFEngine(lm.model, lm.tokenizer, lm.device)
-    if name == "compiled":
-        from grpo_cli.rollout.compiled import CompiledEngine
-
-        setting = cfg_rollout.get("compile", "auto")
-        compile_ = lm.device.type == "cuda" if setting == "auto" else bool(setting)
-        return CompiledEngine(lm.model, lm.tokenizer, lm.device, compile=compile_, max_prompt_tokens=max_prompt_tokens,
-                              compile_fallback=setting == "auto")
-    raise ValueError(f"rollout.engine={name} is invalid: use one of {', '.join(ENGINES)}")
+    """The engine `rollout.engine` names (default auto), for `lm` (a models.LoadedModel or anything with model,
+    tokenizer, device)."""
+    return ENGINES.lookup(str(cfg_rollout.get("engine", "auto"))).from_config(cfg_rollout, lm, max_prompt_tokens)
 
 
 def as_engine(engine_or_model, tokenizer, device=None) -> Engine:

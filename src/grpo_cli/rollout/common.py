@@ -8,7 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_cli.registry import Registry
+
 StopFn = Callable[[], bool]
+# rollout.engine: name -> an Engine class (anything with `from_config(cfg_rollout, lm, max_prompt_tokens)`)
+ENGINES = Registry("rollout engine", key="rollout.engine")
 
 
 @dataclass
@@ -147,6 +151,15 @@ class Engine:
     name = "base"
     compile_s = 0.0  # seconds spent compiling so far (0 for engines that do not compile)
 
+    def __init__(self, model, tokenizer, device=None):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+
+    @classmethod
+    def from_config(cls, cfg_rollout, lm, max_prompt_tokens: int | None = None) -> Engine:
+        """The engine for `lm` (a models.LoadedModel: model, tokenizer, device, dtype) under the `rollout` config
+        group; an engine with options of its own reads them from `cfg_rollout` here."""
+        return cls(lm.model, lm.tokenizer, lm.device)
+
     def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
                  min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
                  stop: StopFn | None = None) -> Rollout:
@@ -157,6 +170,16 @@ class Engine:
 
     def close(self) -> None:
         """Free what the engine holds; it is not used afterwards."""
+
+
+@ENGINES.register("auto")
+class AutoEngine:
+    """`rollout.engine=auto`: `compiled` on CUDA (where it pays), `hf` elsewhere."""
+
+    @staticmethod
+    def from_config(cfg_rollout, lm, max_prompt_tokens: int | None = None) -> Engine:
+        name = "compiled" if lm.device.type == "cuda" else "hf"
+        return ENGINES[name].from_config(cfg_rollout, lm, max_prompt_tokens)
 
 
 def sampling_kwargs(greedy: bool, temperature: float, top_p: float) -> dict:

@@ -14,13 +14,14 @@ Sampling is transformers' own (temperature, top_p, min_new_tokens, EOS), from th
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections import OrderedDict
 
 import torch
 
+from grpo_cli.errors import error_line, warn
 from grpo_cli.rollout.common import (
+    ENGINES,
     Engine,
     Rollout,
     StopFn,
@@ -37,6 +38,7 @@ WARMUP_TOKENS = 4   # decode steps of the timed first call: compile, CUDA-graph 
 MAX_CACHES = 2      # static caches kept (training rows, evaluation rows); the least recently used goes
 
 
+@ENGINES.register("compiled")
 class CompiledEngine(Engine):
     name = "compiled"
 
@@ -54,6 +56,14 @@ class CompiledEngine(Engine):
         self.stale = True  # refreshed at the first generation: after a checkpoint's adapter is loaded
         self.caches: OrderedDict[tuple[int, int], object] = OrderedDict()  # (rows, length) -> StaticCache
         self.compile_s = 0.0
+
+    @classmethod
+    def from_config(cls, cfg_rollout, lm, max_prompt_tokens: int | None = None) -> CompiledEngine:
+        """`rollout.compile` (auto | true | false; auto = on CUDA only, and a failed compile only warns)."""
+        setting = cfg_rollout.get("compile", "auto")
+        compile_ = lm.device.type == "cuda" if setting == "auto" else bool(setting)
+        return cls(lm.model, lm.tokenizer, lm.device, compile=compile_, max_prompt_tokens=max_prompt_tokens,
+                   compile_fallback=setting == "auto")
 
     # ---- the seam ---------------------------------------------------------------------------------
     def policy_changed(self) -> None:
@@ -136,11 +146,8 @@ class CompiledEngine(Engine):
         return {"compile_config": config}
 
     def stop_compiling(self, err: BaseException) -> None:
-        from grpo_cli.errors import error_line
-
-        print(f"warning: rollout.compile=auto: compiling the decode step failed ({error_line(err)[:240]}); "
-              "generating uncompiled from here (set rollout.compile=false to skip the attempt, "
-              "rollout.compile=true to make it an error)", file=sys.stderr, flush=True)
+        warn(f"rollout.compile=auto: compiling the decode step failed ({error_line(err)[:240]}); generating uncompiled "
+             "from here (set rollout.compile=false to skip the attempt, rollout.compile=true to make it an error)")
         self.compile = False
         torch._dynamo.reset()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.rollout.common import (
+    ENGINES,
     Engine,
     Rollout,
     StopFn,
@@ -50,13 +51,11 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: 
     return finish_rollout(tokenizer, eos, ids, mask, out[:, ids.shape[1]:], num_generations, fired())
 
 
+@ENGINES.register("hf")
 class HFEngine(Engine):
     """Today's path, unchanged numerics: generate through the peft model, nothing to refresh."""
 
     name = "hf"
-
-    def __init__(self, model, tokenizer, device=None):
-        self.model, self.tokenizer, self.device = model, tokenizer, device
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
                  min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
