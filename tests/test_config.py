@@ -170,7 +170,7 @@ def test_clip_eps_on_the_command_line_of_an_on_policy_run_warns():
     ("algo.beta=inf", "needs beta >= 0"),
     ("algo.clip_eps=abc", "needs 0 < clip_eps < 1"),
     ("trainer.max_steps=abc", "needs an integer >= 1"),
-    ("rollout.engine=vllm", "use one of auto, hf, compiled"),
+    ("rollout.engine=vllm", "use one of auto, compiled, hf"),
     ("optimizer.name=adam", "use one of adamw, sgd"),
     ("algo.check=maybe", "use true or false"),
     ("trainer.logprob_chunk_size=0", "needs an integer >= 1, or null"),
@@ -187,8 +187,8 @@ def test_plug_in_choices_come_from_their_registries(compose, monkeypatch):
     from grpo_cli import algorithm, optim, rollout
 
     monkeypatch.setitem(algorithm.LOSS_TYPES, "toy_loss", algorithm.LOSS_TYPES["grpo"])
-    monkeypatch.setitem(optim.OPTIMIZERS, "toy_optimizer", ("SGD", ()))
-    monkeypatch.setattr(rollout, "ENGINES", (*rollout.ENGINES, "toy_engine"))
+    monkeypatch.setitem(optim.OPTIMIZERS, "toy_optimizer", lambda params, *, lr, weight_decay: None)
+    monkeypatch.setitem(rollout.ENGINES, "toy_engine", rollout.HFEngine)
     validate(compose(["+recipe=quickstart", "algo.loss_type=toy_loss", "optimizer=sgd", "optimizer.name=toy_optimizer",
                       "~optimizer.momentum", "~optimizer.nesterov", "rollout.engine=toy_engine"]))
     with pytest.raises(ConfigError, match="use one of grpo, bnpo, dapo, dr_grpo, toy_loss"):

@@ -261,6 +261,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("data.path", JSONL_FILE, "training rows (.jsonl); null = the source's own", nullable=True),
     Option("data.eval_path", JSONL_FILE, "held-out rows (.jsonl); null = the source's own", nullable=True),
     # ---- optimizer=NAME
+    Option("optimizer", MAPPING, "the common keys below and exactly the keys its builder (optim.OPTIMIZERS) reads",
+      free=True),
     Option("optimizer.name", one_of(names=registry_names("grpo_cli.optim", "OPTIMIZERS")), "the torch optimizer"),
     Option("optimizer.lr", number(0, low_open=True), "learning rate (after warmup)"),
     Option("optimizer.weight_decay", number(0), "decoupled weight decay"),
