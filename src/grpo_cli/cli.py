@@ -54,9 +54,25 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
         first = " ".join(str(err).split()).split(" Config search path")[0]
         _bad_input(f"{prog}: {first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys")
     HydraConfig.instance().set_config(cfg)
+    _check_run_dir(prog, Path(str(cfg.hydra.run.dir)))
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+_hydra_before = None  # RUN_DIR/.hydra/ as it was before Hydra wrote this attempt's (grpo_cli.rundir.HydraSnapshot)
+
+
+def _check_run_dir(prog: str, run_dir: Path) -> None:
+    """Hydra would die with a traceback on a run dir it cannot create; say it in one line. Keep what the
+    dir's .hydra/ holds now, for an attempt that grpo-train refuses."""
+    global _hydra_before
+    from grpo_cli.rundir import HydraSnapshot, check_writable
+
+    problem = check_writable(run_dir)
+    if problem:
+        _bad_input(f"{prog}: hydra.run.dir={run_dir} cannot be created or written: {problem}; pick another dir")
+    _hydra_before = HydraSnapshot.read(run_dir)
 
 
 def _bad_input(line: str) -> None:
@@ -102,14 +118,22 @@ def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
 
 def _train_task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
 
+    from grpo_cli import rundir
     from grpo_cli.stopping import StopRequest
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     stop = StopRequest("grpo-train")
+    claim = None
     try:
         with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
-            warnings = validate(cfg)
+            with rundir.restoring_hydra(run_dir, _hydra_before):
+                warnings = validate(cfg)
+                claim = rundir.claim(cfg, run_dir, main=_is_rank_zero())  # refusals come before anything is written
+            with open_dict(cfg):
+                cfg.trainer.resume = None if claim.checkpoint is None else str(claim.checkpoint)
+            warnings += claim.warnings
             _quiet_libraries()  # heavy imports only after the config is known good
             from grpo_cli.trainer import GRPOTrainer
             if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
@@ -132,6 +156,9 @@ def _train_task(cfg) -> float:
         _stopped("grpo-train", stopped, run_dir)
     except (UserError, RunError) as err:
         _fail("grpo-train", err)
+    finally:
+        if claim is not None and claim.lock is not None:
+            claim.lock.release()
     return float(summary["final_reward"])
 
 

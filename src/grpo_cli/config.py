@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from pathlib import Path
 
@@ -93,9 +94,9 @@ def _fail(key: str, value, allowed: str) -> None:
 
 def _check_range(cfg: DictConfig, key: str, test, allowed: str) -> None:
     value = OmegaConf.select(cfg, key)
-    try:
-        ok = value is not None and test(value)
-    except TypeError:
+    try:  # a string or a non-finite number for a numeric key fails its test here, never in int()
+        ok = value is not None and not (isinstance(value, float) and not math.isfinite(value)) and test(value)
+    except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:
         _fail(key, value, allowed)
@@ -221,6 +222,13 @@ def validate(cfg: DictConfig) -> list[str]:
     if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
         _fail("trainer.resume", resume, "no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
     _check_choice(cfg, "reward.on_error", ("raise", "zero"))
+    if cfg.reward.get("timeout_s") is not None:
+        r(cfg, "reward.timeout_s", lambda v: not isinstance(v, bool) and v > 0, "needs seconds > 0, or null for no limit")
+    if not isinstance(cfg.trainer.get("overwrite", False), bool):
+        _fail("trainer.overwrite", cfg.trainer.overwrite, "use true or false")
+    allow = cfg.trainer.get("resume_allow_changes")
+    if allow is not None and not (OmegaConf.is_list(allow) and all(isinstance(k, str) for k in allow)):
+        _fail("trainer.resume_allow_changes", allow, "give a list of keys, e.g. [trainer.max_steps,optimizer.lr]")
     _validate_rewards(cfg)
     _validate_rest(cfg)
     return warnings
@@ -292,8 +300,8 @@ def _validate_rewards(cfg: DictConfig) -> None:
         except (ImportError, AttributeError, ValueError) as err:
             _fail(f"reward.functions.{name}._target_", target, f"cannot be imported ({err}); check the dotted path")
         weight = spec.get("weight", 1.0)
-        if not isinstance(weight, (int, float)):
-            _fail(f"reward.functions.{name}.weight", weight, "needs a number")
+        if not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            _fail(f"reward.functions.{name}.weight", weight, "needs a finite number")
         _check_reward_options(f"reward.functions.{name}", resolve_callable(target), spec)
 
 

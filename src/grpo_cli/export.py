@@ -120,7 +120,7 @@ def _recorded_base(adapter_dir: Path) -> str | None:
     return config.get("base_model_name_or_path") or None
 
 
-def check_base_name(adapter_dir: Path, base_name: str, model) -> None:
+def check_base_name(adapter_dir: Path, base_name: str, model, fix: str = "pass the base it was trained on with --base") -> None:
     """The base the adapter recorded must be the run's configured base (a path to the same embedded model
     on another machine counts as the same)."""
     from grpo_cli.models import EMBEDDED_PREFIX
@@ -136,8 +136,8 @@ def check_base_name(adapter_dir: Path, base_name: str, model) -> None:
     else:
         recorded_name = recorded
     if recorded not in same and recorded_name not in same:
-        raise ExportError(f"the adapter was trained on base {recorded} but the run config says "
-                          f"model.name_or_path={base_name}; pass the base it was trained on with --base")
+        raise ExportError(f"the adapter {adapter_dir} was trained on base {recorded} but the config says "
+                          f"model.name_or_path={base_name}; {fix}")
 
 
 # ---- the export ----------------------------------------------------------------------------------
