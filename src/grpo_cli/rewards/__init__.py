@@ -15,7 +15,8 @@ Each call runs in a daemon thread that the caller waits on, polling the run's st
 killed, but a daemon thread neither blocks the step loop nor the process's exit. (A process pool could kill
 it, but would have to pickle every function, its options and reward models, and start slowly.) On a
 timeout, on_error=raise ends the run in one line; on_error=zero scores that function's completions one at a
-time, each under the same deadline, so that only those that time out or raise get 0.
+time, each under the same deadline, so that only those that time out or raise get 0 (a function that
+raises on the batch is retried the same way).
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ class RewardTimeout(Exception):
     """A reward call ran past reward.timeout_s (and was abandoned)."""
 
 
+class RewardRaised(Exception):
+    """A reward call raised `error` (kept apart from the stop request, which must pass through)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+CALL_FAILED = (RewardRaised, RewardTimeout)
+
+
 POLL_S = 0.05  # how often a wait for a reward call looks at the stop request
 
 
@@ -110,7 +122,7 @@ class RewardSet:
         def target():
             try:
                 outcome["returned"] = rf.fn(prompts, completions, **fields)
-            except BaseException as err:  # handed to the waiting thread
+            except Exception as err:  # handed to the waiting thread
                 outcome["error"] = err
 
         worker = threading.Thread(target=target, name=f"reward-{rf.name}", daemon=True)
@@ -123,7 +135,9 @@ class RewardSet:
                 raise RewardTimeout()
             worker.join(min(POLL_S, max(0.0, deadline - time.monotonic())))
         if "error" in outcome:
-            raise outcome["error"]
+            raise RewardRaised(outcome["error"])
+        if "returned" not in outcome:  # the thread died of a BaseException (SystemExit in the function)
+            raise RewardRaised(RuntimeError("the reward function exited its thread"))
         return outcome["returned"]
 
     def _call_one(self, rf: RewardFunction, prompts, completions, fields, i: int):
@@ -135,7 +149,7 @@ class RewardSet:
         for i in range(len(completions)):
             try:
                 returned = self._call_one(rf, prompts, completions, fields, i)
-            except Exception:
+            except CALL_FAILED:
                 scores, errors = [*scores, 0.0], errors + 1
             else:
                 scores += to_scores(rf.name, returned, 1)
@@ -147,20 +161,11 @@ class RewardSet:
         for rf in self.functions:
             try:
                 returned = self._call(rf, prompts, completions, fields)
-            except RewardTimeout:
+            except CALL_FAILED as failure:
                 if self.on_error != "zero":
-                    raise RewardError(f"reward {rf.name} did not return within reward.timeout_s={self.timeout_s} s for "
-                                      f"{len(completions)} completions; fix it, raise reward.timeout_s or set "
-                                      "reward.on_error=zero") from None
+                    raise self._one_line(rf, failure, prompts, completions, fields) from None
                 scores, failed = self._one_at_a_time(rf, prompts, completions, fields)
                 errors += failed
-            except Exception as err:
-                if self.on_error != "zero":
-                    index = self._first_failing(rf, prompts, completions, fields)
-                    where = f" on completion {index}" if index is not None else ""
-                    raise RewardError(f"reward {rf.name} raised {type(err).__name__}{where}: {err}; "
-                                      "fix it or set reward.on_error=zero") from None
-                scores, errors = [0.0] * len(completions), errors + len(completions)
             else:
                 scores = to_scores(rf.name, returned, len(completions))
             for i, s in enumerate(scores):
@@ -172,12 +177,22 @@ class RewardSet:
         totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.functions) for i in range(len(completions))]
         return totals, per_fn, errors
 
+    def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
+        if isinstance(failure, RewardTimeout):
+            return RewardError(f"reward {rf.name} did not return within reward.timeout_s={self.timeout_s} s for "
+                               f"{len(completions)} completions; fix it, raise reward.timeout_s or set "
+                               "reward.on_error=zero")
+        err = failure.error
+        index = self._first_failing(rf, prompts, completions, fields)
+        where = f" on completion {index}" if index is not None else ""
+        return RewardError(f"reward {rf.name} raised {type(err).__name__}{where}: {err}; fix it or set reward.on_error=zero")
+
     def _first_failing(self, rf: RewardFunction, prompts, completions, fields) -> int | None:
         """Re-run one completion at a time to name the one that makes the function raise."""
         for i in range(len(completions)):
             try:
                 self._call_one(rf, prompts, completions, fields, i)
-            except Exception:
+            except CALL_FAILED:
                 return i
         return None
 
