@@ -152,8 +152,11 @@ def _flatten(prefix: str, value, out: dict) -> None:
 
 
 def fingerprint(cfg: DictConfig) -> dict:
-    """The resolved value of every fingerprinted key, flattened to dotted keys."""
-    out: dict = {}
+    """The resolved value of every fingerprinted key, flattened to dotted keys, and the number of ranks
+    (`world_size`: each rank samples its own share of a step)."""
+    from grpo_cli.config import ranks
+
+    out: dict = {"world_size": ranks(cfg)}
     for key in FINGERPRINT_KEYS:
         _flatten(key, OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}), resolve=True)["v"],
                  out)
@@ -180,7 +183,7 @@ def check_fingerprint(cfg: DictConfig, found: Path) -> None:
     for key in allowed:
         if not any(_under(k, key) for k in current.keys() | saved.keys()):
             raise RunDirError(f"trainer.resume_allow_changes names {key}, which is not a key that decides a step; "
-                              f"name keys under {', '.join(FINGERPRINT_KEYS)}")
+                              f"name keys under {', '.join(FINGERPRINT_KEYS)}, or world_size")
     changes = changed_keys(saved, current)
     never = [k for k in changes if any(_under(k, n) for n in NEVER_CHANGED)]
     if never:
@@ -298,7 +301,7 @@ def _decide(cfg: DictConfig, run_dir: Path) -> tuple[Path | None, list[str]]:
             raise CheckpointError(f"trainer.resume={resume}: checkpoint {found} is damaged ({why}); resume from an "
                                   "intact one, e.g. trainer.resume=auto for the newest")
         warnings = []
-        if records and found.parent != checkpoint.checkpoint_root(run_dir):
+        if records and found.resolve().parent != checkpoint.checkpoint_root(run_dir).resolve():
             raise RunDirError(f"{used}, and trainer.resume={resume} is another run's checkpoint; resume it into a new "
                               "hydra.run.dir")
     check_fingerprint(cfg, found)
