@@ -19,7 +19,10 @@ REWARDS = '''
 import os, time
 
 def sleepy(prompts, completions, **fields):
-    """0 for every completion, after REWARD_SLEEP_S seconds (a slow or hanging reward)."""
+    """0 for every completion, after REWARD_SLEEP_S seconds (a slow or hanging reward); touches the file
+    REWARD_CALLED names first."""
+    if os.environ.get("REWARD_CALLED"):
+        open(os.environ["REWARD_CALLED"], "a").close()
     time.sleep(float(os.environ.get("REWARD_SLEEP_S", "0")))
     return [0.0] * len(completions)
 '''
@@ -226,15 +229,16 @@ def test_every_record_is_rolled_back_after_a_kill_and_resume(tmp_path, finished,
 @pytest.mark.slow
 def test_sigterm_stops_a_reward_that_never_returns_within_10_s(tmp_path, rewards_env):
     run = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **rewards_env, "REWARD_SLEEP_S": "3600"}
-    with open(tmp_path / "stdout.txt", "w") as out:
-        child = subprocess.Popen([script("grpo-train"), *RUN, f"hydra.run.dir={run}"], cwd=tmp_path, env=env,
-                                 stdout=out, stderr=subprocess.PIPE, text=True)
+    called = tmp_path / "reward-called"
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **rewards_env, "REWARD_SLEEP_S": "3600",
+           "REWARD_CALLED": str(called)}
+    child = subprocess.Popen([script("grpo-train"), *RUN, f"hydra.run.dir={run}"], cwd=tmp_path, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while "training 4 steps" not in (tmp_path / "stdout.txt").read_text():
+    while not called.exists():
         assert child.poll() is None and time.time() < deadline, child.stderr.read()[-3000:]
         time.sleep(0.05)
-    time.sleep(2)  # generated (4 tokens) and inside the reward
+    time.sleep(1)  # inside the reward, which sleeps for an hour
     assert child.poll() is None and not (run / "metrics.jsonl").exists()
     sent = time.time()
     child.send_signal(signal.SIGTERM)
