@@ -123,6 +123,16 @@ def test_resume_with_nothing_to_resume_says_so_and_refuses_a_used_dir(tmp_path, 
     assert len(read_jsonl(used / "metrics.jsonl")) == 4
 
 
+@pytest.mark.slow
+def test_overwrite_with_resume_and_a_damaged_checkpoint_path_are_refused(tmp_path, used, finished, rewards_env):
+    proc = train(["trainer.resume=auto", "trainer.overwrite=true"], used, tmp_path, rewards_env)
+    one_line_exit_2(proc, "trainer.overwrite=true starts over and trainer.resume=auto goes on; pick one")
+    truncate(used / "checkpoints" / "step-000002" / "trainer_state.pt")
+    proc = train([f"trainer.resume={used / 'checkpoints' / 'step-000002'}"], used, tmp_path, rewards_env)
+    one_line_exit_2(proc, "step-000002 is damaged (trainer_state.pt has", "trainer.resume=auto")
+    untouched(used, finished)
+
+
 # ---- a pinned config ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("override,shown", [

@@ -260,9 +260,11 @@ def claim(cfg: DictConfig, run_dir: Path, main: bool = True) -> Claim:
         if main:
             checkpoint.remove_orphans(run_dir)
             if cfg.trainer.get("overwrite") and holds_run(run_dir):
-                for name in RUN_OUTPUTS:
-                    path = run_dir / name
-                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+                for path in (run_dir / name for name in RUN_OUTPUTS):
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink(missing_ok=True)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -275,7 +277,7 @@ def _decide(cfg: DictConfig, run_dir: Path) -> tuple[Path | None, list[str]]:
 
     resume, overwrite = cfg.trainer.get("resume"), bool(cfg.trainer.get("overwrite"))
     records = holds_run(run_dir)
-    used = (f"run dir {run_dir} holds a run already ({', '.join(records)})")
+    used = f"run dir {run_dir} holds a run already ({', '.join(records)})"
     choices = ("go on with trainer.resume=auto, start over with trainer.overwrite=true (deletes its records and "
                "checkpoints), or pick another hydra.run.dir")
     if resume and overwrite:

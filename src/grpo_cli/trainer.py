@@ -215,7 +215,7 @@ class GRPOTrainer:
 
     # ---- one step -------------------------------------------------------------------------------
     def rollout(self, step: int) -> Batch | None:
-        """The step's scored rollouts; None when a stop request ended generation (nothing is scored)."""
+        """The step's scored rollouts; None when a stop request came during generation or scoring."""
         G = self.algo.num_generations
         rows = self.sampler.batch(step)
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
