@@ -233,8 +233,12 @@ def test_crafted_pickle_in_checkpoint_is_refused(tmp_path):
 
     import pickle
 
+    from grpo_cli.checkpoint import write_manifest
+
     (ckpt / "trainer_state.pt").write_bytes(pickle.dumps({"optimizer": Payload()}))
-    proc = run_cli([*TINY_RUN, "trainer.max_steps=4", f"hydra.run.dir={run}", "trainer.resume=auto"], tmp_path)
+    write_manifest(ckpt)  # the file matches its manifest: only the weights-only loader stands in the way
+    proc = run_cli([*TINY_RUN, "trainer.max_steps=4", f"hydra.run.dir={run}", "trainer.resume=auto",
+                    "trainer.resume_allow_changes=[trainer.max_steps]"], tmp_path)
     assert proc.returncode == 2
     assert "refused" in proc.stderr.strip().splitlines()[-1]
     assert not sentinel.exists()
@@ -324,8 +328,9 @@ def test_sigterm_stops_a_generation_that_would_run_for_hours(tmp_path):
     assert lines[-1][0] < 10 and seconds < 60, (lines, seconds)  # the rest is the interpreter's own teardown
     print(f"SIGTERM -> last line {lines[-1][0]:.2f} s, -> exit {seconds:.2f} s")
 
-    proc = run_cli(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "trainer.max_steps=1",
-                    "trainer.resume=auto", f"hydra.run.dir={run}"], tmp_path)
+    proc = run_cli([*huge, "rollout.max_new_tokens=4", "trainer.max_steps=1", "trainer.resume=auto",
+                    "trainer.resume_allow_changes=[rollout.max_new_tokens,trainer.max_steps]", f"hydra.run.dir={run}"],
+                   tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0]
     assert (run / "adapter" / "adapter_model.safetensors").is_file()

@@ -355,7 +355,8 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, offline_run):
     first = subprocess.run([*args, "trainer.max_steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     run_id = (run_dir / "wandb_run_id").read_text().strip()
-    second = subprocess.run([*args, "trainer.max_steps=3", "trainer.resume=auto"], cwd=tmp_path, env=env,
+    second = subprocess.run([*args, "trainer.max_steps=3", "trainer.resume=auto",
+                             "trainer.resume_allow_changes=[trainer.max_steps]"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert (run_dir / "wandb_run_id").read_text().strip() == run_id

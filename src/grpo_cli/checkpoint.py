@@ -2,14 +2,18 @@
 
 A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the adapter (safetensors), the optimiser and
 scheduler state (`trainer_state.pt`, tensors only, loaded with weights_only=True), RNG states and the step
-(`state.json`), and the metrics written so far. It is written under a temporary name and renamed into
-place, so a crash mid-write leaves the previous checkpoint whole.
+(`state.json`, with the config fingerprint of grpo_cli.rundir), and the metrics written so far. It is written
+under a temporary name and renamed into place, so a crash mid-write leaves the previous checkpoint whole.
+`manifest.json`, written last, lists every other file with its size and sha256: resume checks a checkpoint
+against it (and that its files load) and falls back to the newest intact one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -20,6 +24,8 @@ import torch
 from grpo_cli.errors import CheckpointError
 
 PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -56,7 +62,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: dict, kee
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
@@ -70,6 +76,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: dict, kee
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file():
             shutil.copy2(metrics, tmp / "metrics.jsonl")
+        write_manifest(tmp)
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -91,10 +98,73 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def damage(folder: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (a missing, resized, altered or unloadable file), or None."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        entries = json.loads((folder / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no readable {MANIFEST} (its write did not finish, or an older grpo-cli wrote it)"
+    for name in ("state.json", "trainer_state.pt", "adapter/adapter_model.safetensors"):
+        if name not in entries:
+            return f"{MANIFEST} does not list {name}"
+    for name, entry in entries.items():
+        file = folder / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != entry["size"]:
+            return f"{name} has {file.stat().st_size} bytes, its manifest says {entry['size']}"
+        if _sha256(file) != entry["sha256"]:
+            return f"{name} does not match its sha256 in {MANIFEST}"
+    try:
+        json.loads((folder / "state.json").read_text())["step"]
+        load_file(folder / "adapter" / "adapter_model.safetensors")
+    except (OSError, ValueError, KeyError, SafetensorError) as err:
+        return f"a file does not load ({type(err).__name__})"
+    try:
+        torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError) as err:
+        return (f"trainer_state.pt was refused ({type(err).__name__}): only plain tensors load; it may be tampered "
+                "with")
+    return None
+
+
+def newest_intact(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that passes `damage`, and the newer ones skipped with the reason for each
+    (temporary folders of an interrupted write are not checkpoints)."""
+    skipped = []
+    for folder in sorted(checkpoint_root(run_dir).glob(PREFIX + "*"), reverse=True):
+        reason = damage(folder)
+        if reason is None:
+            return folder, skipped
+        skipped.append((folder, reason))
+    return None, skipped
+
+
 def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (temporary folders of an interrupted write are ignored)."""
-    candidates = [p for p in sorted(checkpoint_root(run_dir).glob(PREFIX + "*")) if (p / "state.json").is_file()]
-    return candidates[-1] if candidates else None
+    """The newest intact checkpoint."""
+    return newest_intact(run_dir)[0]
+
+
+def remove_orphans(run_dir: Path) -> list[Path]:
+    """Temporary folders of checkpoint writes that never finished (only the run dir's lock holder writes)."""
+    orphans = sorted(checkpoint_root(run_dir).glob(TMP_PREFIX + "*"))
+    for folder in orphans:
+        shutil.rmtree(folder, ignore_errors=True)
+    return orphans
 
 
 def find(run_dir: Path, resume: str) -> Path | None:
@@ -110,7 +180,9 @@ def find(run_dir: Path, resume: str) -> Path | None:
 
 
 def load(path: Path, model, optimizer, scheduler) -> dict:
-    """Restore adapter weights, optimiser, scheduler and RNG in place; return state.json."""
+    """Restore adapter weights, optimiser, scheduler and RNG in place; return state.json. The configured
+    optimizer hyperparameters (lr, weight decay, betas, ...) win over the saved ones, so a change that
+    trainer.resume_allow_changes let through is applied; unchanged, they are the same numbers."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -122,8 +194,22 @@ def load(path: Path, model, optimizer, scheduler) -> dict:
         trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(f"{path / 'trainer_state.pt'} was refused ({type(err).__name__}): only plain tensors load; it may be tampered with") from None
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
+    _apply_configured(optimizer, scheduler, configured)
     state = json.loads((path / "state.json").read_text())
     restore_rng(state["rng"], trainer_state["rng"])
     return state
+
+
+def _apply_configured(optimizer, scheduler, configured: list[dict]) -> None:
+    """Configured hyperparameters into the loaded param groups, and the learning rate the (configured)
+    schedule gives at the restored update count: LambdaLR's own formula, base_lr x factor(updates)."""
+    for group, values in zip(optimizer.param_groups, configured, strict=True):
+        group.update(values)
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    rates = [base * factor(scheduler.last_epoch) for factor, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+    for group, lr in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = rates

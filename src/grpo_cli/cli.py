@@ -44,9 +44,25 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
         first = " ".join(str(err).split()).split(" Config search path")[0]
         raise ConfigError(f"{first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys") from None
     HydraConfig.instance().set_config(cfg)
+    _check_run_dir(prog, Path(str(cfg.hydra.run.dir)))
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+_hydra_before = None  # RUN_DIR/.hydra/ as it was before Hydra wrote this attempt's (grpo_cli.rundir.HydraSnapshot)
+
+
+def _check_run_dir(prog: str, run_dir: Path) -> None:
+    """Hydra would die with a traceback on a run dir it cannot create; say it in one line. Keep what the
+    dir's .hydra/ holds now, for an attempt that grpo-train refuses."""
+    global _hydra_before
+    from grpo_cli.rundir import HydraSnapshot, check_writable
+
+    problem = check_writable(run_dir)
+    if problem:
+        raise ConfigError(f"hydra.run.dir={run_dir} cannot be created or written: {problem}; pick another dir")
+    _hydra_before = HydraSnapshot.read(run_dir)
 
 
 def _hydra_app(task, prog: str, config_name: str = "config"):
@@ -94,15 +110,23 @@ def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
 
 def _train_task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
 
+    from grpo_cli import rundir
     from grpo_cli.stopping import StopRequest
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     stop = StopRequest("grpo-train")
+    claim = None
     with one_line("grpo-train", in_sweep=_is_multirun()):
         try:
             with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
-                warnings = _validated(cfg)
+                with rundir.restoring_hydra(run_dir, _hydra_before):
+                    warnings = _validated(cfg)
+                    claim = rundir.claim(cfg, run_dir, main=_is_rank_zero())  # refusals before anything is written
+                with open_dict(cfg):
+                    cfg.trainer.resume = None if claim.checkpoint is None else str(claim.checkpoint)
+                warnings += claim.warnings
                 _quiet_libraries()  # heavy imports only after the config is known good
                 from grpo_cli.trainer import GRPOTrainer
                 if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
@@ -124,6 +148,9 @@ def _train_task(cfg) -> float:
                     teardown(trainer.dist)
         except Interrupted as stopped:
             _stopped("grpo-train", stopped, run_dir)
+        finally:
+            if claim is not None and claim.lock is not None:
+                claim.lock.release()
     return float(summary["final_reward"])
 
 

@@ -32,8 +32,13 @@ def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; pass an existing file with data.path=FILE.jsonl")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{lineno} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                                "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

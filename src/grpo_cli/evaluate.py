@@ -128,6 +128,11 @@ def run_eval(cfg, run_dir: Path, stop=None) -> dict:
         adapter = Path(cfg.eval.adapter).expanduser()
         if not (adapter / "adapter_config.json").is_file():
             raise ModelLoadError(f"eval.adapter={adapter} holds no adapter_config.json; point it at a run's adapter/ folder")
+        from grpo_cli.export import check_base_name, check_shapes
+
+        fix = "pick the model it was trained on (model=NAME)"
+        check_base_name(adapter, str(cfg.model.name_or_path), model, fix)
+        check_shapes(model, adapter, str(cfg.model.name_or_path), fix)
         model = PeftModel.from_pretrained(model, adapter)
         label = str(adapter)
     model.to(device).eval()

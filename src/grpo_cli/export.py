@@ -97,7 +97,7 @@ def _adapter_shapes(adapter_dir: Path) -> dict[str, list[int]]:
         return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
 
 
-def check_shapes(model, adapter_dir: Path, base_name: str) -> None:
+def check_shapes(model, adapter_dir: Path, base_name: str, fix: str = "pass the right one with --base") -> None:
     """Every LoRA layer of the adapter must sit on a layer of the base with matching in/out features."""
     for key, shape in _adapter_shapes(adapter_dir).items():
         for part, dim, feature in ((".lora_A.", 1, "in_features"), (".lora_B.", 0, "out_features")):
@@ -108,11 +108,11 @@ def check_shapes(model, adapter_dir: Path, base_name: str) -> None:
                 layer = model.get_submodule(module_name)
             except AttributeError:
                 raise ExportError(f"the adapter targets layer {module_name}, which base {base_name} lacks: it was "
-                                  "trained on another base; pass the right one with --base") from None
+                                  f"trained on another base; {fix}") from None
             expected = getattr(layer, feature, None)
             if expected is not None and expected != shape[dim]:
                 raise ExportError(f"the adapter's {module_name} has {feature}={shape[dim]} but base {base_name} has "
-                                  f"{expected}: it was trained on another base; pass the right one with --base")
+                                  f"{expected}: it was trained on another base; {fix}")
 
 
 def _recorded_base(adapter_dir: Path) -> str | None:
@@ -120,7 +120,7 @@ def _recorded_base(adapter_dir: Path) -> str | None:
     return config.get("base_model_name_or_path") or None
 
 
-def check_base_name(adapter_dir: Path, base_name: str, model) -> None:
+def check_base_name(adapter_dir: Path, base_name: str, model, fix: str = "pass the base it was trained on with --base") -> None:
     """The base the adapter recorded must be the run's configured base (a path to the same embedded model
     on another machine counts as the same)."""
     from grpo_cli.models import EMBEDDED_PREFIX
@@ -136,8 +136,8 @@ def check_base_name(adapter_dir: Path, base_name: str, model) -> None:
     else:
         recorded_name = recorded
     if recorded not in same and recorded_name not in same:
-        raise ExportError(f"the adapter was trained on base {recorded} but the run config says "
-                          f"model.name_or_path={base_name}; pass the base it was trained on with --base")
+        raise ExportError(f"the adapter {adapter_dir} was trained on base {recorded} but the config says "
+                          f"model.name_or_path={base_name}; {fix}")
 
 
 # ---- the export ----------------------------------------------------------------------------------

@@ -222,8 +222,13 @@ OPTIONS: tuple[Option, ...] = (
       "more compute)", False),
     Option("trainer.save_every", integer(0), "checkpoint every K steps; 0 = only the final adapter", 0),
     Option("trainer.keep_last", integer(1), "checkpoints kept", 2),
-    Option("trainer.resume", RESUME, "auto (with hydra.run.dir=RUN_DIR) or the path of a checkpoint or run dir",
+    Option("trainer.resume", RESUME, "auto (with hydra.run.dir=RUN_DIR) or a checkpoint / run dir path; a used "
+      "run dir takes only auto or its own",
       None, nullable=True),
+    Option("trainer.overwrite", BOOLEAN, "start over in a run dir that holds a run (deletes its records and "
+      "checkpoints first)", False),
+    Option("trainer.resume_allow_changes", TEXT_LIST, "keys (or sections) a resume may change on purpose, e.g. "
+      "[trainer.max_steps,optimizer.lr]", []),
     Option("trainer.max_skipped", integer(1), "stop after this many non-finite updates in a row", 3),
     Option("trainer.log_samples_every", integer(0), "write sample completions every K steps; 0 = never", 10),
     Option("trainer.nproc", integer(1), "processes; > 1 relaunches under torchrun", 1),
@@ -285,6 +290,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("logger.wandb.finish_timeout", number(0, low_open=True), "seconds to upload at the end", optional=True),
     # ---- reward=NAME
     Option("reward.on_error", one_of("raise", "zero"), "a reward that raises: stop, or score 0 and count it"),
+    Option("reward.timeout_s", number(0, low_open=True), "seconds a reward call may take; over it is an error "
+      "per on_error; null = no limit", nullable=True),
     Option("reward.accuracy", TEXT, "the 0/1 function of reward.functions that judges correctness", nullable=True),
     Option("reward.functions", MAPPING, "NAME: {_target_, weight, options...} per reward function", free=True),
     Option("reward.functions.*._target_", DOTTED_PATH, "dotted path of the function or class"),

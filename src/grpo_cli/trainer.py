@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli import algorithm, checkpoint, distributed
+from grpo_cli import algorithm, checkpoint, distributed, rundir
 from grpo_cli.config import check_context_length, check_mini_batches
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
@@ -197,7 +197,7 @@ class GRPOTrainer:
         if self.tcfg.get("gradient_checkpointing"):
             enable_activation_checkpointing(self.model)
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
-        self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype)
+        self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype, stop=self.stop)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         opt = cfg.optimizer
         self.optimizer = build_optimizer(self.params, opt)
@@ -215,7 +215,7 @@ class GRPOTrainer:
 
     # ---- one step -------------------------------------------------------------------------------
     def rollout(self, step: int) -> Batch | None:
-        """The step's scored rollouts; None when a stop request ended generation (nothing is scored)."""
+        """The step's scored rollouts; None when a stop request came during generation or scoring."""
         G = self.algo.num_generations
         rows = self.sampler.batch(step)
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
@@ -238,7 +238,10 @@ class GRPOTrainer:
         gen_time = time.perf_counter() - t0 - compile_s
         prompts = [text for text in enc.texts for _ in range(G)]
         fields = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # messages: only for rewards naming it
-        totals, per_fn, errors = self.rewards.score(prompts, roll.texts, fields)
+        try:
+            totals, per_fn, errors = self.rewards.score(prompts, roll.texts, fields)
+        except Interrupted:  # a stop request while a reward function ran: the step is discarded
+            return None
         rewards = torch.tensor(totals, dtype=torch.float32)
         advantages = algorithm.group_advantages(rewards, G, eps=self.algo.adv_eps, scale=self.algo.scale_rewards)
         mask = roll.completion_mask.float()
@@ -492,7 +495,7 @@ class GRPOTrainer:
         self.skipped_updates = state.get("skipped_updates", 0)
         self.fresh_adapter = start == 0
         if self.dist.is_main:
-            shutil_copy_metrics(found, self.run_dir)
+            rundir.roll_back_records(self.run_dir, start, found)
         return start
 
     def open_tracker(self, start: int) -> Tracker:
@@ -563,7 +566,8 @@ class GRPOTrainer:
         path = checkpoint.checkpoint_root(self.run_dir) / f"{checkpoint.PREFIX}{done:06d}"
         if self.dist.is_main:
             path = checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.scheduler,
-                                   {"skipped_updates": self.skipped_updates}, self.tcfg.keep_last)
+                                   {"skipped_updates": self.skipped_updates, "fingerprint": rundir.fingerprint(self.cfg)},
+                                   self.tcfg.keep_last)
         distributed.barrier(self.dist)
         self.last_checkpoint = (done, path)
         return path
@@ -577,14 +581,3 @@ class GRPOTrainer:
             self.model.save_pretrained(out, save_embedding_layers=False)  # LoRA weights only; the base is not resized
         distributed.barrier(self.dist)
         return out
-
-
-def shutil_copy_metrics(checkpoint_dir: Path, run_dir: Path) -> None:
-    """metrics.jsonl goes back to what it was at the checkpoint, so every step appears exactly once."""
-    import shutil
-
-    saved = checkpoint_dir / "metrics.jsonl"
-    if saved.is_file():
-        shutil.copy2(saved, run_dir / "metrics.jsonl")
-    else:
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)

@@ -9,6 +9,14 @@ one real number per completion: int, float, bool (True = 1.0: a pass/fail check 
 torch scalar. Anything else (a string, even "1.0", None, a list per completion, the wrong count) is a bug in
 the function and stops the run with one line, whatever reward.on_error says; on_error=zero is for functions
 that raise on some inputs.
+
+Each call runs in a daemon thread that the caller waits on, polling the run's stop request, for at most
+`reward.timeout_s` seconds (null: no limit). A call that runs over is abandoned: a Python thread cannot be
+killed, but a daemon thread neither blocks the step loop nor the process's exit. (A process pool could kill
+it, but would have to pickle every function, its options and reward models, and start slowly.) On a
+timeout, on_error=raise ends the run in one line; on_error=zero scores that function's completions one at a
+time, each under the same deadline, so that only those that time out or raise get 0 (a function that
+raises on the batch is retried the same way).
 """
 
 from __future__ import annotations
@@ -18,9 +26,12 @@ import importlib
 import inspect
 import math
 import numbers
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
-from grpo_cli.errors import RewardError
+from grpo_cli.errors import Interrupted, RewardError
 
 SCORE_TYPES = "a number per completion (int, float, bool, or a numpy/torch scalar)"
 
@@ -69,35 +80,93 @@ class RewardFunction:
     weight: float
 
 
+class RewardTimeout(Exception):
+    """A reward call ran past reward.timeout_s (and was abandoned)."""
+
+
+class RewardRaised(Exception):
+    """A reward call raised `error` (kept apart from the stop request, which must pass through)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+CALL_FAILED = (RewardRaised, RewardTimeout)
+
+
+POLL_S = 0.05  # how often a wait for a reward call looks at the stop request
+
+
 class RewardSet:
     """The weighted sum of the configured reward functions, with per-function means for the metrics."""
 
-    def __init__(self, functions: list[RewardFunction], on_error: str = "raise"):
+    def __init__(self, functions: list[RewardFunction], on_error: str = "raise", timeout_s: float | None = None,
+                 stop=None):
         self.functions = functions
         self.on_error = on_error
+        self.timeout_s, self.stop = timeout_s, stop
 
     @classmethod
-    def from_config(cls, cfg_reward, device=None, dtype=None) -> RewardSet:
+    def from_config(cls, cfg_reward, device=None, dtype=None, stop=None) -> RewardSet:
         """Reward models among the functions load here, once, on `device` in `dtype` (the policy's)."""
         functions = [
             RewardFunction(name, build_reward(name, spec, device=device, dtype=dtype), float(spec.get("weight", 1.0)))
             for name, spec in cfg_reward.functions.items()
         ]
-        return cls(functions, cfg_reward.get("on_error", "raise"))
+        return cls(functions, cfg_reward.get("on_error", "raise"), cfg_reward.get("timeout_s"), stop)
+
+    def _call(self, rf: RewardFunction, prompts, completions, fields):
+        """rf.fn(...) in a daemon thread, under the deadline; Interrupted on a stop request, RewardTimeout."""
+        outcome: dict = {}
+
+        def target():
+            try:
+                outcome["returned"] = rf.fn(prompts, completions, **fields)
+            except Exception as err:  # handed to the waiting thread
+                outcome["error"] = err
+
+        worker = threading.Thread(target=target, name=f"reward-{rf.name}", daemon=True)
+        worker.start()
+        deadline = math.inf if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while worker.is_alive():
+            if self.stop is not None and self.stop():
+                raise Interrupted(getattr(self.stop, "signum", None) or signal.SIGTERM)
+            if time.monotonic() >= deadline:
+                raise RewardTimeout()
+            worker.join(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        if "error" in outcome:
+            raise RewardRaised(outcome["error"])
+        if "returned" not in outcome:  # the thread died of a BaseException (SystemExit in the function)
+            raise RewardRaised(RuntimeError("the reward function exited its thread"))
+        return outcome["returned"]
+
+    def _call_one(self, rf: RewardFunction, prompts, completions, fields, i: int):
+        return self._call(rf, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in fields.items()})
+
+    def _one_at_a_time(self, rf: RewardFunction, prompts, completions, fields) -> tuple[list[float], int]:
+        """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero)."""
+        scores, errors = [], 0
+        for i in range(len(completions)):
+            try:
+                returned = self._call_one(rf, prompts, completions, fields, i)
+            except CALL_FAILED:
+                scores, errors = [*scores, 0.0], errors + 1
+            else:
+                scores += to_scores(rf.name, returned, 1)
+        return scores, errors
 
     def score(self, prompts: list, completions: list[str], fields: dict[str, list]) -> tuple[list[float], dict[str, list[float]], int]:
         """Return (weighted totals, raw scores per function, number of scores zeroed by on_error=zero)."""
         per_fn, errors = {}, 0
         for rf in self.functions:
             try:
-                returned = rf.fn(prompts, completions, **fields)
-            except Exception as err:
+                returned = self._call(rf, prompts, completions, fields)
+            except CALL_FAILED as failure:
                 if self.on_error != "zero":
-                    index = self._first_failing(rf, prompts, completions, fields)
-                    where = f" on completion {index}" if index is not None else ""
-                    raise RewardError(f"reward {rf.name} raised {type(err).__name__}{where}: {err}; "
-                                      "fix it or set reward.on_error=zero") from None
-                scores, errors = [0.0] * len(completions), errors + len(completions)
+                    raise self._one_line(rf, failure, prompts, completions, fields) from None
+                scores, failed = self._one_at_a_time(rf, prompts, completions, fields)
+                errors += failed
             else:
                 scores = to_scores(rf.name, returned, len(completions))
             for i, s in enumerate(scores):
@@ -109,13 +178,22 @@ class RewardSet:
         totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.functions) for i in range(len(completions))]
         return totals, per_fn, errors
 
-    @staticmethod
-    def _first_failing(rf: RewardFunction, prompts, completions, fields) -> int | None:
+    def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
+        if isinstance(failure, RewardTimeout):
+            return RewardError(f"reward {rf.name} did not return within reward.timeout_s={self.timeout_s} s for "
+                               f"{len(completions)} completions; fix it, raise reward.timeout_s or set "
+                               "reward.on_error=zero")
+        err = failure.error
+        index = self._first_failing(rf, prompts, completions, fields)
+        where = f" on completion {index}" if index is not None else ""
+        return RewardError(f"reward {rf.name} raised {type(err).__name__}{where}: {err}; fix it or set reward.on_error=zero")
+
+    def _first_failing(self, rf: RewardFunction, prompts, completions, fields) -> int | None:
         """Re-run one completion at a time to name the one that makes the function raise."""
         for i in range(len(completions)):
             try:
-                rf.fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in fields.items()})
-            except Exception:
+                self._call_one(rf, prompts, completions, fields, i)
+            except CALL_FAILED:
                 return i
         return None
 

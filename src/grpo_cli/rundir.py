@@ -1,0 +1,310 @@
+"""A run directory belongs to one run, written by one process at a time.
+
+- **One writer**: `RunLock` holds an exclusive `fcntl.flock` on `RUN_DIR/.lock` for the life of the run. The
+  kernel drops the lock when its process dies (even by SIGKILL), so a stale lock file is simply taken over;
+  the file names the holder (pid, host, start time) for the one line a second process gets.
+- **One run**: a fresh run into a dir that holds a run's records is refused (`trainer.resume=auto` goes on,
+  `trainer.overwrite=true` deletes the old run's records first, or another `hydra.run.dir`).
+- **A pinned config**: every checkpoint's state.json holds `fingerprint(cfg)`, the keys that decide what a
+  step computes. A resume whose config differs is refused in one line listing the keys, before anything is
+  written, unless `trainer.resume_allow_changes` names them; a few (the base model, the adapter's shape, the
+  optimizer type) can never change, since the saved weights or optimizer state would not fit them.
+- **Records that match the checkpoint**: on resume every append-only record is cut back to the checkpoint's
+  step, and nothing else of a run's records is ever deleted or truncated by resume.
+- **A refused attempt leaves `.hydra/` as it was**: Hydra writes it before the task runs; the files from
+  before the attempt (`HydraSnapshot`, read before Hydra starts) are put back when the attempt is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_cli.errors import CheckpointError, UserError
+
+LOCK_FILE = ".lock"
+# append-only, one JSON row per line with its "step"; cut back to the checkpoint's step on resume
+RECORDS = ("metrics.jsonl", "samples.jsonl")
+# what a training run leaves in its dir; any of the first four means the dir holds a run
+RUN_OUTPUTS = (*RECORDS, "checkpoints", "adapter", "wandb_run_id", "wandb")
+RUN_MARKERS = RUN_OUTPUTS[:4]
+
+# the keys (or whole sections) that decide what a step computes
+FINGERPRINT_KEYS = (
+    "model", "algo", "data", "reward", "optimizer",
+    "rollout.max_new_tokens", "rollout.min_new_tokens", "rollout.temperature", "rollout.top_p",
+    "trainer.seed", "trainer.max_steps", "trainer.micro_batch_size", "trainer.logprob_chunk_size",
+    "trainer.max_grad_norm",
+)
+NOT_FINGERPRINTED = ("algo.check", "reward.timeout_s", "reward.accuracy")  # checks and limits, not the computation
+# the saved adapter, base weights or optimizer state cannot take a change of these: refused even when allowed
+NEVER_CHANGED = ("model.name_or_path", "model.lora.r", "model.lora.target_modules", "model.tiny", "optimizer.name")
+
+
+class RunDirError(UserError):
+    """The run dir cannot be used for this attempt (busy, holds another run, config differs)."""
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+# ---- one writer ---------------------------------------------------------------------------------
+class RunLock:
+    """An exclusive flock on RUN_DIR/.lock, held until `release()` or the end of the process."""
+
+    def __init__(self, file):
+        self.file = file
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunLock:
+        path = run_dir / LOCK_FILE
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            file = path.open("a+")
+        except OSError as err:
+            raise RunDirError(f"run dir {run_dir} cannot be written ({err.strerror or err}); pick a writable "
+                              "hydra.run.dir") from None
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            file.close()
+            raise RunDirError(f"run dir {run_dir} is in use by {holder}; wait for it to end, or pick another "
+                              "hydra.run.dir") from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"grpo-train pid {os.getpid()} on host {socket.gethostname()} since "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        file.flush()
+        return cls(file)
+
+    def release(self) -> None:
+        self.file.close()  # closing drops the flock
+
+
+# ---- .hydra/ of a refused attempt ---------------------------------------------------------------
+@dataclass
+class HydraSnapshot:
+    """The files of RUN_DIR/.hydra/ before this attempt (None: there was no such folder)."""
+
+    run_dir: Path
+    files: dict[str, bytes] | None = field(default=None)
+
+    @classmethod
+    def read(cls, run_dir: Path) -> HydraSnapshot:
+        folder = run_dir / ".hydra"
+        if not folder.is_dir():
+            return cls(run_dir)
+        return cls(run_dir, {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
+
+    def restore(self) -> None:
+        if self.files is None:
+            return  # a dir without a run's .hydra/ has nothing to protect
+        folder = self.run_dir / ".hydra"
+        for stray in folder.glob("*"):
+            if stray.is_file() and stray.name not in self.files:
+                stray.unlink()
+        for name, data in self.files.items():
+            (folder / name).write_bytes(data)
+
+
+@contextlib.contextmanager
+def restoring_hydra(run_dir: Path, before: HydraSnapshot | None) -> Iterator[None]:
+    """An attempt refused inside this block (any exception) leaves RUN_DIR/.hydra/ as it was before it."""
+    try:
+        yield
+    except BaseException:
+        if before is not None and before.run_dir.resolve() == run_dir.resolve():
+            before.restore()
+        raise
+
+
+def check_writable(run_dir: Path) -> str | None:
+    """Why `run_dir` cannot be created or written (None when it can), without creating anything."""
+    path = Path(run_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+# ---- the pinned config --------------------------------------------------------------------------
+def _flatten(prefix: str, value, out: dict) -> None:
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _flatten(f"{prefix}.{key}", sub, out)
+    else:
+        out[prefix] = value
+
+
+def fingerprint(cfg: DictConfig) -> dict:
+    """The resolved value of every fingerprinted key, flattened to dotted keys, and the number of ranks
+    (`world_size`: each rank samples its own share of a step)."""
+    from grpo_cli.config import ranks
+
+    out: dict = {"world_size": ranks(cfg)}
+    for key in FINGERPRINT_KEYS:
+        _flatten(key, OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}), resolve=True)["v"],
+                 out)
+    return {k: v for k, v in out.items() if not any(_under(k, skip) for skip in NOT_FINGERPRINTED)}
+
+
+def changed_keys(saved: dict, current: dict) -> list[str]:
+    return sorted(k for k in saved.keys() | current.keys() if saved.get(k, "<unset>") != current.get(k, "<unset>"))
+
+
+def _shown(value) -> str:
+    return "unset" if value == "<unset>" else json.dumps(value)
+
+
+def check_fingerprint(cfg: DictConfig, found: Path) -> None:
+    """Refuse a resume whose config differs from the checkpoint's in a key that is not allowed to change."""
+    state = json.loads((found / "state.json").read_text())
+    saved = state.get("fingerprint")
+    if saved is None:
+        raise CheckpointError(f"{found} holds no config fingerprint (an older grpo-cli wrote it); it cannot be checked "
+                              "for an exact resume: start a new run")
+    allowed = [str(k) for k in (cfg.trainer.get("resume_allow_changes") or [])]
+    current = fingerprint(cfg)
+    for key in allowed:
+        if not any(_under(k, key) for k in current.keys() | saved.keys()):
+            raise RunDirError(f"trainer.resume_allow_changes names {key}, which is not a key that decides a step; "
+                              f"name keys under {', '.join(FINGERPRINT_KEYS)}, or world_size")
+    changes = changed_keys(saved, current)
+    never = [k for k in changes if any(_under(k, n) for n in NEVER_CHANGED)]
+    if never:
+        raise RunDirError(f"resume from {found} with {_diff(never, saved, current)}: the saved adapter and optimizer "
+                          "state only fit the run's own value, even with trainer.resume_allow_changes; start a new run "
+                          "in another hydra.run.dir")
+    refused = [k for k in changes if not any(_under(k, a) for a in allowed)]
+    if refused:
+        listed = ",".join(refused)
+        raise RunDirError(f"resume from {found} with a changed config: {_diff(refused, saved, current)}; resume with "
+                          f"the run's values for an exact resume, or allow the change on purpose with "
+                          f"trainer.resume_allow_changes=[{listed}]")
+
+
+def _diff(keys: list[str], saved: dict, current: dict) -> str:
+    return ", ".join(f"{k} {_shown(saved.get(k, '<unset>'))} -> {_shown(current.get(k, '<unset>'))}" for k in keys)
+
+
+# ---- records ------------------------------------------------------------------------------------
+def _rows_before(lines: list[str], step: int) -> list[str]:
+    """The lines of steps before `step`; an unreadable line (a write cut by a kill) ends the file."""
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+            kept.append(line)
+    return kept
+
+
+def roll_back_records(run_dir: Path, step: int, found: Path) -> None:
+    """Cut every append-only record back to the steps before `step` (the checkpoint's). A record the run
+    dir lacks is taken from the checkpoint's copy (resuming another dir's checkpoint)."""
+    for name in RECORDS:
+        source = run_dir / name if (run_dir / name).is_file() else found / name
+        if not source.is_file():
+            continue
+        lines = source.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        kept = _rows_before(lines, step)
+        if source.parent == run_dir and kept == lines:
+            continue
+        tmp = run_dir / f".{name}.rollback"
+        tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, run_dir / name)
+
+
+# ---- the claim ----------------------------------------------------------------------------------
+@dataclass
+class Claim:
+    """What `claim` decided: the checkpoint to resume from (None: a fresh start), the lock (rank 0 only)
+    and the lines to show at startup (skipped checkpoints, nothing to resume)."""
+
+    checkpoint: Path | None
+    lock: RunLock | None
+    warnings: list[str]
+
+
+def holds_run(run_dir: Path) -> list[str]:
+    """The records of a run found in `run_dir` (empty: it holds none)."""
+    return [name for name in RUN_MARKERS if (run_dir / name).exists()]
+
+
+def claim(cfg: DictConfig, run_dir: Path, main: bool = True) -> Claim:
+    """Decide whether this attempt may use `run_dir`, and how: raise RunDirError (nothing written) when not.
+    Rank 0 (`main`) takes the lock first, and alone writes: removes orphaned checkpoint writes, and with
+    trainer.overwrite=true the old run's records. The other ranks only read the same decision."""
+    from grpo_cli import checkpoint  # torch: only once the config is known good
+
+    lock = RunLock.acquire(run_dir) if main else None
+    try:
+        found, warnings = _decide(cfg, run_dir)
+        if main:
+            checkpoint.remove_orphans(run_dir)
+            if cfg.trainer.get("overwrite") and holds_run(run_dir):
+                for path in (run_dir / name for name in RUN_OUTPUTS):
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink(missing_ok=True)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Claim(found, lock, warnings)
+
+
+def _decide(cfg: DictConfig, run_dir: Path) -> tuple[Path | None, list[str]]:
+    from grpo_cli import checkpoint
+
+    resume, overwrite = cfg.trainer.get("resume"), bool(cfg.trainer.get("overwrite"))
+    records = holds_run(run_dir)
+    used = f"run dir {run_dir} holds a run already ({', '.join(records)})"
+    choices = ("go on with trainer.resume=auto, start over with trainer.overwrite=true (deletes its records and "
+               "checkpoints), or pick another hydra.run.dir")
+    if resume and overwrite:
+        raise RunDirError(f"trainer.overwrite=true starts over and trainer.resume={resume} goes on; pick one")
+    if resume is None:
+        if records and not overwrite:
+            raise RunDirError(f"{used}; {choices}")
+        return None, []
+    if str(resume) == "auto":
+        found, skipped = checkpoint.newest_intact(run_dir)
+        warnings = [f"checkpoint {path} is damaged ({why}); skipped" for path, why in skipped]
+        if found is None:
+            nothing = f"trainer.resume=auto: nothing to resume in {run_dir}" + (
+                f" (no intact checkpoint: {'; '.join(f'{p.name}: {why}' for p, why in skipped)})" if skipped else "")
+            if records:
+                raise RunDirError(f"{nothing}, and it holds a run already ({', '.join(records)}); start over with "
+                                  "trainer.overwrite=true instead of trainer.resume, or pick another hydra.run.dir")
+            return None, [*warnings, f"{nothing}; starting a new run"]
+    else:
+        found = checkpoint.find(run_dir, str(resume))
+        why = checkpoint.damage(found)
+        if why is not None:
+            raise CheckpointError(f"trainer.resume={resume}: checkpoint {found} is damaged ({why}); resume from an "
+                                  "intact one, e.g. trainer.resume=auto for the newest")
+        warnings = []
+        if records and found.resolve().parent != checkpoint.checkpoint_root(run_dir).resolve():
+            raise RunDirError(f"{used}, and trainer.resume={resume} is another run's checkpoint; resume it into a new "
+                              "hydra.run.dir")
+    check_fingerprint(cfg, found)
+    return found, warnings
