@@ -9,6 +9,8 @@ from pathlib import Path
 
 from grpo_cli.config import CONF_DIR, available_recipes, explicit_clip_warning, register_recipes, validate
 from grpo_cli.errors import Interrupted, RunError, UserError
+from grpo_cli.overrides import override_key
+from grpo_cli.ranks import is_rank_zero
 
 EXIT_BAD_INPUT = UserError.exit_code
 
@@ -35,7 +37,7 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     `${hydra:...}` resolves); sweeps and help are left to Hydra (None)."""
     known = available_recipes()
     for arg in argv:
-        if arg.lstrip("+~").startswith("recipe="):
+        if override_key(arg) == "recipe" and "=" in arg:
             for name in arg.split("=", 1)[1].split(","):
                 if name and name not in known:
                     _bad_input(f"{prog}: recipe {name!r} not found; known recipes: {', '.join(sorted(known))} "
@@ -85,13 +87,9 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
     """After SIGINT/SIGTERM: where the run stands and how to resume it, then exit 128 + signal."""
-    if _is_rank_zero():
+    if is_rank_zero():
         name = signal.Signals(stop.signum).name
         done = "" if stop.completed is None else f" after {stop.completed} complete step(s)"
         dropped = "; the unfinished step was discarded" if stop.discarded else ""
@@ -159,7 +157,7 @@ _HYDRA_INFO_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-
 
 def _requested_nproc(argv: list[str]) -> int:
     for arg in argv:
-        if arg.lstrip("+").startswith("trainer.nproc="):
+        if override_key(arg) == "trainer.nproc" and "=" in arg:
             value = arg.split("=", 1)[1]
             if not value.isdigit() or int(value) < 1:
                 _bad_input(f"grpo-train: trainer.nproc={value} is invalid: needs an integer >= 1")

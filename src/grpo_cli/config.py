@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.overrides import override_key
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"
@@ -271,12 +272,8 @@ def explicit_clip_warning(cfg: DictConfig, task_overrides: list[str]) -> str | N
     cannot act; None otherwise. A recipe's own clip_eps is not the user's choice and gets no warning."""
     if not is_on_policy(cfg):
         return None
-    keys = [k for k in CLIP_KEYS if any(_override_key(line) == k for line in task_overrides)]
+    keys = [k for k in CLIP_KEYS if any(override_key(line) == k for line in task_overrides)]
     return on_policy_clip_warning(keys) if keys else None
-
-
-def _override_key(line: str) -> str:
-    return str(line).partition("=")[0].lstrip("+~")
 
 
 def _validate_rewards(cfg: DictConfig) -> None:

@@ -18,6 +18,7 @@ from matplotlib.figure import Figure  # no pyplot: renders headless via Agg, no 
 
 from grpo_cli.errors import ReportError, UserError
 from grpo_cli.metrics import final_mean, read_metrics
+from grpo_cli.overrides import override_key
 
 RUN_PLOTS = {  # file stem -> (metric key, y label)
     "kl": ("kl", "KL to reference"),
@@ -87,7 +88,7 @@ def run_plots(rows: list[dict], out: Path) -> list[str]:
 
 
 def split_overrides(ovs: list[str]) -> dict[str, str]:
-    return dict(o.lstrip("+~").split("=", 1) for o in ovs if "=" in o)
+    return {override_key(o): o.partition("=")[2] for o in ovs if "=" in o}
 
 
 def _sort_key(v: str) -> tuple[int, float, str]:

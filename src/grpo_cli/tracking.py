@@ -24,6 +24,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from grpo_cli.overrides import override_key
+from grpo_cli.ranks import is_rank_zero
+
 SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd")  # anywhere in a key
 # ...and keys that end in one of these words: hf_token, access_token, token; not max_new_tokens or tokenizer
 SECRET_SUFFIX = re.compile(r"(^|[^a-z0-9])(token|access_?key|private_?key|credentials?)$")
@@ -155,7 +158,7 @@ def _hydra_names(cfg_wandb: dict) -> tuple[str | None, str | None]:
     if recipe is None:
         for line in overrides:
             key, _, value = line.partition("=")
-            if key.lstrip("+~") == "recipe":
+            if override_key(key) == "recipe":
                 recipe = value
     try:
         dirname_cfg = hc.job.config.override_dirname
@@ -164,7 +167,7 @@ def _hydra_names(cfg_wandb: dict) -> tuple[str | None, str | None]:
         kv_sep, item_sep, exclude = "=", ",", set()
     kept = []
     for line in overrides:
-        key = line.partition("=")[0].lstrip("+~")
+        key = override_key(line)
         if key in exclude or key == "recipe" or key == "logger" or key.startswith("logger."):
             continue
         kept.append(line.lstrip("+"))
@@ -381,10 +384,6 @@ class ConsoleView:
 
 
 # ---- the fan-out ---------------------------------------------------------------------------------
-def _is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0") or 0) == 0
-
-
 class Tracker:
     """Fans each step's metrics out to every sink; the jsonl file is the source of truth."""
 
@@ -397,7 +396,7 @@ class Tracker:
         self.wandb: WandbSink | None = None
         cfg_logger = _plain(cfg_logger) or {}
         backend = cfg_logger.get("backend") or "none"
-        if backend == "wandb" and _is_main_process():
+        if backend == "wandb" and is_rank_zero():
             cfg_wandb = dict(_plain(cfg_logger.get("wandb")) or {})
             mode, note = resolve_wandb_mode(cfg_wandb.get("mode"))
             if note:
