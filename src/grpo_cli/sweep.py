@@ -174,15 +174,17 @@ def _read_json(path: Path) -> dict:
 
 # ---- the summary ---------------------------------------------------------------------------------
 def find_job_dirs(sweep_dir: Path) -> list[Path]:
-    """Every dir under the sweep dir that holds a `.hydra/` (a job), without looking inside jobs."""
-    found = []
+    """Every dir under the sweep dir that holds a `.hydra/` (a job), without looking inside jobs; in job
+    order (numbered dirs by number: 2 before 10)."""
+    sweep_dir, found = Path(sweep_dir), []
     for root, dirs, _files in os.walk(sweep_dir):
         if ".hydra" in dirs and Path(root) != sweep_dir:
             found.append(Path(root))
             dirs[:] = []
             continue
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .submitit, .hydra of the sweep
-    return found
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .submitit, .hydra of the sweep
+    return sorted(found, key=lambda d: [(0, int(p), "") if p.isdigit() else (1, 0, p)
+                                        for p in d.relative_to(sweep_dir).parts])
 
 
 def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
