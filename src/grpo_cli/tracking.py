@@ -121,11 +121,7 @@ def has_wandb_credentials() -> bool:
 def resolve_wandb_mode(mode: str | None) -> tuple[str, str | None]:
     """(mode to start W&B in, a warning or None). `auto` honours WANDB_MODE when it is set, else goes online
     only with credentials; `online` without credentials would prompt or fail, so it is offline with a warning."""
-    from grpo_cli.config import ConfigError
-
-    mode = str(mode or "auto").lower()
-    if mode not in WANDB_MODES:
-        raise ConfigError(f"logger.wandb.mode={mode} is invalid: use one of {', '.join(WANDB_MODES)}")
+    mode = str(mode or "auto").lower()  # one of WANDB_MODES: config.validate checked it
     if mode == "auto":
         env = os.environ.get("WANDB_MODE", "").lower()
         env = {"dryrun": "offline", "run": "online"}.get(env, env)

@@ -49,14 +49,12 @@ def make_engine(cfg_rollout, lm, *, max_prompt_tokens: int | None = None) -> Eng
     name = resolve_engine(str(cfg_rollout.get("engine", "auto")), lm.device)
     if name == "hf":
         return HFEngine(lm.model, lm.tokenizer, lm.device)
-    if name == "compiled":
-        from grpo_cli.rollout.compiled import CompiledEngine
+    from grpo_cli.rollout.compiled import CompiledEngine  # the only other name config.validate lets through
 
-        setting = cfg_rollout.get("compile", "auto")
-        compile_ = lm.device.type == "cuda" if setting == "auto" else bool(setting)
-        return CompiledEngine(lm.model, lm.tokenizer, lm.device, compile=compile_, max_prompt_tokens=max_prompt_tokens,
-                              compile_fallback=setting == "auto")
-    raise ValueError(f"rollout.engine={name} is invalid: use one of {', '.join(ENGINES)}")
+    setting = cfg_rollout.get("compile", "auto")
+    compile_ = lm.device.type == "cuda" if setting == "auto" else bool(setting)
+    return CompiledEngine(lm.model, lm.tokenizer, lm.device, compile=compile_, max_prompt_tokens=max_prompt_tokens,
+                          compile_fallback=setting == "auto")
 
 
 def as_engine(engine_or_model, tokenizer, device=None) -> Engine:
