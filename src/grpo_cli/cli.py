@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 from grpo_cli.config import CONF_DIR, available_recipes, explicit_clip_warning, register_recipes, validate
@@ -109,17 +110,14 @@ def _train_task(cfg) -> float:
         with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
             warnings = validate(cfg)
             _quiet_libraries()  # heavy imports only after the config is known good
+            from grpo_cli.evaluate import Evaluator
             from grpo_cli.trainer import GRPOTrainer
             if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
                 clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
                 warnings += [clip] if clip else []
 
-            trainer = GRPOTrainer(cfg, run_dir, stop=stop)
-            trainer.startup_warnings = warnings
-            if cfg.eval.every:
-                from grpo_cli.evaluate import Evaluator
-
-                trainer.evaluator = Evaluator.for_training(cfg, trainer.lm)
+            trainer = GRPOTrainer(cfg, run_dir, stop=stop, warnings=warnings,
+                                  make_evaluator=partial(Evaluator.for_training, cfg))
             try:
                 summary = trainer.fit()
             finally:

@@ -184,7 +184,6 @@ def validate(cfg: DictConfig) -> list[str]:
         value = OmegaConf.select(cfg, key)
         if value and not Path(value).expanduser().is_file():
             _fail(key, value, "no such file; give the path of an existing .jsonl file")
-    check_mini_batches(cfg, world_size=cfg.trainer.nproc if isinstance(cfg.trainer.get("nproc"), int) else 1)
     r(cfg, "optimizer.lr", lambda v: v > 0, "needs lr > 0")
     r(cfg, "optimizer.weight_decay", lambda v: v >= 0, "needs weight_decay >= 0")
     r(cfg, "optimizer.warmup_steps", lambda v: int(v) == v and v >= 0, "needs an integer >= 0")
@@ -209,6 +208,7 @@ def validate(cfg: DictConfig) -> list[str]:
         _fail("data.prompts_per_step", cfg.data.prompts_per_step,
               f"must divide over the {n_ranks} ranks (each takes whole prompt groups); use a multiple of {n_ranks}, "
               f"e.g. data.prompts_per_step={n_ranks * max(1, round(cfg.data.prompts_per_step / n_ranks))}")
+    check_mini_batches(cfg, world_size=n_ranks)  # torchrun's real number of ranks inside a job
     r(cfg, "eval.every", lambda v: int(v) == v and v >= 0, "needs an integer >= 0 (0 = never)")
     r(cfg, "eval.num_prompts", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
     r(cfg, "eval.samples", lambda v: int(v) == v and v >= 1, "needs an integer >= 1")
