@@ -106,14 +106,13 @@ class Evaluator:
 
 def run_eval(cfg, run_dir: Path, stop=None) -> dict:
     """`grpo-eval`: load the base model (and `eval.adapter` if given), evaluate, print a table, write eval.json."""
-    from grpo_cli.models import load_policy, load_within_context
+    from grpo_cli.models import load_trained, load_within_context
 
     torch.manual_seed(cfg.trainer.seed)
     rows = eval_rows(cfg)  # bad data fails before the model loads
-    adapter = cfg.eval.get("adapter")
+    adapter = cfg.eval.get("adapter") or None
     lm = load_within_context(cfg, ("eval.max_new_tokens",),
-                             lambda: load_policy(cfg.model, cfg.trainer.device, seed=cfg.trainer.seed, adapter=adapter))
-    lm.model.eval()
+                             lambda: load_trained(cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed))
     label = str(Path(adapter).expanduser()) if adapter else "base"
     evaluator = Evaluator.from_config(cfg, lm.tokenizer, rows)
     engine = make_engine(cfg.rollout, lm, max_prompt_tokens=cfg.data.max_prompt_tokens)

@@ -203,10 +203,9 @@ def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
     return get_peft_model(model, config)
 
 
-def load_policy(cfg_model, device_name: str, seed: int = 0, adapter: Path | None = None) -> LoadedModel:
-    """Tokenizer, base model and LoRA adapter from the `model` config group: a fresh adapter (to train), or
-    the trained one in `adapter` (a run's adapter/ folder, to evaluate)."""
-    device, dtype = resolve_device(device_name)
+def _tokenizer_and_base(cfg_model, dtype: torch.dtype, seed: int):
+    """The tokenizer and base model of the `model` config group, on the CPU (an adapter attached next is
+    initialised from the CPU RNG, as on any machine)."""
     tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.get("trust_remote_code", False))
     base = load_base_model(
         cfg_model.name_or_path, tokenizer, dtype,
@@ -214,14 +213,28 @@ def load_policy(cfg_model, device_name: str, seed: int = 0, adapter: Path | None
         tiny=dict(cfg_model.get("tiny") or {}), seed=seed,
     )
     base.generation_config.pad_token_id = tokenizer.pad_token_id
-    if adapter is None:
-        lora = cfg_model.lora
-        model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules)
-    else:
+    return tokenizer, base
+
+
+def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
+    """Tokenizer, base model and a fresh LoRA adapter (`model.lora`) to train."""
+    device, dtype = resolve_device(device_name)
+    tokenizer, base = _tokenizer_and_base(cfg_model, dtype, seed)
+    lora = cfg_model.lora
+    model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules).to(device)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def load_trained(cfg_model, device_name: str, adapter: str | Path | None, seed: int = 0) -> LoadedModel:
+    """Tokenizer and base model with the trained adapter in `adapter` (a run's adapter/ folder), or the base
+    alone when None; in eval mode."""
+    device, dtype = resolve_device(device_name)
+    tokenizer, model = _tokenizer_and_base(cfg_model, dtype, seed)
+    if adapter is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(base, Path(adapter).expanduser())
-    return LoadedModel(model=model.to(device), tokenizer=tokenizer, device=device, dtype=dtype)
+        model = PeftModel.from_pretrained(model, Path(adapter).expanduser())
+    return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, device=device, dtype=dtype)
 
 
 def load_within_context(cfg, length_keys: tuple[str, ...], load: Callable[[], LoadedModel]) -> LoadedModel:
