@@ -53,11 +53,11 @@ def compose():
 TINY_TRAINER = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu"]
 
 
-def make_trainer(compose, tmp_path, *overrides):
+def make_trainer(compose, tmp_path, *overrides, **collaborators):
     """An in-process GRPOTrainer on the tiny model (6 new tokens, CPU) with extra overrides."""
     from grpo_cli.trainer import GRPOTrainer
 
-    return GRPOTrainer(compose([*TINY_TRAINER, *overrides]), tmp_path)
+    return GRPOTrainer(compose([*TINY_TRAINER, *overrides]), tmp_path, **collaborators)
 
 
 def randomise_lora(model, scale: float = 0.05, seed: int = 0) -> None:
