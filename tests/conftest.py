@@ -53,22 +53,45 @@ def compose():
 TINY_TRAINER = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu"]
 
 
-def make_trainer(compose, tmp_path, *overrides):
+def make_trainer(compose, tmp_path, *overrides, **collaborators):
     """An in-process GRPOTrainer on the tiny model (6 new tokens, CPU) with extra overrides."""
     from grpo_cli.trainer import GRPOTrainer
 
-    return GRPOTrainer(compose([*TINY_TRAINER, *overrides]), tmp_path)
+    return GRPOTrainer(compose([*TINY_TRAINER, *overrides]), tmp_path, **collaborators)
 
 
-def fixed_batch(trainer, rewards):
-    """A real rollout whose rewards are replaced by `rewards(n, G)` (the tiny model earns none), with their
-    group advantages."""
+def randomise_lora(model, scale: float = 0.05, seed: int = 0) -> None:
+    """A fresh adapter has B = 0 (policy == base); a random B makes the adapter change the policy."""
     import torch
 
-    from grpo_cli import algorithm
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_((torch.randn(p.shape, generator=g) * scale).to(p.dtype))
 
-    batch = trainer.rollout(0)
-    n, G = batch.rewards.numel(), trainer.algo.num_generations
-    batch.rewards = rewards(torch.arange(n, dtype=torch.float32), G)
-    batch.advantages = algorithm.group_advantages(batch.rewards, G)
-    return batch
+
+def tiny_lora_policy():
+    """The tiny random model (64 wide, 2 layers) on the CPU with a random LoRA adapter on every linear layer."""
+    import torch
+
+    from grpo_cli.models import LoadedModel, attach_lora, load_base_model, load_tokenizer
+
+    tokenizer = load_tokenizer("tiny-random")
+    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny={"hidden_size": 64, "num_layers": 2, "num_heads": 4})
+    base.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = attach_lora(base, 8, 16, 0.0, "all-linear")
+    randomise_lora(model)
+    return LoadedModel(model, tokenizer, torch.device("cpu"), torch.float32)
+
+
+def fixed_batch(trainer, rewards, step: int = 0):
+    """The trainer's real batch of `step` (generated, its advantages and loss mask), scored by
+    `rewards(completion index, G)` instead of the reward functions: a tiny random model earns no reward."""
+    import torch
+
+    from grpo_cli.trainer import Scores
+
+    generation = trainer.generate(step)
+    n = generation.rollout.completion_ids.shape[0]
+    return trainer.advantages(generation, Scores(rewards(torch.arange(n, dtype=torch.float32), trainer.algo.num_generations), {}, 0))

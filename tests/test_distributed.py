@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import REPO, read_jsonl
+from conftest import REPO, fixed_batch, read_jsonl
 
 from grpo_cli import algorithm
 
@@ -91,10 +91,7 @@ def single_rank_batch_and_update(name: str, tmp_path):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=CASES[name])
     single = GRPOTrainer(cfg, tmp_path)
-    batch = single.rollout(0)
-    n, G = batch.rewards.numel(), cfg.algo.num_generations
-    batch.rewards = (torch.arange(n) % 3).float()
-    batch.advantages = algorithm.group_advantages(batch.rewards, G)
+    batch = fixed_batch(single, lambda i, G: i % 3)
     batch.mask[0, -2:] = 0  # uneven token counts across ranks
     torch.save(batch, tmp_path / f"grads.{name}.batch.pt")
     before = torch.cat([q.detach().flatten() for q in single.params])

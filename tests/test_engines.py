@@ -9,27 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_jsonl, run_cli
+from conftest import fixed_batch, randomise_lora, read_jsonl, run_cli, tiny_lora_policy
 
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.evaluate import Evaluator
-from grpo_cli.models import LoadedModel, attach_lora, load_base_model, load_policy, load_tokenizer
+from grpo_cli.models import load_policy
 from grpo_cli.rollout import HFEngine, make_engine
 from grpo_cli.rollout.compiled import CompiledEngine
 from grpo_cli.trainer import GRPOTrainer
 
 TINY = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu"]
 QUESTIONS = ("What is 2 + 3? Answer with just the number.", "Hi", "Name three colours of the rainbow, please.")
-
-
-def randomise_lora(model, scale: float = 0.05, seed: int = 0) -> None:
-    """A fresh adapter has B = 0 (policy == base); a random B makes the merged copy matter."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_((torch.randn(p.shape, generator=g) * scale).to(p.dtype))
 
 
 def chat_prompts(tokenizer, questions=QUESTIONS) -> list[list[int]]:
@@ -40,12 +31,7 @@ def chat_prompts(tokenizer, questions=QUESTIONS) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tiny():
-    tokenizer = load_tokenizer("tiny-random")
-    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny={"hidden_size": 64, "num_layers": 2, "num_heads": 4})
-    base.generation_config.pad_token_id = tokenizer.pad_token_id
-    model = attach_lora(base, 8, 16, 0.0, "all-linear")
-    randomise_lora(model)
-    return LoadedModel(model, tokenizer, torch.device("cpu"), torch.float32)
+    return tiny_lora_policy()
 
 
 def engines(lm, max_prompt_tokens: int = 64) -> tuple[HFEngine, CompiledEngine]:
@@ -183,14 +169,8 @@ def trained(tmp_path_factory):
 
 
 def varied_batch(trainer: GRPOTrainer, step: int):
-    """A real rollout whose rewards are replaced by varied ones (a random tiny model earns none: no gradient)."""
-    from grpo_cli import algorithm
-
-    batch = trainer.rollout(step)
-    G = trainer.algo.num_generations
-    batch.rewards = torch.arange(batch.rewards.numel(), dtype=torch.float32) % G
-    batch.advantages = algorithm.group_advantages(batch.rewards, G)
-    return batch
+    """A real rollout with varied rewards (a random tiny model earns none: no gradient)."""
+    return fixed_batch(trainer, lambda i, G: i % G, step)
 
 
 @pytest.mark.slow  # three training updates

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fixed_batch, tiny_lora_policy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_cli import algorithm
-from grpo_cli.models import attach_lora, enable_activation_checkpointing, load_base_model, load_tokenizer
+from grpo_cli.models import attach_lora, enable_activation_checkpointing, load_tokenizer
 from grpo_cli.rollout import HFEngine, Rollout, completion_logprobs, positions
 
 CHUNKS = (1, 5, 64, None)
@@ -81,15 +82,8 @@ def test_head_logprobs_refuse_bad_shapes():
 # ---- on a real (tiny) peft policy, against a plain full-sequence forward -----------------------------
 @pytest.fixture(scope="module")
 def policy():
-    tokenizer = load_tokenizer("tiny-random")
-    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny={"hidden_size": 64, "num_layers": 2, "num_heads": 4})
-    base.generation_config.pad_token_id = tokenizer.pad_token_id
-    model = attach_lora(base, 8, 16, 0.0, "all-linear")
-    with torch.no_grad():  # an adapter that changes the policy (a fresh one has B = 0)
-        g = torch.Generator().manual_seed(0)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    lm = tiny_lora_policy()  # an adapter that changes the policy (a fresh one has B = 0)
+    model, tokenizer = lm.model, lm.tokenizer
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("What is 2 + 3? Answer:", "Hi")]
     torch.manual_seed(0)
     roll = HFEngine(model, tokenizer).generate(prompts, 3, max_new_tokens=9, temperature=1.0)
@@ -275,10 +269,7 @@ def test_trainer_with_gradient_checkpointing_gives_the_same_update(compose, tmp_
                        "optimizer.lr=1e-30", f"trainer.gradient_checkpointing={checkpointing}"])
         trainer = GRPOTrainer(cfg, tmp_path / checkpointing)
         if batch is None:
-            batch = trainer.rollout(0)
-            G = trainer.algo.num_generations
-            batch.rewards = torch.arange(batch.rewards.numel(), dtype=torch.float32) % G
-            batch.advantages = algorithm.group_advantages(batch.rewards, G)
+            batch = fixed_batch(trainer, lambda i, G: i % G)
         assert trainer.model.get_base_model().get_decoder().gradient_checkpointing is (checkpointing == "true")
         trainer.update(0, batch)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.params]))

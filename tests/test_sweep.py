@@ -171,6 +171,22 @@ def test_device_for_job_cycles_over_devices():
         sweep.device_for_job(0, 0)
 
 
+def test_job_dirs_are_found_in_job_order_at_any_depth(tmp_path):
+    for job in ("10", "2", "0", "b/1", "a/3"):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+    (tmp_path / ".submitit" / "x" / ".hydra").mkdir(parents=True)  # hidden dirs hold no jobs
+    (tmp_path / "2" / "inner" / ".hydra").mkdir(parents=True)      # nor does the inside of a job
+    found = [d.relative_to(tmp_path).as_posix() for d in sweep.find_job_dirs(tmp_path)]
+    assert found == ["0", "2", "10", "a/3", "b/1"]
+
+
+def test_override_key_drops_hydra_prefixes():
+    from grpo_cli.overrides import override_key
+
+    assert [override_key(line) for line in ("+recipe=gsm8k", "++algo.beta=0.1", "~eval.adapter", "a.b=c=d", "x")] == \
+        ["recipe", "algo.beta", "eval.adapter", "a.b", "x"]
+
+
 def test_error_line():
     assert sweep.error_line(RuntimeError("grpo-train: x=1 is invalid: no")) == "grpo-train: x=1 is invalid: no"
     assert sweep.error_line(KeyError("k")) == "KeyError: 'k'"

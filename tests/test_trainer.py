@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fixed_batch, make_trainer
+from conftest import TINY_TRAINER, fixed_batch, make_trainer
 
 from grpo_cli import algorithm
 from grpo_cli.trainer import completion_logprobs
@@ -80,3 +80,29 @@ def test_saved_adapter_reproduces_log_probs(compose, tmp_path):
         untrained = logprobs(trainer, batch)
     assert not torch.allclose(trained, untrained)
     torch.testing.assert_close(again, trained)
+
+
+@pytest.mark.slow  # one training step and its evaluation
+def test_evaluator_and_warnings_are_given_at_construction(compose, tmp_path, capsys):
+    """The evaluator is built from the loaded model only when eval.every asks for it; the warnings are shown
+    when logging starts, and the evaluation lands in the step's metrics."""
+    from conftest import read_jsonl
+
+    from grpo_cli.evaluate import Evaluator
+
+    built = []
+
+    def make_evaluator(lm):
+        built.append(lm)
+        return Evaluator.for_training(trainer_cfg, lm)
+
+    assert make_trainer(compose, tmp_path / "never", make_evaluator=make_evaluator).evaluator is None and not built
+    overrides = ("eval.every=1", "eval.num_prompts=2", "eval.max_new_tokens=4", "trainer.max_steps=1",
+                 "trainer.log_samples_every=0")
+    trainer_cfg = compose([*TINY_TRAINER, *overrides])
+    (tmp_path / "every").mkdir()  # Hydra makes the run dir
+    trainer = make_trainer(compose, tmp_path / "every", *overrides, make_evaluator=make_evaluator)
+    assert built == [trainer.lm] and isinstance(trainer.evaluator, Evaluator)
+    trainer.fit()
+    [row] = read_jsonl(tmp_path / "every" / "metrics.jsonl")
+    assert row["eval/num_prompts"] == 2 and 0.0 <= row["eval/accuracy"] <= 1.0

@@ -223,12 +223,11 @@ def test_mode_auto_with_credentials_is_online(no_credentials, monkeypatch):
     assert resolve_wandb_mode("auto") == ("offline", None)
 
 
-def test_bad_mode_is_a_config_error():
-    from grpo_cli.config import ConfigError
-    from grpo_cli.tracking import resolve_wandb_mode
+def test_bad_mode_is_a_config_error(compose):
+    from grpo_cli.config import ConfigError, validate
 
-    with pytest.raises(ConfigError, match="logger.wandb.mode=sometimes"):
-        resolve_wandb_mode("sometimes")
+    with pytest.raises(ConfigError, match="logger.wandb.mode=sometimes is invalid"):
+        validate(compose(["+recipe=quickstart", "logger=wandb", "logger.wandb.mode=sometimes"]))
 
 
 def test_scrub_secrets_drops_keys_and_values(monkeypatch):

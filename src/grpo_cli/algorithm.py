@@ -169,6 +169,13 @@ def _chunk_slices(b: int, t: int, chunk_size: int) -> list[tuple[slice, slice]]:
     ]
 
 
+def _outputs(ctx, logp: torch.Tensor, ent: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a log-prob autograd Function returns: entropy without a gradient when it was not asked for."""
+    if not with_entropy:
+        ctx.mark_non_differentiable(ent)
+    return logp, ent
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """Chunked ``logp`` (and entropy) with a chunked, recomputing backward.
 
@@ -194,9 +201,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.chunk_size = chunk_size
         ctx.with_entropy = with_entropy
         ctx.save_for_backward(logits, tokens, lse, ent)
-        if not with_entropy:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        return _outputs(ctx, logp, ent, with_entropy)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -320,9 +325,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent, u)
         ctx.set_materialize_grads(False)
-        if not with_entropy:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        return _outputs(ctx, logp, ent, with_entropy)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -504,20 +507,9 @@ def loss_types_table() -> str:
     return "\n".join(lines)
 
 
-def _check_policy_args(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    beta: float,
-    eps_low: float,
-    eps_high: float,
-    loss_type: str,
-    ratio_level: str,
-    max_new_tokens: int | None,
-    total_tokens: int | float | None,
-) -> None:
+def _check_policy_args(logp, old_logp, ref_logp, advantages, mask, beta, eps_low, eps_high, loss_type, ratio_level,
+                       max_new_tokens, total_tokens) -> None:
+    """policy_loss's arguments (typed there), with eps_high resolved."""
     if logp.dim() != 2 or not logp.is_floating_point():
         raise ValueError(f"logp must be a floating [B, T] tensor, got logp shape {tuple(logp.shape)}")
     shape = tuple(logp.shape)

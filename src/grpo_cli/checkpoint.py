@@ -32,12 +32,49 @@ def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {
-        "python": _jsonable(random.getstate()),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-    }
+def step_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of the state after `step` complete steps lives (whether or not it exists)."""
+    return checkpoint_root(run_dir) / f"{PREFIX}{step:06d}"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A complete checkpoint folder (a temporary folder of an interrupted write is not one)."""
+    return (path / "state.json").is_file()
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first."""
+    return [p for p in sorted(checkpoint_root(run_dir).glob(PREFIX + "*")) if is_checkpoint(p)]
+
+
+def rng_snapshot() -> tuple:
+    """Every RNG a step draws from (Python, NumPy, torch CPU, CUDA when present), to put back with restore_rng."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def restore_rng(snapshot: tuple) -> None:
+    python, numpy_state, torch_state, cuda = snapshot
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_state)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _rng_files(snapshot: tuple) -> tuple[dict, dict]:
+    """A snapshot as a checkpoint stores it: Python and NumPy as JSON (state.json), torch and CUDA as tensors
+    (trainer_state.pt, which loads with weights_only=True)."""
+    python, (kind, keys, *rest), torch_state, cuda = snapshot
+    as_json = {"python": _jsonable(python), "numpy": [kind, keys.tolist(), *rest]}
+    as_tensors = {"torch": torch_state, **({"cuda": cuda} if cuda is not None else {})}
+    return as_json, as_tensors
+
+
+def _rng_from_files(as_json: dict, as_tensors: dict) -> tuple:
+    kind, keys, *rest = as_json["numpy"]
+    return (_tupled(as_json["python"]), (kind, np.array(keys, dtype=np.uint32), *rest), as_tensors["torch"],
+            as_tensors.get("cuda"))
 
 
 def _jsonable(obj):
@@ -48,31 +85,20 @@ def _tupled(obj):
     return tuple(_tupled(x) for x in obj) if isinstance(obj, list) else obj
 
 
-def restore_rng(state: dict, torch_state: dict) -> None:
-    random.setstate(_tupled(state["python"]))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(torch_state["torch"])
-    if torch.cuda.is_available() and "cuda" in torch_state:
-        torch.cuda.set_rng_state_all(torch_state["cuda"])
-
-
 def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: dict, keep_last: int) -> Path:
     """Write the state after `step` steps (so resume starts at `step`) and prune old checkpoints."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:06d}"
+    final = step_dir(run_dir, step)
     tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
         model.save_pretrained(tmp / "adapter", save_embedding_layers=False)
-        torch_state = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            torch_state["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": torch_state},
+        rng_json, rng_tensors = _rng_files(rng_snapshot())
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_tensors},
                    tmp / "trainer_state.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, "rng": rng_state(), **extra}))
+        (tmp / "state.json").write_text(json.dumps({"step": step, "rng": rng_json, **extra}))
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file():
             shutil.copy2(metrics, tmp / "metrics.jsonl")
@@ -172,9 +198,9 @@ def find(run_dir: Path, resume: str) -> Path | None:
     if resume == "auto":
         return latest(run_dir)
     path = Path(resume).expanduser()
-    if path.is_dir() and not (path / "state.json").is_file():
+    if path.is_dir() and not is_checkpoint(path):
         path = latest(path) or path  # a run dir was given
-    if not (path / "state.json").is_file():
+    if not is_checkpoint(path):
         raise CheckpointError(f"trainer.resume={resume} is not a checkpoint (no state.json); use auto or a checkpoints/step-N folder")
     return path
 
@@ -199,7 +225,7 @@ def load(path: Path, model, optimizer, scheduler) -> dict:
     scheduler.load_state_dict(trainer_state["scheduler"])
     _apply_configured(optimizer, scheduler, configured)
     state = json.loads((path / "state.json").read_text())
-    restore_rng(state["rng"], trainer_state["rng"])
+    restore_rng(_rng_from_files(state["rng"], trainer_state["rng"]))
     return state
 
 

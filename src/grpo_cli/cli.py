@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 from grpo_cli.config import CONF_DIR, available_recipes, explicit_clip_warning, register_recipes, validate
 from grpo_cli.errors import ConfigError, Interrupted, one_line, warn
+from grpo_cli.overrides import override_key
+from grpo_cli.ranks import is_rank_zero
 from grpo_cli.registry import import_plugins
 
 
@@ -25,7 +28,7 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     `${hydra:...}` resolves); sweeps and help are left to Hydra (None). Bad input raises ConfigError."""
     known = available_recipes()
     for arg in argv:
-        if arg.lstrip("+~").startswith("recipe="):
+        if override_key(arg) == "recipe" and "=" in arg:
             for name in arg.split("=", 1)[1].split(","):
                 if name and name not in known:
                     raise ConfigError(f"recipe {name!r} not found; known recipes: {', '.join(sorted(known))} "
@@ -86,10 +89,6 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def _validated(cfg) -> list[str]:
     """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked;
     returns the warnings for legal but doubtful values."""
@@ -99,7 +98,7 @@ def _validated(cfg) -> list[str]:
 
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
     """After SIGINT/SIGTERM: where the run stands and how to resume it, then exit 128 + signal."""
-    if _is_rank_zero():
+    if is_rank_zero():
         name = signal.Signals(stop.signum).name
         done = "" if stop.completed is None else f" after {stop.completed} complete step(s)"
         dropped = "; the unfinished step was discarded" if stop.discarded else ""
@@ -123,23 +122,20 @@ def _train_task(cfg) -> float:
             with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
                 with rundir.restoring_hydra(run_dir, _hydra_before):
                     warnings = _validated(cfg)
-                    claim = rundir.claim(cfg, run_dir, main=_is_rank_zero())  # refusals before anything is written
+                    claim = rundir.claim(cfg, run_dir, main=is_rank_zero())  # refusals before anything is written
                 with open_dict(cfg):
                     cfg.trainer.resume = None if claim.checkpoint is None else str(claim.checkpoint)
                 warnings += claim.warnings
                 _quiet_libraries()  # heavy imports only after the config is known good
+                from grpo_cli.evaluate import Evaluator
                 from grpo_cli.trainer import GRPOTrainer
                 if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
                     clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
                     warnings += [clip] if clip else []
-                for text in warnings if _is_rank_zero() else []:
+                for text in warnings if is_rank_zero() else []:
                     warn(text)
 
-                trainer = GRPOTrainer(cfg, run_dir, stop=stop)
-                if cfg.eval.every:
-                    from grpo_cli.evaluate import Evaluator
-
-                    trainer.evaluator = Evaluator.for_training(cfg, trainer.lm)
+                trainer = GRPOTrainer(cfg, run_dir, stop=stop, make_evaluator=partial(Evaluator.for_training, cfg))
                 try:
                     summary = trainer.fit()
                 finally:
@@ -176,7 +172,7 @@ _HYDRA_INFO_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-
 
 def _requested_nproc(argv: list[str]) -> int:
     for arg in argv:
-        if arg.lstrip("+").startswith("trainer.nproc="):
+        if override_key(arg) == "trainer.nproc" and "=" in arg:
             value = arg.split("=", 1)[1]
             if not value.isdigit() or int(value) < 1:
                 raise ConfigError(f"trainer.nproc={value} is invalid: needs an integer >= 1")

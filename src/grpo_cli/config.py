@@ -13,6 +13,7 @@ from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.schema import check_options, fail, options_help, options_markdown, raw_value, root_defaults
+from grpo_cli.overrides import override_key
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"
@@ -143,12 +144,12 @@ def validate(cfg: DictConfig) -> list[str]:
     if rollout.min_new_tokens > rollout.max_new_tokens:
         fail("rollout.min_new_tokens", rollout.min_new_tokens,
              f"needs 0 <= min_new_tokens <= rollout.max_new_tokens ({rollout.max_new_tokens})")
-    check_mini_batches(cfg, world_size=cfg.trainer.nproc)
     n_ranks = ranks(cfg)
     if cfg.data.prompts_per_step % n_ranks:
         fail("data.prompts_per_step", cfg.data.prompts_per_step,
              f"must divide over the {n_ranks} ranks (each takes whole prompt groups); use a multiple of {n_ranks}, "
              f"e.g. data.prompts_per_step={n_ranks * max(1, round(cfg.data.prompts_per_step / n_ranks))}")
+    check_mini_batches(cfg, world_size=n_ranks)  # torchrun's real number of ranks inside a job
     tiny = cfg.model.get("tiny") or {}
     if "hidden_size" in tiny and "num_heads" in tiny and tiny.hidden_size % tiny.num_heads:
         fail("model.tiny.hidden_size", tiny.hidden_size, f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
@@ -207,12 +208,8 @@ def explicit_clip_warning(cfg: DictConfig, task_overrides: list[str]) -> str | N
     cannot act; None otherwise. A recipe's own clip_eps is not the user's choice and gets no warning."""
     if not is_on_policy(cfg):
         return None
-    keys = [k for k in CLIP_KEYS if any(_override_key(line) == k for line in task_overrides)]
+    keys = [k for k in CLIP_KEYS if any(override_key(line) == k for line in task_overrides)]
     return on_policy_clip_warning(keys) if keys else None
-
-
-def _override_key(line: str) -> str:
-    return str(line).partition("=")[0].lstrip("+~")
 
 
 def _validate_rewards(cfg: DictConfig) -> None:

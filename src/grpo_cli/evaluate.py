@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,6 +32,11 @@ def accuracy_function(cfg_reward):
     return resolve_callable(cfg_reward.functions[name]["_target_"])
 
 
+def eval_rows(cfg) -> list[dict]:
+    """The held-out prompts: the first `eval.num_prompts` of the test split."""
+    return load_rows(cfg.data, split="test", seed=cfg.trainer.seed)[: cfg.eval.num_prompts]
+
+
 def _vote(texts: list[str]):
     parsed = [parse_number(a) for a in (extract_final_answer(t) or "" for t in texts)]
     counts = Counter(p for p in parsed if p is not None)
@@ -45,8 +51,8 @@ class Evaluator:
         self.max_prompt_tokens = max_prompt_tokens
 
     @classmethod
-    def from_config(cls, cfg, tokenizer) -> Evaluator:
-        rows = load_rows(cfg.data, split="test", seed=cfg.trainer.seed)[: cfg.eval.num_prompts]
+    def from_config(cls, cfg, tokenizer, rows: list[dict] | None = None) -> Evaluator:
+        rows = eval_rows(cfg) if rows is None else rows
         return cls(rows, tokenizer, accuracy_function(cfg.reward), samples=cfg.eval.samples,
                    temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens,
                    max_prompt_tokens=cfg.data.max_prompt_tokens)
@@ -98,45 +104,27 @@ class Evaluator:
         return self.run(engine, stop)
 
 
+def _fits_base(cfg, base, adapter: Path) -> None:
+    """An adapter trained on another base is refused in one line, as grpo-export refuses it."""
+    from grpo_cli.export import check_base_name, check_shapes
+
+    fix = "pick the model it was trained on (model=NAME)"
+    check_base_name(adapter, str(cfg.model.name_or_path), base, fix)
+    check_shapes(base, adapter, str(cfg.model.name_or_path), fix)
+
+
 def run_eval(cfg, run_dir: Path, stop=None) -> dict:
     """`grpo-eval`: load the base model (and `eval.adapter` if given), evaluate, print a table, write eval.json."""
-    from grpo_cli.config import check_context_length
-    from grpo_cli.errors import ModelLoadError
-    from grpo_cli.models import (
-        LoadedModel,
-        config_context_length,
-        declared_context_length,
-        load_base_model,
-        load_tokenizer,
-        resolve_device,
-    )
+    from grpo_cli.models import load_trained, load_within_context
 
-    device, dtype = resolve_device(cfg.trainer.device)
-    context = declared_context_length(cfg.model)
-    check_context_length(cfg, context, ("eval.max_new_tokens",))
     torch.manual_seed(cfg.trainer.seed)
-    tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.get("trust_remote_code", False))
-    evaluator = Evaluator.from_config(cfg, tokenizer)
-    model = load_base_model(cfg.model.name_or_path, tokenizer, dtype, trust_remote_code=cfg.model.get("trust_remote_code", False),
-                            tiny=dict(cfg.model.get("tiny") or {}), seed=cfg.trainer.seed)
-    if context is None:
-        check_context_length(cfg, config_context_length(model.config), ("eval.max_new_tokens",))
-    label = "base"
-    if cfg.eval.get("adapter"):
-        from peft import PeftModel
-
-        adapter = Path(cfg.eval.adapter).expanduser()
-        if not (adapter / "adapter_config.json").is_file():
-            raise ModelLoadError(f"eval.adapter={adapter} holds no adapter_config.json; point it at a run's adapter/ folder")
-        from grpo_cli.export import check_base_name, check_shapes
-
-        fix = "pick the model it was trained on (model=NAME)"
-        check_base_name(adapter, str(cfg.model.name_or_path), model, fix)
-        check_shapes(model, adapter, str(cfg.model.name_or_path), fix)
-        model = PeftModel.from_pretrained(model, adapter)
-        label = str(adapter)
-    model.to(device).eval()
-    engine = make_engine(cfg.rollout, LoadedModel(model, tokenizer, device, dtype), max_prompt_tokens=cfg.data.max_prompt_tokens)
+    rows = eval_rows(cfg)  # bad data fails before the model loads
+    adapter = cfg.eval.get("adapter") or None
+    lm = load_within_context(cfg, ("eval.max_new_tokens",), lambda: load_trained(
+        cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed, check_fit=partial(_fits_base, cfg)))
+    label = str(Path(adapter).expanduser()) if adapter else "base"
+    evaluator = Evaluator.from_config(cfg, lm.tokenizer, rows)
+    engine = make_engine(cfg.rollout, lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
     try:
         result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(engine, stop)}
     finally:

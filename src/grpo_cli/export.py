@@ -44,10 +44,6 @@ def _say(text: str) -> None:
 
 
 # ---- the source ----------------------------------------------------------------------------------
-def _is_checkpoint(path: Path) -> bool:
-    return (path / "state.json").is_file() and (path / "adapter").is_dir()
-
-
 def find_source(path: Path, checkpoint: str | None = None) -> Source:
     """The adapter to export: RUN_DIR/adapter, a checkpoint (`--checkpoint N|latest|PATH`, or RUN_DIR itself
     being a `checkpoints/step-N` folder), with the run's `.hydra/config.yaml`."""
@@ -57,7 +53,7 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
     if not path.is_dir():
         raise ExportError(f"RUN_DIR={path} is not a directory; pass a grpo-train run dir (outputs/DATE/TIME)")
     run_dir = path
-    if _is_checkpoint(path):  # RUN_DIR/checkpoints/step-N given directly
+    if ckpt.is_checkpoint(path):  # RUN_DIR/checkpoints/step-N given directly
         run_dir, checkpoint = path.parent.parent, str(path)
     config_file = run_dir / ".hydra" / "config.yaml"
     if not config_file.is_file():
@@ -75,11 +71,11 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
         if checkpoint == "latest":
             found = ckpt.latest(run_dir)
         elif checkpoint.isdigit():
-            found = ckpt.checkpoint_root(run_dir) / f"{ckpt.PREFIX}{int(checkpoint):06d}"
+            found = ckpt.step_dir(run_dir, int(checkpoint))
         else:
             found = Path(checkpoint).expanduser().resolve()
-        if found is None or not _is_checkpoint(found):
-            steps = [p.name for p in sorted(ckpt.checkpoint_root(run_dir).glob(ckpt.PREFIX + "*")) if _is_checkpoint(p)]
+        if found is None or not ckpt.is_checkpoint(found):
+            steps = [p.name for p in ckpt.checkpoints(run_dir)]
             raise CheckpointError(f"--checkpoint {checkpoint} is not a checkpoint of {run_dir}; available: "
                                   f"{', '.join(steps) or 'none'} (give N, latest or a checkpoints/step-N path)")
         adapter_dir, label = found / "adapter", f"checkpoint {found.name}"

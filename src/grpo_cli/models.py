@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +39,6 @@ def resolve_device(name: str) -> tuple[torch.device, torch.dtype]:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"trainer.device={name} but no CUDA device is visible; use trainer.device=auto or cpu")
     return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
@@ -203,9 +202,9 @@ def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
     return get_peft_model(model, config)
 
 
-def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
-    """Tokenizer, base model and LoRA adapter from the `model` config group."""
-    device, dtype = resolve_device(device_name)
+def _tokenizer_and_base(cfg_model, dtype: torch.dtype, seed: int):
+    """The tokenizer and base model of the `model` config group, on the CPU (an adapter attached next is
+    initialised from the CPU RNG, as on any machine)."""
     tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.get("trust_remote_code", False))
     base = load_base_model(
         cfg_model.name_or_path, tokenizer, dtype,
@@ -213,9 +212,46 @@ def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
         tiny=dict(cfg_model.get("tiny") or {}), seed=seed,
     )
     base.generation_config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer, base
+
+
+def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
+    """Tokenizer, base model and a fresh LoRA adapter (`model.lora`) to train."""
+    device, dtype = resolve_device(device_name)
+    tokenizer, base = _tokenizer_and_base(cfg_model, dtype, seed)
     lora = cfg_model.lora
     model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules).to(device)
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def load_trained(cfg_model, device_name: str, adapter: str | Path | None, seed: int = 0,
+                 check_fit: Callable[[torch.nn.Module, Path], None] | None = None) -> LoadedModel:
+    """Tokenizer and base model with the trained adapter in `adapter` (a run's adapter/ folder), or the base
+    alone when None; in eval mode. `check_fit(base, adapter_dir)` may refuse an adapter of another base first."""
+    device, dtype = resolve_device(device_name)
+    tokenizer, model = _tokenizer_and_base(cfg_model, dtype, seed)
+    if adapter is not None:
+        from peft import PeftModel
+
+        adapter = Path(adapter).expanduser()
+        if check_fit is not None:
+            check_fit(model, adapter)
+        model = PeftModel.from_pretrained(model, adapter)
+    return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def load_within_context(cfg, length_keys: tuple[str, ...], load: Callable[[], LoadedModel]) -> LoadedModel:
+    """`load()`, once the longest prompt plus each of `length_keys` (max_new_tokens settings) is known to fit the
+    model's context: from its config before the weights load when that declares it, else (the embedded model)
+    from the loaded model's config, still before anything is generated."""
+    from grpo_cli.config import check_context_length
+
+    context = declared_context_length(cfg.model)
+    check_context_length(cfg, context, length_keys)
+    lm = load()
+    if context is None:
+        check_context_length(cfg, config_context_length(lm.model.config), length_keys)
+    return lm
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure  # no pyplot: renders headless via Agg, no 
 
 from grpo_cli.errors import ReportError, one_line
 from grpo_cli.metrics import final_mean, read_metrics
+from grpo_cli.overrides import override_key
 
 RUN_PLOTS = {  # file stem -> (metric key, y label)
     "kl": ("kl", "KL to reference"),
@@ -86,7 +87,7 @@ def run_plots(rows: list[dict], out: Path) -> list[str]:
 
 
 def split_overrides(ovs: list[str]) -> dict[str, str]:
-    return dict(o.lstrip("+~").split("=", 1) for o in ovs if "=" in o)
+    return {override_key(o): o.partition("=")[2] for o in ovs if "=" in o}
 
 
 def _sort_key(v: str) -> tuple[int, float, str]:
@@ -163,13 +164,15 @@ def run_report(run: Path, out: Path) -> str:
 
 
 def sweep_report(sweep: Path, out: Path) -> str:
-    dirs = sorted((d for d in sweep.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
+    from grpo_cli.sweep import find_job_dirs
+
+    dirs = find_job_dirs(sweep)
     jobs = [(d, read_metrics(d / "metrics.jsonl")) for d in dirs if (d / "metrics.jsonl").exists()]
     jobs = [(d, rows) for d, rows in jobs if rows]
-    skipped = [d.name for d in dirs if d not in {j[0] for j in jobs}]
+    skipped = [job_name(sweep, d) for d in dirs if d not in {j[0] for j in jobs}]
     if not jobs:
         raise ReportError(f"no job with metrics.jsonl in sweep, {sweep}; wait for a job to log a step")
-    labels = [" ".join(overrides(d)) or f"job {d.name}" for d, _ in jobs]
+    labels = [" ".join(overrides(d)) or f"job {job_name(sweep, d)}" for d, _ in jobs]
     pngs = []
     for key, ylabel in SWEEP_PLOTS.items():
         curves = [(lab, *series(rows, key)) for lab, (_, rows) in zip(labels, jobs, strict=True)]
@@ -184,10 +187,15 @@ def sweep_report(sweep: Path, out: Path) -> str:
         body += ["<h2>Summary</h2>", _csv_table(sweep / "sweep_summary.csv")]
     body += _imgs(pngs) + ["<h2>Jobs</h2>"]
     for lab, (d, rows) in zip(labels, jobs, strict=True):
-        body.append(f"<h3>job {d.name}: <code>{html.escape(lab)}</code></h3><p>final reward "
+        body.append(f"<h3>job {job_name(sweep, d)}: <code>{html.escape(lab)}</code></h3><p>final reward "
                     f"{final_value(rows):.4f}</p><details><summary>resolved config</summary>"
                     f"<pre>{html.escape(config_text(d))}</pre></details>")
     return _page(f"GRPO sweep: {sweep.name}", body)
+
+
+def job_name(sweep: Path, job_dir: Path) -> str:
+    """A job as the sweep's summary names it: its dir relative to the sweep dir (`3`, or `a/3` for a nested subdir)."""
+    return job_dir.relative_to(sweep).as_posix()
 
 
 def make_report(path: Path, out: Path | None = None) -> Path:

@@ -13,6 +13,8 @@ import os
 import signal
 from collections.abc import Iterator
 
+from grpo_cli.ranks import is_rank_zero
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -25,7 +27,7 @@ class StopRequest:
         self.signum: int | None = None
         self.installed_now = False
         # under torchrun every rank gets the signal; one line from rank 0 is enough
-        self.announce = os.environ.get("RANK", "0") == "0" if announce is None else announce
+        self.announce = is_rank_zero() if announce is None else announce
 
     def __call__(self) -> bool:
         return self.signum is not None

@@ -53,6 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.errors import MetricsError, RunError, UserError, error_line, exit_with, one_line, warn
 from grpo_cli.metrics import final_mean, read_metrics
+from grpo_cli.overrides import override_key
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,6 @@ def metric_summary(rows: list[dict]) -> dict:
 
 
 # ---- overrides -----------------------------------------------------------------------------------
-def _clean_key(key: str) -> str:
-    return key.lstrip("+~")
-
-
 def parse_overrides(lines: list[str]) -> dict[str, tuple[str, str, Any]]:
     """`key -> (override line, value text, value)` for a job's task overrides, in their order."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -118,10 +115,10 @@ def parse_overrides(lines: list[str]) -> dict[str, tuple[str, str, Any]]:
     parser = OverridesParser.create()
     for line in lines:
         key, _, text = line.partition("=")
-        key, value = _clean_key(key), text
+        key, value = override_key(key), text
         with contextlib.suppress(Exception):  # an override we cannot read back keeps its text
             ov = parser.parse_override(line)
-            key = _clean_key(ov.get_key_element())
+            key = override_key(ov.get_key_element())
             value = ov.value()
             text = "" if value is None else ov.get_value_element_as_str()
         try:
@@ -142,7 +139,7 @@ def swept_in_command(lines: list[str]) -> list[str]:
         with contextlib.suppress(Exception):
             ov = parser.parse_override(line)
             if ov.is_sweep_override():
-                keys.append(_clean_key(ov.get_key_element()))
+                keys.append(override_key(ov.get_key_element()))
     return keys
 
 
@@ -151,7 +148,7 @@ def on_policy_clip_sweep(config: DictConfig) -> str | None:
     from grpo_cli.config import CLIP_KEYS, is_on_policy, on_policy_clip_warning
 
     swept = set(swept_in_command([str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]))
-    swept |= {_clean_key(str(k)) for k in (OmegaConf.select(config, "hydra.sweeper.params") or {})}
+    swept |= {override_key(str(k)) for k in (OmegaConf.select(config, "hydra.sweeper.params") or {})}
     clip = [k for k in CLIP_KEYS if k in swept]
     policy_swept = {"algo.mini_batches", "algo.num_iterations", "recipe"} & swept  # jobs may differ: say nothing
     if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config):
@@ -177,15 +174,17 @@ def _read_json(path: Path) -> dict:
 
 # ---- the summary ---------------------------------------------------------------------------------
 def find_job_dirs(sweep_dir: Path) -> list[Path]:
-    """Every dir under the sweep dir that holds a `.hydra/` (a job), without looking inside jobs."""
-    found = []
+    """Every dir under the sweep dir that holds a `.hydra/` (a job), without looking inside jobs; in job
+    order (numbered dirs by number: 2 before 10)."""
+    sweep_dir, found = Path(sweep_dir), []
     for root, dirs, _files in os.walk(sweep_dir):
         if ".hydra" in dirs and Path(root) != sweep_dir:
             found.append(Path(root))
             dirs[:] = []
             continue
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .submitit, .hydra of the sweep
-    return found
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .submitit, .hydra of the sweep
+    return sorted(found, key=lambda d: [(0, int(p), "") if p.isdigit() else (1, 0, p)
+                                        for p in d.relative_to(sweep_dir).parts])
 
 
 def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
@@ -210,9 +209,9 @@ def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
 
     multirun = _load_yaml(sweep_dir / "multirun.yaml").get("hydra", {}) or {}
     swept = set(swept_in_command([str(o) for o in (multirun.get("overrides") or {}).get("task") or []]))
-    swept |= {_clean_key(str(k)) for k in ((multirun.get("sweeper") or {}).get("params") or {})}
+    swept |= {override_key(str(k)) for k in ((multirun.get("sweeper") or {}).get("params") or {})}
     for _, _, _, params, _ in jobs:
-        swept |= {_clean_key(str(k)) for k in params}
+        swept |= {override_key(str(k)) for k in params}
     all_keys: list[str] = []
     for _, _, ovs, _, _ in jobs:
         all_keys += [k for k in ovs if k not in all_keys]

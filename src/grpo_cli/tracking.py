@@ -36,6 +36,8 @@ from rich.table import Table
 
 from grpo_cli.errors import ConfigError, error_line, send_warnings_to, warn, warnings_listener
 from grpo_cli.registry import Registry
+from grpo_cli.overrides import override_key
+from grpo_cli.ranks import is_rank_zero
 
 SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd")  # anywhere in a key
 # ...and keys that end in one of these words: hf_token, access_token, token; not max_new_tokens or tokenizer
@@ -183,9 +185,7 @@ def has_wandb_credentials() -> bool:
 def resolve_wandb_mode(mode: str | None) -> tuple[str, str | None]:
     """(mode to start W&B in, a warning or None). `auto` honours WANDB_MODE when it is set, else goes online
     only with credentials; `online` without credentials would prompt or fail, so it is offline with a warning."""
-    mode = str(mode or "auto").lower()
-    if mode not in WANDB_MODES:
-        raise ConfigError(f"logger.wandb.mode={mode} is invalid: use one of {', '.join(WANDB_MODES)}")
+    mode = str(mode or "auto").lower()  # one of WANDB_MODES: config.validate checked it
     if mode == "auto":
         env = os.environ.get("WANDB_MODE", "").lower()
         env = {"dryrun": "offline", "run": "online"}.get(env, env)
@@ -218,7 +218,7 @@ def _hydra_names(cfg_wandb: dict) -> tuple[str | None, str | None]:
     if recipe is None:
         for line in overrides:
             key, _, value = line.partition("=")
-            if key.lstrip("+~") == "recipe":
+            if override_key(key) == "recipe":
                 recipe = value
     try:
         dirname_cfg = hc.job.config.override_dirname
@@ -227,7 +227,7 @@ def _hydra_names(cfg_wandb: dict) -> tuple[str | None, str | None]:
         kv_sep, item_sep, exclude = "=", ",", set()
     kept = []
     for line in overrides:
-        key = line.partition("=")[0].lstrip("+~")
+        key = override_key(line)
         if key in exclude or key == "recipe" or key == "logger" or key.startswith("logger."):
             continue
         kept.append(line.lstrip("+"))

@@ -1,7 +1,7 @@
 """The GRPO step loop (docs/algorithm.md, section 6) and the only place that calls backward.
 
-    prompts -> rollout (adapter on) -> rewards -> group advantages -> ref log-probs (adapter off)
-    -> old log-probs (adapter on; only when off-policy) -> for each pass, for each mini-batch:
+    generate: prompts -> completions (adapter on) -> score: rewards -> advantages: group advantages, loss mask
+    -> update: ref log-probs (adapter off) -> old log-probs (adapter on; only when off-policy) -> for each pass, for each mini-batch:
        (for each micro-batch: log-probs with grad -> policy_loss -> backward) -> sum over ranks -> clip
        -> optimizer step -> scheduler step
 
@@ -19,6 +19,7 @@ import math
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,22 +28,35 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli import algorithm, checkpoint, distributed, rundir
-from grpo_cli.config import check_context_length, check_mini_batches
+from grpo_cli.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.metrics import final_mean, read_metrics
-from grpo_cli.models import (
-    LoadedModel,
-    config_context_length,
-    declared_context_length,
-    enable_activation_checkpointing,
-    load_policy,
-)
+from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import build_optimizer
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine
 from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import Tracker, open_tracker
+
+
+@dataclass
+class Generation:
+    """One step's completions on this rank, not yet scored."""
+
+    rollout: Rollout
+    rows: list[dict]                 # the data row of each prompt
+    prompts: list[str]               # the prompt text of each completion (G per prompt)
+    stats: dict                      # generation timing and prompt counts, for the metrics
+
+
+@dataclass
+class Scores:
+    """The rewards of one step's completions."""
+
+    totals: torch.Tensor             # [N] weighted sum over the reward functions
+    per_function: dict[str, list[float]]
+    errors: int                      # reward calls that raised (reward.on_error=zero)
 
 
 @dataclass
@@ -137,20 +151,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_snapshot() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
-
-
-def restore_rng(snapshot: tuple) -> None:
-    python, numpy_state, torch_state, cuda = snapshot
-    random.setstate(python)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(torch_state)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
 def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
     """Groups of each mini-batch: group g goes to mini-batch g mod mini_batches."""
     return [list(range(j, num_groups, mini_batches)) for j in range(mini_batches)]
@@ -171,28 +171,24 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 class GRPOTrainer:
-    """Owns the objects a run needs; `step()` is one GRPO step (its optimizer updates), `fit()` the whole run."""
+    """Owns the objects a run needs; `step()` is one GRPO step (its optimizer updates), `fit()` the whole run.
+
+    The config is validated before (config.validate: under torchrun it knows the real number of ranks).
+    `make_evaluator(lm)` builds the evaluator of `eval.every` from the loaded model. Warnings go through
+    errors.warn (the run's console while it logs)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, lm: LoadedModel | None = None, rows: list[dict] | None = None,
-                 stop: StopRequest | None = None):
+                 stop: StopRequest | None = None, *, make_evaluator: Callable[[LoadedModel], Callable] | None = None):
         self.cfg, self.run_dir = cfg, run_dir
         self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
         # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
         self.dist, device = distributed.setup(self.tcfg.device if lm is None else str(lm.device))
-        if self.dist.enabled and cfg.data.prompts_per_step % self.dist.world_size:
-            raise InvariantError(f"data.prompts_per_step={cfg.data.prompts_per_step} must divide evenly over "
-                                 f"{self.dist.world_size} ranks (whole groups per rank)")
-        check_mini_batches(cfg, self.dist.world_size)
         self.stop = stop or StopRequest()
         seed_everything(self.tcfg.seed)
         rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
         self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if cfg.eval.every else ()))
-        context = declared_context_length(cfg.model) if lm is None else None
-        check_context_length(cfg, context, lengths)
-        self.lm = lm or load_policy(cfg.model, device, seed=self.tcfg.seed)
-        if context is None:  # known only now (the embedded model), still before any generation
-            check_context_length(cfg, config_context_length(self.lm.model.config), lengths)
+        self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         if self.tcfg.get("gradient_checkpointing"):
             enable_activation_checkpointing(self.model)
@@ -210,12 +206,13 @@ class GRPOTrainer:
         self.zero_std_streak, self.warned_zero_std = 0, False
         self.skipped_in_a_row = 0
         self.skipped_updates = 0
-        self.evaluator = None
+        self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and cfg.eval.every else None
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
 
     # ---- one step -------------------------------------------------------------------------------
-    def rollout(self, step: int) -> Batch | None:
-        """The step's scored rollouts; None when a stop request came during generation or scoring."""
+    def generate(self, step: int) -> Generation | None:
+        """This rank's share of the step's prompts and their G completions each; None when a stop request
+        ended generation."""
         G = self.algo.num_generations
         rows = self.sampler.batch(step)
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
@@ -236,22 +233,33 @@ class GRPOTrainer:
             return None
         compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
         gen_time = time.perf_counter() - t0 - compile_s
-        prompts = [text for text in enc.texts for _ in range(G)]
-        fields = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0]}  # messages: only for rewards naming it
-        try:
-            totals, per_fn, errors = self.rewards.score(prompts, roll.texts, fields)
-        except Interrupted:  # a stop request while a reward function ran: the step is discarded
-            return None
-        rewards = torch.tensor(totals, dtype=torch.float32)
-        advantages = algorithm.group_advantages(rewards, G, eps=self.algo.adv_eps, scale=self.algo.scale_rewards)
-        mask = roll.completion_mask.float()
-        if self.algo.mask_truncated:
-            mask = mask * (~roll.truncated).float().unsqueeze(1)
         gen_tokens = int(roll.completion_mask.sum())
-        return Batch(roll, prompts, rewards, per_fn, advantages.to(self.lm.device), mask, errors, stats={
+        return Generation(roll, rows, [text for text in enc.texts for _ in range(G)], stats={
             "gen_time_s": gen_time, "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9),
             "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped, "gen_compile_s": compile_s,
         })
+
+    def score(self, generation: Generation) -> Scores | None:
+        """Every reward function on every completion, with the fields of its prompt's data row; None when a stop
+        request came while a reward function ran."""
+        G = self.algo.num_generations
+        fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}  # messages: only for rewards naming it
+        try:
+            totals, per_function, errors = self.rewards.score(generation.prompts, generation.rollout.texts, fields)
+        except Interrupted:
+            return None
+        return Scores(torch.tensor(totals, dtype=torch.float32), per_function, errors)
+
+    def advantages(self, generation: Generation, scores: Scores) -> Batch:
+        """Group advantages of the rewards, and the completion tokens that count in the loss."""
+        roll = generation.rollout
+        advantages = algorithm.group_advantages(scores.totals, self.algo.num_generations, eps=self.algo.adv_eps,
+                                                scale=self.algo.scale_rewards)
+        mask = roll.completion_mask.float()
+        if self.algo.mask_truncated:
+            mask = mask * (~roll.truncated).float().unsqueeze(1)
+        return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(self.lm.device), mask,
+                     scores.errors, stats=generation.stats)
 
     @property
     def off_policy(self) -> bool:
@@ -380,7 +388,10 @@ class GRPOTrainer:
         """One GRPO update; None when a stop request came before the update began (the step is discarded,
         nothing of it has touched the weights, the optimiser or the logs)."""
         t0 = time.perf_counter()
-        batch = self.rollout(step)
+        generation, batch = self.generate(step), None
+        scores = None if generation is None else self.score(generation)  # None: a stop request came first
+        if scores is not None:
+            batch = self.advantages(generation, scores)
         if self.stop_agreed(batch is None or self.stop()):
             return None
         stats = self.update(step, batch)
@@ -563,7 +574,7 @@ class GRPOTrainer:
         return self.save_checkpoint(done)
 
     def save_checkpoint(self, done: int) -> Path:
-        path = checkpoint.checkpoint_root(self.run_dir) / f"{checkpoint.PREFIX}{done:06d}"
+        path = checkpoint.step_dir(self.run_dir, done)
         if self.dist.is_main:
             path = checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.scheduler,
                                    {"skipped_updates": self.skipped_updates, "fingerprint": rundir.fingerprint(self.cfg)},
