@@ -83,9 +83,9 @@ def test_saved_adapter_reproduces_log_probs(compose, tmp_path):
 
 
 @pytest.mark.slow  # one training step and its evaluation
-def test_evaluator_and_warnings_are_given_at_construction(compose, tmp_path, capsys):
-    """The evaluator is built from the loaded model only when eval.every asks for it; the warnings are shown
-    when logging starts, and the evaluation lands in the step's metrics."""
+def test_evaluator_is_given_at_construction(compose, tmp_path):
+    """The evaluator is built from the loaded model only when eval.every asks for it, and the evaluation lands
+    in the step's metrics."""
     from conftest import read_jsonl
 
     from grpo_cli.evaluate import Evaluator

@@ -12,8 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 
 from grpo_cli.errors import ConfigError
-from grpo_cli.schema import check_options, fail, options_help, options_markdown, raw_value, root_defaults
 from grpo_cli.overrides import override_key
+from grpo_cli.schema import check_options, fail, options_help, options_markdown, raw_value, root_defaults
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"

@@ -85,7 +85,7 @@ def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], r
     for every metric, and `rank`, `p_vs_best`, `label` by `rank_by`; best first."""
     keys = cell_keys(swept)
     cells = []
-    for values, jobs in group_cells(rows, swept):
+    for _values, jobs in group_cells(rows, swept):
         cell = dict(zip(keys, (jobs[0].get(k) for k in keys), strict=True))
         ok = [j for j in jobs if j.get("status", "ok") == "ok"]
         cell.update(jobs=len(jobs), ok=len(ok), failed=len(jobs) - len(ok),

@@ -34,10 +34,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from grpo_cli.errors import ConfigError, error_line, send_warnings_to, warn, warnings_listener
-from grpo_cli.registry import Registry
+from grpo_cli.errors import error_line, send_warnings_to, warn, warnings_listener
 from grpo_cli.overrides import override_key
-from grpo_cli.ranks import is_rank_zero
+from grpo_cli.registry import Registry
 
 SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd")  # anywhere in a key
 # ...and keys that end in one of these words: hf_token, access_token, token; not max_new_tokens or tokenizer
