@@ -389,18 +389,44 @@ def options_help(cfg: DictConfig) -> str:
     return "\n".join(lines)
 
 
+def _markdown_cells(cfg: DictConfig, option: Option) -> tuple[str, str, str]:
+    """(default, allowed, help) of one option as the README table shows them."""
+    if "*" in option.key:
+        default = ""
+    elif option.default is FROM_GROUP:
+        default = raw_value(cfg, option.key)
+    else:
+        default = shown(option.default)
+    default = f"`{default}`" if default not in ("", "-") else default
+    return default, option.allowed().replace("{name}", option.key.rpartition(".")[2]), option.help
+
+
+def markdown_rows(cfg: DictConfig) -> list[str]:
+    """One row per option; options three or more levels deep that share a parent (model.lora.*, logger.wandb.*)
+    share a row, each part named, so the table stays short."""
+    rows: list[tuple[str, list[Option]]] = []
+    for option in OPTIONS:
+        parent = option.key.rpartition(".")[0] if option.key.count(".") >= 2 else option.key
+        if rows and rows[-1][0] == parent and parent != option.key:
+            rows[-1][1].append(option)
+        else:
+            rows.append((parent, [option]))
+    lines = []
+    for parent, options in rows:
+        if len(options) == 1:
+            cells = _markdown_cells(cfg, options[0])
+            key = f"`{_display_key(options[0])}`"
+        else:
+            names = [o.key.rpartition(".")[2] for o in options]
+            parts = [_markdown_cells(cfg, o) for o in options]
+            cells = tuple("; ".join(f"{n}: {c[i]}" for n, c in zip(names, parts, strict=True) if c[i] not in ("", "-"))
+                          for i in range(3))
+            key = f"`{parent.replace('*', 'NAME')}.`{{{', '.join(names)}}}"
+        lines.append(f"| {key} | {cells[0]} | {cells[1]} | {cells[2]} |".replace("|  |", "| |"))
+    return lines
+
+
 def options_markdown(cfg: DictConfig) -> str:
     """The README's configuration table: key | default | allowed | what it does. A group's keys show the
     value of `cfg` (the default composition); the root sections' the default declared here."""
-    lines = ["| key | default | allowed | what it does |", "|---|---|---|---|"]
-    for option in OPTIONS:
-        if "*" in option.key:
-            default = ""
-        elif option.default is FROM_GROUP:
-            default = raw_value(cfg, option.key)
-        else:
-            default = shown(option.default)
-        default = f"`{default}`" if default not in ("", "-") else default
-        allowed = option.allowed().replace("{name}", option.key.rpartition(".")[2])
-        lines.append(f"| `{_display_key(option)}` | {default} | {allowed} | {option.help} |".replace("|  |", "| |"))
-    return "\n".join(lines)
+    return "\n".join(["| key | default | allowed | what it does |", "|---|---|---|---|", *markdown_rows(cfg)])
