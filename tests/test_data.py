@@ -3,6 +3,7 @@ line naming the file or column for every bad input."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -29,7 +30,7 @@ def write_all_formats(directory, rows) -> dict[str, str]:
     paths = {name: str(directory / f"rows.{name}") for name in ("parquet", "csv", "json", "jsonl")}
     dataset.to_parquet(paths["parquet"])
     dataset.to_csv(paths["csv"], index=False)
-    dataset.to_json(paths["json"])
+    dataset.to_json(paths["json"], lines=False)  # a JSON array; .jsonl holds JSON lines
     dataset.to_json(paths["jsonl"])
     dataset.save_to_disk(str(directory / "saved"))
     paths["saved"] = str(directory / "saved")
@@ -139,10 +140,12 @@ def test_a_prompt_column_of_another_type_is_refused(tmp_path):
     assert '"messages" is not a list of chat messages' in message
 
 
-def test_unreadable_and_missing_files_are_named(tmp_path):
+def test_unreadable_and_missing_files_are_named(tmp_path, caplog):
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"not parquet at all")
+    caplog.set_level(logging.DEBUG)
     assert refused(hf_cfg(path=str(broken))).startswith(f"{broken} could not be read (")
+    assert not [r for r in caplog.records if r.name.startswith("datasets")]  # told once, in the one line
     odd = tmp_path / "rows.txt"
     odd.write_text("x")
     assert refused(hf_cfg(path=str(odd))).startswith(f"data.path={odd} names .txt files; give files of one format")
@@ -195,3 +198,13 @@ def test_two_steps_from_a_parquet_file_with_extra_columns_at_the_reward(tmp_path
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1] and all(m["reward/columns_seen"] == 1.0 for m in metrics), metrics
     assert (run / "adapter").is_dir()
+
+
+@pytest.mark.slow
+def test_a_bad_column_stops_grpo_train_in_one_line(tmp_path):
+    datasets.Dataset.from_list([{"question": "q", "answer": "1"}]).to_parquet(str(tmp_path / "rows.parquet"))
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "data=hf", f"data.path={tmp_path}/rows.parquet"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f'grpo-train: {tmp_path}/rows.parquet has no column "prompt" (data.prompt_column); its columns are question, '
+        "answer: set data.prompt_column=ONE_OF_THEM"], proc.stderr

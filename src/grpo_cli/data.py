@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import random
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,14 +201,34 @@ def _local_table(key: str, path: str, split: str, split_key: str) -> Table:
     """Rows of data.path or data.eval_path (`key`): a saved dir (its split `split` if it is a DatasetDict), or files."""
     directory = Path(path).expanduser()
     if directory.is_dir():
-        return _read(str(directory), lambda: _saved_split(directory, split, split_key))
+        with _datasets_quiet():
+            return _read(str(directory), lambda: _saved_split(directory, split, split_key))
     builder, files = _files(key, path)
     if files[0].suffix.lower() == ".jsonl":  # read here, not by datasets, whose errors name no line
         return Table(path, [(f"{file}:{lineno}", row) for file in files for lineno, row in numbered_jsonl(file)])
     import datasets
 
     label = str(files[0]) if len(files) == 1 else f"data.{key}={path}"
-    return _read(label, lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"))
+    with _datasets_quiet():
+        return _read(label, lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"))
+
+
+@contextmanager
+def _datasets_quiet():
+    """datasets' log lines and progress bars off while it reads local files (quick): a bad file is then told once,
+    in the DataError's one line, not also in datasets' own ERROR line."""
+    import datasets
+
+    logger, bars = logging.getLogger("datasets"), datasets.is_progress_bar_enabled()
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def _hub_table(name: str, config: str | None, split: str) -> Table:

@@ -258,8 +258,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.tiny.num_heads", integer(1), "tiny-random: attention heads", optional=True),
     Option("model.tiny.max_position_embeddings", integer(1), "tiny-random: context length", optional=True),
     # ---- data=NAME
-    Option("data.source", one_of("sums", "reasoning_gym", "hf", "jsonl"), "where prompts come from (hf: any dataset "
-      "`datasets` reads; jsonl: a .jsonl file)"),
+    Option("data.source", one_of("sums", "reasoning_gym", "hf", "jsonl"), "where prompts come from (hf: a hub id or local "
+      "files through `datasets`; jsonl: the same reader, named for a .jsonl data.path)"),
     Option("data.task", TEXT, "reasoning_gym: the generator", optional=True),
     Option("data.task_args", MAPPING, "reasoning_gym: the generator's arguments", optional=True, free=True),
     Option("data.low", integer(), "sums: smallest term", optional=True),
