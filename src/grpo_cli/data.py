@@ -1,24 +1,28 @@
-"""Prompt sources: reasoning-gym generators, GSM8K (hub or local jsonl), and any jsonl of rows.
+"""Prompt sources: generated ones (sums, reasoning-gym) and tables of rows (`hf`: any dataset `datasets` reads, a
+hub id or local files; `jsonl`: a jsonl file, read the same way). GSM8K is a preset of `hf` (conf/data/gsm8k.yaml).
 
 A source is a list of rows; each row has `messages` (the chat prompt) and the fields rewards receive
 (e.g. `answer`). Batches are a pure function of (seed, step), so a resumed run sees the same prompts.
 
-A jsonl row gives its prompt in one of the forms TRL accepts: `prompt` as text, `prompt` as a list of chat
-messages, or `messages` (a list of chat messages); a chat prompt ends with a user (or tool) turn, since the
-model writes the next assistant turn. `data.system_prompt` is added to a chat prompt that has no system
-message, and `data.question_suffix` to its last user message.
+A table row gives its prompt in one of the forms TRL accepts: `prompt` as text, `prompt` as a list of chat
+messages, or `messages` (a list of chat messages); `data.prompt_column` names another column. A chat prompt ends
+with a user (or tool) turn, since the model writes the next assistant turn. `data.system_prompt` is added to a
+chat prompt that has no system message, and `data.question_suffix` to its last user message. Every other column
+reaches the rewards as a keyword argument; `data.answer_column` names one that arrives as `answer`.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_cli.errors import DataError, error_line
-from grpo_cli.rewards.parsing import gold_answer
 
 
 def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
@@ -54,17 +58,6 @@ def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     return rows
 
 
-def read_jsonl(path: str | Path, required: Sequence[str]) -> list[dict]:
-    rows = []
-    for lineno, row in numbered_jsonl(path):
-        missing = [k for k in required if k not in row]
-        if missing:
-            raise DataError(f"{Path(path).expanduser()}:{lineno} lacks field(s) {', '.join(missing)}; every row needs "
-                            f"{', '.join(required)}")
-        rows.append(row)
-    return rows
-
-
 def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix: str, system_prompt) -> list[dict]:
     import reasoning_gym
 
@@ -82,25 +75,11 @@ def _sum_rows(size: int, seed: int, low: int, high: int, suffix: str, system_pro
     return [{"messages": _messages(f"What is {a} + {b}?", system_prompt, suffix), "answer": str(a + b)} for a, b in pairs]
 
 
-def _gsm8k_rows(path: str | None, split: str, system_prompt, suffix: str) -> list[dict]:
-    if path:
-        raw = read_jsonl(path, ("question", "answer"))
-    else:
-        try:
-            import datasets
-
-            raw = list(datasets.load_dataset("openai/gsm8k", "main", split=split))
-        except Exception as err:
-            raise DataError(
-                f"openai/gsm8k could not be loaded from the hub ({error_line(err)[:120]}); offline, pass "
-                "data.path=DIR/train.jsonl data.eval_path=DIR/test.jsonl (a local GSM8K copy), or data=gsm8k_sample"
-            ) from None
-    return [{"messages": _messages(r["question"], system_prompt, suffix), "answer": gold_answer(r["answer"])} for r in raw]
-
-
 PROMPT_FORMS = ('"prompt" (text, or a list of chat messages) or "messages" (a list of chat messages), '
                 'e.g. {"prompt": "What is 2 + 2?", "answer": "4"} or '
                 '{"messages": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}')
+LOCAL_FORMS = "a .jsonl, .json, .parquet, .csv or .arrow file, a glob of them, or a Dataset.save_to_disk dir"
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
 def _chat(where: str, key: str, messages, system_prompt, suffix: str) -> list[dict]:
@@ -121,27 +100,183 @@ def _chat(where: str, key: str, messages, system_prompt, suffix: str) -> list[di
     return messages
 
 
-def _jsonl_rows(path: str, system_prompt, suffix: str) -> list[dict]:
-    rows = []
-    for lineno, row in numbered_jsonl(path):
-        where = f"{Path(path).expanduser()}:{lineno}"
-        fields = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
-        if isinstance(row.get("prompt"), str):
-            messages = _messages(row["prompt"], system_prompt, suffix)
-        elif "prompt" in row:
-            messages = _chat(where, "prompt", row["prompt"], system_prompt, suffix)
-        elif "messages" in row:
-            messages = _chat(where, "messages", row["messages"], system_prompt, suffix)
+@dataclass(frozen=True)
+class Table:
+    """Rows read from one place: `label` names it, `rows` holds (where, row) pairs, `columns` is None where rows
+    may differ (jsonl)."""
+
+    label: str
+    rows: list[tuple[str, dict]]
+    columns: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The prompt column (None: `prompt`, else `messages`) and the column that reaches rewards as `answer`."""
+
+    prompt: str | None = None
+    answer: str | None = None
+
+    @classmethod
+    def of(cls, cfg_data) -> Columns:
+        prompt = cfg_data.get("prompt_column")
+        return cls(None if prompt == "prompt" else prompt, cfg_data.get("answer_column"))
+
+    def check(self, table: Table) -> None:
+        """One line for a column the config names that the table lacks, listing the columns it has."""
+        names = table.columns
+        wanted = [("data.prompt_column", self.prompt or "prompt"), ("data.answer_column", self.answer)]
+        if self.prompt is None and "messages" in names:
+            wanted = wanted[1:]
+        for key, name in wanted:
+            if name and name not in names:
+                raise DataError(f'{table.label} has no column "{name}" ({key}); its columns are {", ".join(names)}: '
+                                f"set {key}=ONE_OF_THEM")
+        if self.answer not in (None, "answer") and "answer" in names:
+            raise DataError(f'{table.label} has a column "answer" besides data.answer_column={self.answer}, which '
+                            "reaches the rewards as answer; rename one of them, or set data.answer_column=null")
+
+    def row(self, where: str, row: dict, system_prompt, suffix: str) -> dict:
+        """A data row: the prompt as chat `messages`, the answer column as `answer`, every other column as is."""
+        key = self.prompt or next((k for k in ("prompt", "messages") if k in row), None)
+        if key not in row:
+            raise DataError(f"{where} lacks a prompt; every row needs " + (
+                f'a "{key}" field (data.prompt_column)' if key else PROMPT_FORMS))
+        if self.answer and self.answer not in row:
+            raise DataError(f'{where} lacks "{self.answer}" (data.answer_column); every row needs it')
+        value = row[key]
+        if isinstance(value, str) and key != "messages":
+            messages = _messages(value, system_prompt, suffix)
+        elif isinstance(value, list) or key == "messages":
+            messages = _chat(where, key, value, system_prompt, suffix)
         else:
-            raise DataError(f"{where} lacks a prompt; every row needs {PROMPT_FORMS}")
-        rows.append({**fields, "messages": messages})
-    return rows
+            raise DataError(f'{where}: the prompt column "{key}" holds {type(value).__name__} {repr(value)[:40]}, not '
+                            "text or a list of chat messages; set data.prompt_column to the column that holds them")
+        fields = {k: v for k, v in row.items() if k not in (key, "prompt", "messages", self.answer)}
+        if self.answer:
+            fields["answer"] = row[self.answer]
+        return {**fields, "messages": messages}
+
+
+def _read(label: str, load: Callable) -> Table:
+    """The rows of the datasets.Dataset `load()` returns; one line for what cannot be read."""
+    try:
+        dataset = load()
+    except DataError:
+        raise
+    except Exception as err:  # datasets and pyarrow raise many types for an unreadable file or a missing dataset
+        if "corresponds to no data" in str(err):  # datasets makes no split at all of files without rows
+            return Table(label, [], [])
+        raise DataError(f"{label} could not be read ({error_line(err)[:200]}); give {LOCAL_FORMS}") from None
+    return Table(label, [(f"{label} row {i}", row) for i, row in enumerate(dataset.to_list())], dataset.column_names)
+
+
+def _saved_split(directory: Path, split: str, split_key: str):
+    """A Dataset.save_to_disk dir: the dataset, or the split `split` of a saved DatasetDict."""
+    import datasets
+
+    saved = datasets.load_from_disk(str(directory))
+    if not isinstance(saved, datasets.DatasetDict):
+        return saved
+    if split not in saved:
+        raise DataError(f"{directory} holds the splits {', '.join(saved)}, not {split}; set data.{split_key}="
+                        "ONE_OF_THEM")
+    return saved[split]
+
+
+def _files(key: str, pattern: str) -> tuple[str, list[Path]]:
+    """The files data.path (or eval_path) names, one or a glob, and the `datasets` builder that reads them."""
+    named = sorted(glob.glob(str(Path(pattern).expanduser()))) if glob.has_magic(pattern) else [pattern]
+    files = [Path(f).expanduser() for f in named if Path(f).expanduser().is_file()]
+    if not files:
+        raise DataError(f"data.{key}={pattern} names no file; give {LOCAL_FORMS}")
+    builders = {BUILDERS.get(f.suffix.lower()) for f in files}
+    if None in builders or len(builders) > 1:
+        raise DataError(f"data.{key}={pattern} names {', '.join(sorted({f.suffix or f.name for f in files}))} files; "
+                        f"give files of one format: {', '.join(BUILDERS)}")
+    return builders.pop(), files
+
+
+def _local_table(key: str, path: str, split: str, split_key: str) -> Table:
+    """Rows of data.path or data.eval_path (`key`): a saved dir (its split `split` if it is a DatasetDict), or files."""
+    directory = Path(path).expanduser()
+    if directory.is_dir():
+        with _datasets_quiet():
+            return _read(str(directory), lambda: _saved_split(directory, split, split_key))
+    builder, files = _files(key, path)
+    if files[0].suffix.lower() == ".jsonl":  # read here, not by datasets, whose errors name no line
+        return Table(path, [(f"{file}:{lineno}", row) for file in files for lineno, row in numbered_jsonl(file)])
+    import datasets
+
+    label = str(files[0]) if len(files) == 1 else f"data.{key}={path}"
+    with _datasets_quiet():
+        return _read(label, lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"))
+
+
+@contextmanager
+def _datasets_quiet():
+    """datasets' log lines and progress bars off while it reads local files (quick): a bad file is then told once,
+    in the DataError's one line, not also in datasets' own ERROR line."""
+    import datasets
+
+    logger, bars = logging.getLogger("datasets"), datasets.is_progress_bar_enabled()
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _hub_table(name: str, config: str | None, split: str) -> Table:
+    import datasets
+
+    def load():
+        try:
+            return datasets.load_dataset(name, config, split=split)
+        except Exception as err:  # offline, or no such dataset, config or split: datasets raises many types
+            raise DataError(f"data.name={name} could not be loaded from the hub ({error_line(err)[:160]}); offline, "
+                            f"give a local copy with data.path: {LOCAL_FORMS}") from None
+
+    return _read(f"{name}{f' ({config})' if config else ''} split {split}", load)
+
+
+def _table(cfg_data, split: str) -> Table:
+    """The rows of the hf or jsonl source for `split` (train or test)."""
+    name, config, path = cfg_data.get("name"), cfg_data.get("config"), cfg_data.get("path")
+    if split == "train":
+        train_split = cfg_data.get("split") or "train"
+        if path:
+            return _local_table("path", path, train_split, "split")
+        if name:
+            return _hub_table(name, config, train_split)
+        raise DataError(f"data.source={cfg_data.source} needs data.path (or data.name=HUB_ID); give {LOCAL_FORMS}")
+    eval_split, eval_path = cfg_data.get("eval_split"), cfg_data.get("eval_path")
+    if eval_path:
+        return _local_table("eval_path", eval_path, eval_split or "test", "eval_split")
+    if eval_split and name:
+        return _hub_table(name, config, eval_split)
+    if eval_split and path and Path(path).expanduser().is_dir():
+        return _local_table("path", path, eval_split, "eval_split")
+    raise DataError(f"held-out prompts of data.source={cfg_data.source} need data.eval_path ({LOCAL_FORMS}), or "
+                    "data.eval_split=SPLIT of data.name or of a save_to_disk DatasetDict at data.path")
+
+
+def _table_rows(cfg_data, split: str, system_prompt, suffix: str) -> list[dict]:
+    table, columns = _table(cfg_data, split), Columns.of(cfg_data)
+    if not table.rows:
+        raise DataError(f"{table.label} holds no rows; give a non-empty dataset")
+    if table.columns is not None:
+        columns.check(table)
+    return [columns.row(where, row, system_prompt, suffix) for where, row in table.rows]
 
 
 def load_rows(cfg_data, *, split: str = "train", seed: int = 0) -> list[dict]:
     """Rows of the configured source for `split` (train or test)."""
     source = cfg_data.source
-    path = cfg_data.get("path") if split == "train" else cfg_data.get("eval_path")
     system_prompt = cfg_data.get("system_prompt")
     suffix = cfg_data.get("question_suffix") or ""
     if source == "reasoning_gym":
@@ -152,13 +287,9 @@ def load_rows(cfg_data, *, split: str = "train", seed: int = 0) -> list[dict]:
     if source == "sums":
         size = cfg_data.size if split == "train" else cfg_data.get("eval_size", 200)
         return _sum_rows(size, seed if split == "train" else seed + 10_007, cfg_data.low, cfg_data.high, suffix, system_prompt)
-    if source == "gsm8k":
-        return _gsm8k_rows(path, split, system_prompt, suffix)
-    if source == "jsonl":
-        if not path:
-            raise DataError(f"data.source=jsonl needs data.{'path' if split == 'train' else 'eval_path'}=FILE.jsonl")
-        return _jsonl_rows(path, system_prompt, suffix)
-    raise DataError(f"data.source={source} is unknown; use reasoning_gym, sums, gsm8k or jsonl")
+    if source in ("hf", "jsonl"):
+        return _table_rows(cfg_data, split, system_prompt, suffix)
+    raise DataError(f"data.source={source} is unknown; use sums, reasoning_gym, hf or jsonl")
 
 
 @dataclass

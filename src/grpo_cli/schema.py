@@ -13,6 +13,7 @@ nothing heavy and lists no engine, optimizer, logger or loss type itself.
 
 from __future__ import annotations
 
+import glob
 import importlib
 import math
 import re
@@ -127,6 +128,11 @@ def _existing_path(value) -> bool:
     return Path(str(value)).expanduser().exists()
 
 
+def _data_path(value) -> bool:
+    path = str(value)
+    return Path(path).expanduser().exists() or (glob.has_magic(path) and bool(glob.glob(str(Path(path).expanduser()))))
+
+
 def _adapter_dir(value) -> bool:
     return (Path(str(value)).expanduser() / "adapter_config.json").is_file()
 
@@ -144,8 +150,9 @@ DEVICE = (Rule(_is_device, "auto, cpu, cuda or cuda:N", verb="use"),
           Rule(_cuda_visible, "", failure="no CUDA device is visible here; use trainer.device=auto or cpu"))
 RESUME = Rule(lambda v: v == "auto" or _existing_path(v), "auto or a checkpoint / run dir",
               failure="no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
-JSONL_FILE = Rule(lambda v: Path(str(v)).expanduser().is_file(), "an existing .jsonl file",
-                  failure="no such file; give the path of an existing .jsonl file")
+DATA_PATH = Rule(_data_path, "an existing file, glob or dir",
+                 failure="no such file, glob match or dir; give a .jsonl, .json, .parquet, .csv or .arrow file, a glob of "
+                 "them, or a save_to_disk dir")
 ADAPTER = Rule(_adapter_dir, "a run's adapter/ dir",
                failure="holds no adapter_config.json; point it at a run's adapter/ folder")
 TARGET_MODULES = Rule(_target_modules, "all-linear or [names]",
@@ -251,7 +258,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.tiny.num_heads", integer(1), "tiny-random: attention heads", optional=True),
     Option("model.tiny.max_position_embeddings", integer(1), "tiny-random: context length", optional=True),
     # ---- data=NAME
-    Option("data.source", one_of("sums", "reasoning_gym", "gsm8k", "jsonl"), "where prompts come from"),
+    Option("data.source", one_of("sums", "reasoning_gym", "hf", "jsonl"), "where prompts come from (hf: a hub id or local "
+      "files through `datasets`; jsonl: the same reader, named for a .jsonl data.path)"),
     Option("data.task", TEXT, "reasoning_gym: the generator", optional=True),
     Option("data.task_args", MAPPING, "reasoning_gym: the generator's arguments", optional=True, free=True),
     Option("data.low", integer(), "sums: smallest term", optional=True),
@@ -263,8 +271,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("data.prompts_per_step", integer(1), "prompts per step (each sampled G times)"),
     Option("data.max_prompt_tokens", integer(1), "longest prompt in tokens"),
     Option("data.overlong", one_of("truncate", "drop"), "a longer prompt: cut from the left, or dropped"),
-    Option("data.path", JSONL_FILE, "training rows (.jsonl); null = the source's own", nullable=True),
-    Option("data.eval_path", JSONL_FILE, "held-out rows (.jsonl); null = the source's own", nullable=True),
+    Option("data.path", DATA_PATH, "training rows: .jsonl/.json/.parquet/.csv/.arrow file or glob, or a "
+      "save_to_disk dir; null = the source's own", nullable=True),
+    Option("data.eval_path", DATA_PATH, "held-out rows, as data.path; null = the source's own", nullable=True),
+    Option("data.name", TEXT, "hf: a hub dataset id (data.path wins when both are set)", nullable=True, optional=True),
+    Option("data.config", TEXT, "hf: the hub dataset's config (subset)", nullable=True, optional=True),
+    Option("data.split", TEXT, "hf: the training split of data.name or of a saved DatasetDict", optional=True),
+    Option("data.eval_split", TEXT, "hf: the held-out split of data.name or of a saved DatasetDict (or use "
+      "data.eval_path)", nullable=True, optional=True),
+    Option("data.prompt_column", TEXT, "hf, jsonl: the column of prompts (text or chat messages); prompt falls back "
+      "to messages", optional=True),
+    Option("data.answer_column", TEXT, "hf, jsonl: a column that reaches rewards as answer; null = every column "
+      "under its own name", nullable=True, optional=True),
     # ---- optimizer=NAME
     Option("optimizer", MAPPING, "the common keys below and exactly the keys its builder (optim.OPTIMIZERS) reads",
       free=True),
