@@ -134,9 +134,9 @@ def test_sweep_metric_auto_falls_back_to_mean_reward_and_can_be_named(tmp_path):
     jobs = [({"algo.beta": 0.0}, 0.5, "ok"), ({"algo.beta": 0.04}, None, "ok")]  # one job lacks final_eval.json
     sweep.write_summary(write_sweep(tmp_path / "auto", jobs))
     assert {c["rank_by"] for c in json.loads((tmp_path / "auto" / "sweep_cells.json").read_text())} == {"mean_reward"}
-    sweep.write_summary(write_sweep(tmp_path / "named", jobs, metric="final_kl"))
+    sweep.write_summary(write_sweep(tmp_path / "named", jobs, metric="best_reward"))
     cells = json.loads((tmp_path / "named" / "sweep_cells.json").read_text())
-    assert {c["rank_by"] for c in cells} == {"final_kl"} and "final_kl_mean" in cells[0]
+    assert {c["rank_by"] for c in cells} == {"best_reward"} and cells[0]["best_reward_n"] == 1
 
 
 # ---- config: eval.final and sweep.metric ---------------------------------------------------------
@@ -169,7 +169,7 @@ def test_held_out_rows_do_not_depend_on_the_seed(base_cfg):
 
 
 @pytest.mark.parametrize(("values", "words"), [
-    ({"sweep__metric": "accuracy"}, "sweep.metric=accuracy is invalid: use one of auto, final_reward"),
+    ({"sweep__metric": "accuracy"}, "sweep.metric=accuracy is invalid: use one of auto, final_eval_accuracy, mean_reward"),
     ({"sweep__metric": "final_eval_accuracy", "eval__final": False}, "sweep.metric=final_eval_accuracy is invalid"),
     ({"eval__final": True, "reward__accuracy": None}, "reward.accuracy=null is invalid: eval.final=true needs"),
     ({"eval__final": "yes"}, "eval.final=yes is invalid: use auto, true or false"),
@@ -178,6 +178,30 @@ def test_bad_eval_final_or_sweep_metric_is_one_line(base_cfg, values, words):
     with pytest.raises(ConfigError) as err:
         validate(with_values(base_cfg, **values))
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow  # one training step and one evaluation
+def test_final_eval_reuses_an_eval_after_the_last_step_and_replaces_a_stale_file(compose, tmp_path):
+    from conftest import TINY_TRAINER, make_trainer, read_jsonl
+
+    from grpo_cli.evaluate import Evaluator
+
+    overrides = ("eval.final=true", "eval.every=1", "eval.num_prompts=2", "eval.max_new_tokens=4",
+                 "trainer.max_steps=1", "trainer.log_samples_every=0")
+    calls = []
+
+    def make_evaluator(lm):
+        evaluator = Evaluator.for_training(compose([*TINY_TRAINER, *overrides]), lm)
+        return lambda engine, stop=None: calls.append(1) or evaluator(engine, stop)
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "final_eval.json").write_text('{"eval/accuracy": 7}')  # an earlier attempt's
+    summary = make_trainer(compose, run, *overrides, make_evaluator=make_evaluator).fit()
+    [row] = read_jsonl(run / "metrics.jsonl")
+    final = json.loads((run / "final_eval.json").read_text())
+    assert len(calls) == 1  # eval.every's eval after the last step is the final one: same prompts, same weights
+    assert final["step"] == 1 and final["eval/accuracy"] == row["eval/accuracy"] == summary["final_eval_accuracy"]
 
 
 # ---- grpo-report ---------------------------------------------------------------------------------
@@ -223,6 +247,7 @@ def test_report_of_sweeps_without_seeds_and_with_three_keys(tmp_path):
 def test_beta_by_seed_sweep_writes_cells_with_final_eval(tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = run_cli(["-m", "+recipe=quickstart", "model=tiny", "trainer.max_steps=2", "eval.num_prompts=4",
+                    "rollout.max_new_tokens=4", "data.prompts_per_step=2", "algo.num_generations=2",
                     "algo.beta=0.0,0.04", "trainer.seed=0,1", f"hydra.sweep.dir={sweep_dir}"], tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = read_csv(sweep_dir / "sweep_summary.csv")

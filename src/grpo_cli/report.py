@@ -267,15 +267,17 @@ def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
     if not jobs:
         raise ReportError(f"no job with metrics.jsonl in sweep, {sweep}; wait for a job to log a step")
     labels = [" ".join(overrides(d)) or f"job {job_name(sweep, d)}" for d, _ in jobs]
+    summary_rows, keys = collect(sweep)
+    swept = {row["dir"]: row["overrides"] for row in summary_rows}  # a legend names only what differs
+    legends = [swept.get(job_name(sweep, d)) or lab for lab, (d, _) in zip(labels, jobs, strict=True)]
     pngs = []
     for key, ylabel in SWEEP_PLOTS.items():
-        curves = [(lab, *series(rows, key)) for lab, (_, rows) in zip(labels, jobs, strict=True)]
+        curves = [(lab, *series(rows, key)) for lab, (_, rows) in zip(legends, jobs, strict=True)]
         plot_curves(out / f"sweep_{key}.png", f"{key} per job", ylabel, [c for c in curves if c[1]])
         pngs.append(f"sweep_{key}.png")
     body = [f"<p>{len(jobs)} jobs with metrics.</p>"]
     if skipped:
         body.append(f"<p class='skipped'>Skipped jobs without metrics: {html.escape(', '.join(skipped))}</p>")
-    summary_rows, keys = collect(sweep)
     table = cells(summary_rows, keys, sweep_metric(sweep))
     terminal = None
     if any(c["rank"] is not None for c in table):

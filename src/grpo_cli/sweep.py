@@ -76,7 +76,8 @@ CLIP_KEYS = ("clip_fraction", "clip_fraction/low", "clip_fraction/high")
 # final_eval_accuracy: eval.final's greedy accuracy on the held-out prompts, the same prompts for every job
 METRIC_COLUMNS = ["final_reward", "mean_reward", "best_reward", "final_kl", *(f"final_{k}" for k in CLIP_KEYS),
                   *(f"mean_{k}" for k in CLIP_KEYS), "eval_accuracy", "final_eval_accuracy", "steps"]
-RANK_METRICS = tuple(c for c in METRIC_COLUMNS if c != "steps")  # what sweep.metric may name
+# what sweep.metric may name: the columns where higher is better
+RANK_METRICS = ("final_eval_accuracy", "mean_reward", "final_reward", "best_reward", "eval_accuracy")
 # the columns of sweep_cells.csv that get n, mean, std and a 95 % interval over the seeds (and sweep.metric)
 CELL_METRICS = ("final_eval_accuracy", "mean_reward", "final_reward", "best_reward", "final_kl", "eval_accuracy")
 CELL_COLUMNS = ("jobs", "ok", "failed", "seeds")
