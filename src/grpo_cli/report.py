@@ -194,9 +194,10 @@ def cell_curves(png: Path, sweep: Path, rows: list[dict], keys: list[str]) -> No
 def rich_cells(table: list[dict], keys: list[str]) -> RichTable:
     """The ranked cells for the terminal; the best in green, ties with it in yellow, worse in red."""
     rank_by = table[0]["rank_by"]
-    out = RichTable(title=f"sweep cells ranked by {rank_by} (95 % CI; Welch's t-test against the best)")
-    for column in ["rank", *cell_keys(keys), "n", f"{rank_by} mean ± CI", "p vs best", "label"]:
-        out.add_column(column, justify="right" if column != "label" else "left")
+    out = RichTable(title=f"sweep cells ranked by {rank_by}: mean ± 95 % CI over seeds, Welch's t-test against the best")
+    for column in ["rank", *cell_keys(keys), "n", "mean ± CI", "p vs best", "label"]:
+        out.add_column(column, justify="right" if column != "label" else "left",
+                       no_wrap=column in ("mean ± CI", "label"))
     for cell in table:
         style, _css, mark = CELL_STYLE.get(cell["label"], ("dim", "", ""))
         p = cell["p_vs_best"]
