@@ -153,12 +153,12 @@ def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
                 if best:
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=3))
     else:
-        names = [cell_name(c, keys) for c in table]
-        means = [math.nan if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in table]
-        errs = [half_width(c, rank_by) or 0.0 for c in table]
-        colors = ["tab:red" if c["label"] == BEST else "tab:blue" for c in table]
-        ax.bar(range(len(table)), means, yerr=errs, capsize=6, color=colors)
-        ax.set_xticks(range(len(table)), names, rotation=20 if len(table) > 4 else 0)
+        bars = sorted(table, key=lambda c: [_sort_key(str(c[k])) for k in axes_keys])  # in the swept values' order
+        means = [math.nan if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in bars]
+        ax.bar(range(len(bars)), means, yerr=[half_width(c, rank_by) or 0.0 for c in bars], capsize=6,
+               color=["tab:red" if c["label"] == BEST else "tab:blue" for c in bars])
+        ticks = [f"{cell_name(c, keys)}\n{_estimate(c, rank_by)}" + ("\nbest" if c["label"] == BEST else "") for c in bars]
+        ax.set_xticks(range(len(bars)), ticks, rotation=20 if len(bars) > 4 else 0)
         ax.set(ylabel=rank_by)
     n = sorted({c[f"{rank_by}_n"] for c in table})
     seeds = f"n = {n[0]}" if len(n) == 1 else f"n = {n[0]}..{n[-1]}"
