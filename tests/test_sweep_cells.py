@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import signal
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -202,6 +204,40 @@ def test_final_eval_reuses_an_eval_after_the_last_step_and_replaces_a_stale_file
     final = json.loads((run / "final_eval.json").read_text())
     assert len(calls) == 1  # eval.every's eval after the last step is the final one: same prompts, same weights
     assert final["step"] == 1 and final["eval/accuracy"] == row["eval/accuracy"] == summary["final_eval_accuracy"]
+
+
+@pytest.mark.slow  # one training step; its final eval stopped, then resumed
+def test_a_stop_during_the_final_eval_checkpoints_and_the_resume_runs_only_the_eval(compose, tmp_path):
+    from conftest import TINY_TRAINER, make_trainer, read_jsonl
+
+    from grpo_cli.errors import Interrupted
+    from grpo_cli.evaluate import Evaluator
+
+    overrides = ("eval.final=true", "eval.num_prompts=2", "eval.max_new_tokens=4", "trainer.max_steps=1",
+                 "trainer.log_samples_every=0")
+    trainers = []
+
+    def stopped_evaluator(lm):
+        evaluator = Evaluator.for_training(compose([*TINY_TRAINER, *overrides]), lm)
+
+        def run(engine, stop=None):
+            trainers[0].stop.request(signal.SIGTERM)  # as if SIGTERM came while it generates
+            return evaluator(engine, stop)
+        return run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    trainers.append(make_trainer(compose, run_dir, *overrides, make_evaluator=stopped_evaluator))
+    with pytest.raises(Interrupted) as stopped:
+        trainers[0].fit()
+    assert stopped.value.completed == 1 and stopped.value.checkpoint_dir.name == "step-000001"
+    assert not (run_dir / "final_eval.json").exists() and (run_dir / "adapter").is_dir()
+
+    resumed = make_trainer(compose, run_dir, *overrides, f"trainer.resume={stopped.value.checkpoint_dir}",
+                           make_evaluator=partial(Evaluator.for_training, compose([*TINY_TRAINER, *overrides])))
+    summary = resumed.fit()
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0]  # no step was trained again
+    assert json.loads((run_dir / "final_eval.json").read_text())["eval/accuracy"] == summary["final_eval_accuracy"]
 
 
 # ---- grpo-report ---------------------------------------------------------------------------------

@@ -499,8 +499,8 @@ class GRPOTrainer:
                 self.record(tracker, step, *result)
                 last_complete = rng_snapshot()
                 self.checkpoint_if_due(step + 1)
-        adapter_dir = self.save_adapter()
-        final_eval = self.final_evaluation()
+            adapter_dir = self.save_adapter()
+            final_eval = self.final_evaluation()  # polls the stop request too
         return self.finish(tracker, adapter_dir, time.time() - t_start, final_eval)
 
     def resume(self) -> int:
