@@ -127,8 +127,9 @@ def _train_task(cfg) -> float:
                     cfg.trainer.resume = None if claim.checkpoint is None else str(claim.checkpoint)
                 warnings += claim.warnings
                 _quiet_libraries()  # heavy imports only after the config is known good
-                from grpo_cli.evaluate import Evaluator
+                from grpo_cli.evaluate import Evaluator, final_eval_on
                 from grpo_cli.trainer import GRPOTrainer
+                cfg.eval.final = final_eval_on(cfg, multirun=_is_multirun())  # auto: on in a sweep
                 if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
                     clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
                     warnings += [clip] if clip else []

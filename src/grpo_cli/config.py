@@ -101,7 +101,7 @@ def options_table() -> str:
 OmegaConf.register_new_resolver("system_prompt", system_prompt, replace=True)
 OmegaConf.register_new_resolver("recipes", recipes_help, replace=True)
 OmegaConf.register_new_resolver("options", options_help_resolver, replace=True)
-# conf/config.yaml composes the root sections' defaults (algo, rollout, trainer, eval) from the schema
+# conf/config.yaml composes the root sections' defaults (algo, rollout, trainer, eval, sweep) from the schema
 ConfigStore.instance().store(name="grpo_defaults", node=root_defaults())
 
 
@@ -158,6 +158,9 @@ def validate(cfg: DictConfig) -> list[str]:
         fail("data.high", high, f"needs an integer >= data.low ({low})")
     _validate_rewards(cfg)
     _validate_optimizer(cfg)
+    if cfg.sweep.metric == "final_eval_accuracy" and cfg.eval.final is False:
+        fail("sweep.metric", "final_eval_accuracy", "needs eval.final=true or auto (eval.final=false leaves that column "
+                                                    "empty); or rank by another column, e.g. sweep.metric=mean_reward")
     warnings = []
     if cfg.algo.adv_eps >= 1e-2:
         warnings.append(f"algo.adv_eps={cfg.algo.adv_eps} is near the reward scale and shrinks the advantages; 1e-4 is usual")
@@ -214,7 +217,7 @@ def explicit_clip_warning(cfg: DictConfig, task_overrides: list[str]) -> str | N
 
 def _validate_rewards(cfg: DictConfig) -> None:
     """Each reward entry's _target_ imports and takes the entry's options; reward.accuracy names an entry,
-    which eval.every > 0 needs."""
+    which eval.every > 0 and eval.final=true need."""
     from grpo_cli.rewards import resolve_callable
 
     functions = cfg.reward.functions
@@ -233,6 +236,9 @@ def _validate_rewards(cfg: DictConfig) -> None:
     if accuracy is None and cfg.eval.every:
         fail("reward.accuracy", None, "eval.every > 0 needs the 0/1 reward function that judges correctness; name one "
                                       f"of reward.functions ({', '.join(functions)})")
+    if accuracy is None and cfg.eval.final is True:
+        fail("reward.accuracy", None, "eval.final=true needs the 0/1 reward function that judges correctness; name one "
+                                      f"of reward.functions ({', '.join(functions)}), or set eval.final=auto")
 
 
 def _check_reward_options(prefix: str, target, spec: DictConfig) -> None:

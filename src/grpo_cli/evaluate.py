@@ -1,6 +1,7 @@
 """Accuracy of a policy on held-out prompts: greedy pass@1, and with k samples pass@k and majority@k.
 
-Used by `grpo-eval` (base model or a trained adapter) and by the trainer every `eval.every` steps.
+Used by `grpo-eval` (base model or a trained adapter), by the trainer every `eval.every` steps, and once after
+the last step with `eval.final` (its result in the run dir's `final_eval.json`, which the sweep summary reads).
 """
 
 from __future__ import annotations
@@ -32,9 +33,28 @@ def accuracy_function(cfg_reward):
     return resolve_callable(cfg_reward.functions[name]["_target_"])
 
 
+HELD_OUT_SEED = 0  # generated held-out splits use this, not trainer.seed: every job of a sweep scores the same prompts
+
+
 def eval_rows(cfg) -> list[dict]:
-    """The held-out prompts: the first `eval.num_prompts` of the test split."""
-    return load_rows(cfg.data, split="test", seed=cfg.trainer.seed)[: cfg.eval.num_prompts]
+    """The held-out prompts: the first `eval.num_prompts` of the test split, the same whatever trainer.seed."""
+    return load_rows(cfg.data, split="test", seed=HELD_OUT_SEED)[: cfg.eval.num_prompts]
+
+
+def has_held_out_split(cfg_data) -> bool:
+    """Whether the data source has a test split without more configuration (a jsonl source needs data.eval_path;
+    a local GSM8K copy too)."""
+    if cfg_data.source == "jsonl" or (cfg_data.source == "gsm8k" and cfg_data.get("path")):
+        return bool(cfg_data.get("eval_path"))
+    return True
+
+
+def final_eval_on(cfg, multirun: bool) -> bool:
+    """eval.final resolved: auto = in a sweep, when the data has a held-out split and reward.accuracy judges it."""
+    setting = cfg.eval.get("final", "auto")
+    if setting == "auto":
+        return multirun and has_held_out_split(cfg.data) and cfg.reward.get("accuracy") is not None
+    return bool(setting)
 
 
 def _vote(texts: list[str]):

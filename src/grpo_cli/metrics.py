@@ -1,5 +1,6 @@
 """Reading `metrics.jsonl` (one JSON object per step, appended by tracking.JsonlSink) and the one rule for a
-run's "final" value. The trainer's summary, the sweep summary and grpo-report all use these two."""
+run's "final" value. The trainer's summary, the sweep summary and grpo-report all use these two.
+`final_eval.json` (FINAL_EVAL) holds eval.final's result: the trainer writes it, the sweep summary reads it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 from pathlib import Path
 
 from grpo_cli.errors import MetricsError
+
+FINAL_EVAL = "final_eval.json"
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -1,7 +1,9 @@
 """`grpo-report DIR`: plots and an HTML page for a training run or a Hydra sweep.
 
 A run dir holds `metrics.jsonl` and `.hydra/{config,overrides}.yaml`; a sweep dir holds
-`multirun.yaml` and numbered job dirs `0/`, `1/`, ... that are run dirs.
+`multirun.yaml` and numbered job dirs `0/`, `1/`, ... that are run dirs. A sweep's report answers which
+setting is best: its cells (jobs that differ only in trainer.seed, sweep.cells) ranked in the terminal and
+the page, a heatmap of each cell's mean with its 95 % interval, and one reward curve per cell.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from pathlib import Path
 
 import yaml
 from matplotlib.figure import Figure  # no pyplot: renders headless via Agg, no global state
+from matplotlib.patches import Rectangle
+from rich.console import Console
+from rich.table import Table as RichTable
 
 from grpo_cli.errors import ReportError, one_line
 from grpo_cli.metrics import final_mean, read_metrics
-from grpo_cli.overrides import override_key
+from grpo_cli.sweep_stats import BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
 
 RUN_PLOTS = {  # file stem -> (metric key, y label)
     "kl": ("kl", "KL to reference"),
@@ -86,10 +91,6 @@ def run_plots(rows: list[dict], out: Path) -> list[str]:
     return list(pngs)
 
 
-def split_overrides(ovs: list[str]) -> dict[str, str]:
-    return {override_key(o): o.partition("=")[2] for o in ovs if "=" in o}
-
-
 def _sort_key(v: str) -> tuple[int, float, str]:
     try:
         return (0, float(v), "")
@@ -97,36 +98,128 @@ def _sort_key(v: str) -> tuple[int, float, str]:
         return (1, 0.0, v)
 
 
-def final_plot(png: Path, jobs: list[tuple[Path, list[dict]]]) -> bool:
-    """Heatmap of final reward over two swept keys, bars over one; False when neither applies."""
-    params = [split_overrides(overrides(d)) for d, _ in jobs]
-    keys = sorted({k for p in params for k in p if len({q.get(k) for q in params}) > 1})
-    if len(keys) not in (1, 2):
-        return False
-    finals = [final_value(rows) for _, rows in jobs]
-    axes = [sorted({p.get(k, "") for p in params}, key=_sort_key) for k in keys]
+CELL_STYLE = {BEST: ("bold green", "best", "★ "), TIED: ("yellow", "tied", "≈ "), WORSE: ("red", "worse", "")}
+
+
+def half_width(cell: dict, metric: str) -> float | None:
+    """The ± of a cell's 95 % interval of `metric`; None when it has none (n < 2)."""
+    low, high = cell.get(f"{metric}_ci_low"), cell.get(f"{metric}_ci_high")
+    return None if low is None or high is None else (high - low) / 2
+
+
+def cell_name(cell: dict, keys: list[str]) -> str:
+    return " ".join(f"{k}={cell[k]}" for k in cell_keys(keys)) or "all jobs"
+
+
+def _estimate(cell: dict, metric: str, digits: int = 3) -> str:
+    mean, half = cell.get(f"{metric}_mean"), half_width(cell, metric)
+    if mean is None:
+        return "-"
+    return f"{mean:.{digits}f} ± {half:.{digits}f}" if half is not None else f"{mean:.{digits}f} (n = {cell[f'{metric}_n']})"
+
+
+def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
+    """Each cell's mean of the ranking metric with its 95 % interval, the best cell marked: a heatmap over the
+    first two cell keys, else bars with error bars. Returns a line on what the figure leaves out ("" if nothing)."""
+    rank_by, axes_keys = table[0]["rank_by"], cell_keys(keys)
     fig = Figure(figsize=(7, 5), layout="constrained")
     ax = fig.add_subplot()
-    if len(keys) == 1:
-        vals = {p.get(keys[0], ""): f for p, f in zip(params, finals, strict=True)}
-        ax.bar(axes[0], [vals.get(v, math.nan) for v in axes[0]])
-        ax.set(xlabel=keys[0], ylabel="final reward")
-    else:
-        grid = [[math.nan] * len(axes[0]) for _ in axes[1]]
-        for p, f in zip(params, finals, strict=True):
-            grid[axes[1].index(p.get(keys[1], ""))][axes[0].index(p.get(keys[0], ""))] = f
-        im = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
-        ax.set_xticks(range(len(axes[0])), axes[0])
-        ax.set_yticks(range(len(axes[1])), axes[1])
-        ax.set(xlabel=keys[0], ylabel=keys[1])
+    note = ""
+    if len(axes_keys) >= 2:
+        xk, yk = axes_keys[:2]
+        if len(axes_keys) > 2:
+            note = (f"the heatmap shows {xk} x {yk}; {', '.join(axes_keys[2:])} also swept: each square shows its "
+                    "best cell (the table lists them all)")
+        xs = sorted({str(c[xk]) for c in table}, key=_sort_key)
+        ys = sorted({str(c[yk]) for c in table}, key=_sort_key)
+        grid: list[list[dict | None]] = [[None] * len(xs) for _ in ys]
+        for cell in table:  # best first: a square keeps its best cell
+            i, j = ys.index(str(cell[yk])), xs.index(str(cell[xk]))
+            grid[i][j] = grid[i][j] or cell
+        means = [[math.nan if c is None or c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in row]
+                 for row in grid]
+        im = ax.imshow(means, origin="lower", cmap="viridis", aspect="auto")
+        fig.colorbar(im, ax=ax, label=rank_by)
+        ax.set_xticks(range(len(xs)), xs)
+        ax.set_yticks(range(len(ys)), ys)
+        ax.set(xlabel=xk, ylabel=yk)
         for i, row in enumerate(grid):
-            for j, v in enumerate(row):
-                if not math.isnan(v):
-                    ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="w")
-        fig.colorbar(im, ax=ax, label="final reward")
-    ax.set_title("final reward (mean of last 10% of steps)")
+            for j, cell in enumerate(row):
+                if cell is None or cell[f"{rank_by}_mean"] is None:
+                    continue
+                best = cell["label"] == BEST
+                ax.text(j, i, ("best\n" if best else "") + _estimate(cell, rank_by).replace(" ± ", "\n± "),
+                        ha="center", va="center", color="w", fontweight="bold" if best else "normal")
+                if best:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=3))
+    else:
+        bars = sorted(table, key=lambda c: [_sort_key(str(c[k])) for k in axes_keys])  # in the swept values' order
+        means = [math.nan if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in bars]
+        ax.bar(range(len(bars)), means, yerr=[half_width(c, rank_by) or 0.0 for c in bars], capsize=6,
+               color=["tab:red" if c["label"] == BEST else "tab:blue" for c in bars])
+        ticks = [f"{cell_name(c, keys)}\n{_estimate(c, rank_by)}" + ("\nbest" if c["label"] == BEST else "") for c in bars]
+        ax.set_xticks(range(len(bars)), ticks, rotation=20 if len(bars) > 4 else 0)
+        ax.set(ylabel=rank_by)
+    n = sorted({c[f"{rank_by}_n"] for c in table})
+    seeds = f"n = {n[0]}" if len(n) == 1 else f"n = {n[0]}..{n[-1]}"
+    ax.set_title(f"{rank_by}: cell mean ± 95 % CI ({seeds} seeds; best marked)")
     fig.savefig(png, dpi=100)
-    return True
+    return note
+
+
+def cell_curves(png: Path, sweep: Path, rows: list[dict], keys: list[str]) -> None:
+    """Reward over steps, one line per cell: the mean over its seeds, a band from their min to their max."""
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for _values, jobs in group_cells(rows, keys):
+        ok = [j for j in jobs if j["status"] == "ok"] or jobs
+        per_step: dict[int, list[float]] = {}
+        for job in ok:
+            for step, value in zip(*series(read_metrics(sweep / job["dir"] / "metrics.jsonl"), "reward"), strict=True):
+                per_step.setdefault(step, []).append(value)
+        if not per_step:
+            continue
+        steps = sorted(per_step)
+        mean = [sum(per_step[s]) / len(per_step[s]) for s in steps]
+        (line,) = ax.plot(steps, mean, lw=1.5, label=f"{cell_name(jobs[0], keys)} (n = {len(ok)})")
+        if len(ok) > 1:
+            ax.fill_between(steps, [min(per_step[s]) for s in steps], [max(per_step[s]) for s in steps],
+                            color=line.get_color(), alpha=0.2)
+    ax.set(xlabel="step", ylabel="reward", title="reward per cell: mean over seeds, band = min..max")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(png, dpi=100)
+
+
+def rich_cells(table: list[dict], keys: list[str]) -> RichTable:
+    """The ranked cells for the terminal; the best in green, ties with it in yellow, worse in red."""
+    rank_by = table[0]["rank_by"]
+    out = RichTable(title=f"sweep cells ranked by {rank_by}: mean ± 95 % CI over seeds, Welch's t-test against the best")
+    for column in ["rank", *cell_keys(keys), "n", "mean ± CI", "p vs best", "label"]:
+        out.add_column(column, justify="right" if column != "label" else "left",
+                       no_wrap=column in ("mean ± CI", "label"))
+    for cell in table:
+        style, _css, mark = CELL_STYLE.get(cell["label"], ("dim", "", ""))
+        p = cell["p_vs_best"]
+        label = mark + cell["label"] + (f"; {cell['note']}" if cell["note"] else "")
+        out.add_row("-" if cell["rank"] is None else str(cell["rank"]), *(str(cell[k]) for k in cell_keys(keys)),
+                    str(cell[f"{rank_by}_n"]), _estimate(cell, rank_by, 4), "-" if p is None else f"{p:.3g}", label,
+                    style=style)
+    return out
+
+
+def html_cells(table: list[dict], keys: list[str]) -> str:
+    rank_by = table[0]["rank_by"]
+    head = ["rank", *cell_keys(keys), "n", f"{rank_by} mean ± 95 % CI", "p vs best", "label"]
+    lines = ["<table class='cells'><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
+    for cell in table:
+        _style, css, mark = CELL_STYLE.get(cell["label"], ("", "untested", ""))
+        p = cell["p_vs_best"]
+        values = ["-" if cell["rank"] is None else cell["rank"], *(cell[k] for k in cell_keys(keys)),
+                  cell[f"{rank_by}_n"], _estimate(cell, rank_by, 4), "-" if p is None else f"{p:.3g}",
+                  mark + cell["label"] + (f"; {cell['note']}" if cell["note"] else "")]
+        lines.append(f"<tr class='{css}'>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in values) + "</tr>")
+    return "".join(lines) + "</table>"
 
 
 def _page(title: str, body: list[str]) -> str:
@@ -134,7 +227,8 @@ def _page(title: str, body: list[str]) -> str:
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}img{max-width:100%}"
         "pre{background:#f4f4f4;padding:8px;overflow:auto}td,th{border:1px solid #ccc;padding:2px 6px}"
-        "table{border-collapse:collapse}</style></head><body>"
+        "table{border-collapse:collapse}tr.best{background:#c8f0c8;font-weight:bold}tr.tied{background:#fff0b8}"
+        "tr.worse{color:#a33}tr.untested{color:#888}</style></head><body>"
         f"<h1>{html.escape(title)}</h1>\n" + "\n".join(body) + "\n</body></html>\n"
     )
 
@@ -163,8 +257,9 @@ def run_report(run: Path, out: Path) -> str:
     ])
 
 
-def sweep_report(sweep: Path, out: Path) -> str:
-    from grpo_cli.sweep import find_job_dirs
+def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
+    """The sweep's page, and its ranked cell table for the terminal (None when no job has a result)."""
+    from grpo_cli.sweep import cells, collect, find_job_dirs, sweep_metric
 
     dirs = find_job_dirs(sweep)
     jobs = [(d, read_metrics(d / "metrics.jsonl")) for d in dirs if (d / "metrics.jsonl").exists()]
@@ -173,16 +268,30 @@ def sweep_report(sweep: Path, out: Path) -> str:
     if not jobs:
         raise ReportError(f"no job with metrics.jsonl in sweep, {sweep}; wait for a job to log a step")
     labels = [" ".join(overrides(d)) or f"job {job_name(sweep, d)}" for d, _ in jobs]
+    summary_rows, keys = collect(sweep)
+    swept = {row["dir"]: row["overrides"] for row in summary_rows}  # a legend names only what differs
+    legends = [swept.get(job_name(sweep, d)) or lab for lab, (d, _) in zip(labels, jobs, strict=True)]
     pngs = []
     for key, ylabel in SWEEP_PLOTS.items():
-        curves = [(lab, *series(rows, key)) for lab, (_, rows) in zip(labels, jobs, strict=True)]
+        curves = [(lab, *series(rows, key)) for lab, (_, rows) in zip(legends, jobs, strict=True)]
         plot_curves(out / f"sweep_{key}.png", f"{key} per job", ylabel, [c for c in curves if c[1]])
         pngs.append(f"sweep_{key}.png")
-    if final_plot(out / "sweep_heatmap.png", jobs):
-        pngs.append("sweep_heatmap.png")
     body = [f"<p>{len(jobs)} jobs with metrics.</p>"]
     if skipped:
         body.append(f"<p class='skipped'>Skipped jobs without metrics: {html.escape(', '.join(skipped))}</p>")
+    table = cells(summary_rows, keys, sweep_metric(sweep))
+    terminal = None
+    if any(c["rank"] is not None for c in table):
+        note = cell_plot(out / "sweep_heatmap.png", table, keys)
+        cell_curves(out / "sweep_cell_curves.png", sweep, summary_rows, keys)
+        terminal = rich_cells(table, keys)
+        body += ["<h2>Cells</h2>", f"<p>Jobs that differ only in {SEED_KEY} form a cell; each cell's mean has a 95 % "
+                 "Student-t interval over its seeds, and is compared with the best cell by Welch's t-test "
+                 "(p &ge; 0.05: tied with best).</p>", html_cells(table, keys)]
+        body += [f"<p class='note'>{html.escape(note)}</p>"] if note else []
+        body += _imgs(["sweep_heatmap.png", "sweep_cell_curves.png"])
+    else:
+        body.append("<p>No finished job has a result yet: no cells to rank.</p>")
     if (sweep / "sweep_summary.csv").exists():
         body += ["<h2>Summary</h2>", _csv_table(sweep / "sweep_summary.csv")]
     body += _imgs(pngs) + ["<h2>Jobs</h2>"]
@@ -190,7 +299,7 @@ def sweep_report(sweep: Path, out: Path) -> str:
         body.append(f"<h3>job {job_name(sweep, d)}: <code>{html.escape(lab)}</code></h3><p>final reward "
                     f"{final_value(rows):.4f}</p><details><summary>resolved config</summary>"
                     f"<pre>{html.escape(config_text(d))}</pre></details>")
-    return _page(f"GRPO sweep: {sweep.name}", body)
+    return _page(f"GRPO sweep: {sweep.name}", body), terminal
 
 
 def job_name(sweep: Path, job_dir: Path) -> str:
@@ -198,8 +307,9 @@ def job_name(sweep: Path, job_dir: Path) -> str:
     return job_dir.relative_to(sweep).as_posix()
 
 
-def make_report(path: Path, out: Path | None = None) -> Path:
-    """Write the PNGs and `report.html` for a run or sweep dir into `out` (default: `path`)."""
+def make_report(path: Path, out: Path | None = None, console: Console | None = None) -> Path:
+    """Write the PNGs and `report.html` for a run or sweep dir into `out` (default: `path`); a sweep's ranked
+    cell table is printed on `console` when given."""
     path = Path(path)
     if not path.is_dir():
         raise ReportError(f"no such directory, {path}; pass a Hydra run dir or multirun sweep dir")
@@ -209,8 +319,10 @@ def make_report(path: Path, out: Path | None = None) -> Path:
     if not is_sweep and not (path / "metrics.jsonl").exists():
         raise ReportError(f"no metrics.jsonl found, {path}; pass a run dir holding metrics.jsonl or a sweep dir")
     out.mkdir(parents=True, exist_ok=True)
-    page = sweep_report(path, out) if is_sweep else run_report(path, out)
+    page, terminal = sweep_report(path, out) if is_sweep else (run_report(path, out), None)
     (out / "report.html").write_text(page)
+    if terminal is not None and console is not None:
+        console.print(terminal)
     return out / "report.html"
 
 
@@ -220,5 +332,5 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: DIR)")
     args = ap.parse_args(argv)
     with one_line("grpo-report"):
-        print(make_report(args.dir, args.out))
+        print(make_report(args.dir, args.out, console=Console()))
     return 0

@@ -246,6 +246,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("eval.temperature", number(0, low_open=True), "sampling temperature when samples > 1", 0.8),
     Option("eval.max_new_tokens", integer(1), "tokens per completion at most", "${rollout.max_new_tokens}"),
     Option("eval.adapter", ADAPTER, "grpo-eval: a trained adapter dir; null = the base model", None, nullable=True),
+    Option("eval.final", AUTO_OR_BOOLEAN, "greedy eval on the fixed held-out prompts after the last step "
+      "(final_eval.json); auto = in a sweep when the data has a held-out split", "auto"),
+    # ---- sweep: how a multirun's summary ranks its cells (sweep_cells.csv)
+    Option("sweep.metric", one_of(names=registry_names("grpo_cli.sweep", "RANK_METRICS", auto=True)),
+      "the summary column cells are ranked by (higher is better); auto = final_eval_accuracy where every job "
+      "has it, else mean_reward", "auto"),
     # ---- model=NAME
     Option("model.name_or_path", MODEL_NAME, "hub id, local dir, embedded:NAME or tiny-random"),
     Option("model.trust_remote_code", BOOLEAN, "run a hub model's own code"),

@@ -6,8 +6,11 @@ it runs under every launcher (basic, joblib, submitit_local, slurm) and every sw
 * each job dir gets `job_status.json` (running -> ok | failed) and, for a failed job, `error.txt` (its
   one-line error, then the traceback);
 * the sweep dir gets `sweep_summary.csv` and `sweep_summary.json`: one row per job with its swept
-  overrides, final/best reward, final KL and clip fractions (total, low, high), eval accuracy, steps and
-  status. They are
+  overrides, final/best reward, final KL and clip fractions (total, low, high), eval accuracy, the held-out
+  accuracy of eval.final (`final_eval_accuracy`, from the job's final_eval.json), steps and status; and
+  `sweep_cells.csv` / `.json`: one row per cell (jobs that differ only in trainer.seed) with n, mean, std and
+  a 95 % t-interval of each metric over its seeds, ranked by `sweep.metric` with Welch's p-value against the
+  best cell and a label (sweep_stats.py). They are
   rewritten after every job (so a sweep that dies still leaves one) and once more at the end;
 * a failed job does not stop the others. Hydra 1.3's BasicLauncher runs every job of a batch even when
   one raises, but BasicSweeper then re-raises the first failure after the batch: later batches
@@ -20,7 +23,7 @@ it runs under every launcher (basic, joblib, submitit_local, slurm) and every sw
   (`algo.mini_batches=1` and `algo.num_iterations=1`, neither of them nor the recipe swept) gets one
   warning line: clipping has no effect there, so that axis of the sweep measures nothing.
 
-`python -m grpo_cli.sweep DIR` rebuilds the summary of a sweep dir (e.g. after a sweep was killed).
+`python -m grpo_cli.sweep DIR` rebuilds the summary and cells of a sweep dir (e.g. after a sweep was killed).
 
 GPU placement under `hydra/launcher=joblib`: with `trainer.device=auto` and several visible CUDA devices,
 job N runs on `cuda:(N % device_count)` (torch.cuda.set_device in the worker, so `cuda` means that
@@ -52,13 +55,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.errors import MetricsError, RunError, UserError, error_line, exit_with, one_line, warn
-from grpo_cli.metrics import final_mean, read_metrics
+from grpo_cli.metrics import FINAL_EVAL, final_mean, read_metrics
 from grpo_cli.overrides import override_key
+from grpo_cli.sweep_stats import SEED_KEY, cell_keys, cell_table
 
 log = logging.getLogger(__name__)
 
 SUMMARY_CSV = "sweep_summary.csv"
 SUMMARY_JSON = "sweep_summary.json"
+CELLS_CSV = "sweep_cells.csv"
+CELLS_JSON = "sweep_cells.json"
 SWEEP_ID_FILE = ".grpo_sweep_id"
 LOCK_FILE = ".sweep_summary.lock"
 JOB_STATUS = "job_status.json"
@@ -67,8 +73,15 @@ CLIP_KEYS = ("clip_fraction", "clip_fraction/low", "clip_fraction/high")
 # final_reward: mean of the last 10 % of steps; final_*: the last step's value; mean_*: over every step of the run
 # (mean_reward ranks how fast runs learn when they all end at the task's ceiling; a run whose groups all agree at
 # the end clips nothing then: its advantages are 0, however far the ratio moved)
+# final_eval_accuracy: eval.final's greedy accuracy on the held-out prompts, the same prompts for every job
 METRIC_COLUMNS = ["final_reward", "mean_reward", "best_reward", "final_kl", *(f"final_{k}" for k in CLIP_KEYS),
-                  *(f"mean_{k}" for k in CLIP_KEYS), "eval_accuracy", "steps"]
+                  *(f"mean_{k}" for k in CLIP_KEYS), "eval_accuracy", "final_eval_accuracy", "steps"]
+# what sweep.metric may name: the columns where higher is better
+RANK_METRICS = ("final_eval_accuracy", "mean_reward", "final_reward", "best_reward", "eval_accuracy")
+# the columns of sweep_cells.csv that get n, mean, std and a 95 % interval over the seeds (and sweep.metric)
+CELL_METRICS = ("final_eval_accuracy", "mean_reward", "final_reward", "best_reward", "final_kl", "eval_accuracy")
+CELL_COLUMNS = ("jobs", "ok", "failed", "seeds")
+RANK_COLUMNS = ("rank", "label", "p_vs_best", "rank_by", "note")
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
@@ -241,6 +254,7 @@ def collect(sweep_dir: Path) -> tuple[list[dict], list[str]]:
         except MetricsError as err:  # one damaged job must not hide the others
             row.update(metric_summary([]))
             error = error or str(err)
+        row["final_eval_accuracy"] = _number(_read_json(job_dir / FINAL_EVAL).get("eval/accuracy"))
         row.update({"status": state, "error": error or "", "dir": str(job_dir.relative_to(sweep_dir))})
         rows.append(row)
     rows.sort(key=lambda r: (r["job"] if isinstance(r["job"], int) else 1 << 62, r["dir"]))
@@ -281,23 +295,65 @@ def _locked(sweep_dir: Path):
         yield
 
 
-def write_summary(sweep_dir: Path) -> list[dict]:
-    """Write `sweep_summary.csv` and `sweep_summary.json` in `sweep_dir`; return the rows."""
+def sweep_metric(sweep_dir: Path) -> str:
+    """sweep.metric as the sweep was started with it (multirun.yaml); auto when it does not say."""
+    return str((_load_yaml(Path(sweep_dir) / "multirun.yaml").get("sweep") or {}).get("metric") or "auto")
+
+
+def rank_metric(rows: list[dict], metric: str = "auto") -> str:
+    """The column cells are ranked by: `metric`, or for auto final_eval_accuracy where every ok job has it,
+    else mean_reward."""
+    if metric != "auto":
+        return metric
+    ok = [r for r in rows if r.get("status") == "ok"]
+    has_eval = bool(ok) and all(math.isfinite(_number(r.get("final_eval_accuracy"))) for r in ok)
+    return "final_eval_accuracy" if has_eval else "mean_reward"
+
+
+def cells(rows: list[dict], keys: list[str], metric: str = "auto") -> list[dict]:
+    """The sweep's cells (jobs that differ only in trainer.seed), best first: sweep_stats.cell_table of the
+    CELL_METRICS, ranked by `rank_metric(rows, metric)`; `note` says when the ranking metric has no interval."""
+    rank_by = rank_metric(rows, metric)
+    metrics = [rank_by, *(m for m in CELL_METRICS if m != rank_by)]
+    table = cell_table(rows, keys, metrics, rank_by)
+    for cell in table:
+        n = cell[f"{rank_by}_n"]
+        cell["rank_by"] = rank_by
+        cell["note"] = "" if n >= 2 else (
+            f"n = {n}: no interval (sweep {SEED_KEY} for one)" if n == 1 else f"no {rank_by}")
+    return table
+
+
+def cell_columns(keys: list[str], table: list[dict]) -> list[str]:
+    stats = [k for k in (table[0] if table else {}) if k not in (*cell_keys(keys), *CELL_COLUMNS, *RANK_COLUMNS)]
+    return [*cell_keys(keys), *RANK_COLUMNS, *CELL_COLUMNS, *stats]
+
+
+def _write_table(sweep_dir: Path, csv_name: str, json_name: str, columns: list[str], rows: list[dict]) -> None:
+    """One table as CSV (None and NaN empty, lists as JSON) and JSON (NaN as null), each replaced in one step."""
     import io
 
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _csv_cell(row.get(k)) for k in columns})
+    _replace(sweep_dir / csv_name, buf.getvalue())
+    _replace(sweep_dir / json_name, json.dumps([{k: _json_value(row.get(k)) for k in columns} for row in rows],
+                                               indent=2) + "\n")
+
+
+def write_summary(sweep_dir: Path, metric: str | None = None) -> list[dict]:
+    """Write `sweep_summary.csv/json` (one row per job) and `sweep_cells.csv/json` (one row per cell, ranked by
+    `metric`, default the sweep's sweep.metric) in `sweep_dir`; return the job rows."""
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with _locked(sweep_dir):
         rows, keys = collect(sweep_dir)
-        columns = ["job", "overrides", *keys, *METRIC_COLUMNS, "status", "error", "dir"]
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _csv_cell(row.get(k)) for k in columns})
-        _replace(sweep_dir / SUMMARY_CSV, buf.getvalue())
-        _replace(sweep_dir / SUMMARY_JSON,
-                 json.dumps([{k: _json_value(row.get(k)) for k in columns} for row in rows], indent=2) + "\n")
+        _write_table(sweep_dir, SUMMARY_CSV, SUMMARY_JSON,
+                     ["job", "overrides", *keys, *METRIC_COLUMNS, "status", "error", "dir"], rows)
+        table = cells(rows, keys, sweep_metric(sweep_dir) if metric is None else metric)
+        _write_table(sweep_dir, CELLS_CSV, CELLS_JSON, cell_columns(keys, table), table)
     return rows
 
 
@@ -334,7 +390,7 @@ class SweepSummary(Callback):
         sweep_dir = _sweep_dir(config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         (sweep_dir / SWEEP_ID_FILE).write_text(uuid.uuid4().hex + "\n")
-        for name in (SUMMARY_CSV, SUMMARY_JSON):
+        for name in (SUMMARY_CSV, SUMMARY_JSON, CELLS_CSV, CELLS_JSON):
             (sweep_dir / name).unlink(missing_ok=True)
         warning = on_policy_clip_sweep(config)
         if warning:
@@ -409,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with one_line("grpo_cli.sweep"):
         if len(argv) != 1 or argv[0].startswith("-"):
-            raise UserError(f"usage: python -m grpo_cli.sweep SWEEP_DIR (rewrites sweep_summary.csv/json); got {argv}")
+            raise UserError(f"usage: python -m grpo_cli.sweep SWEEP_DIR (rewrites sweep_summary.csv/json and sweep_cells.csv/json); got {argv}")
         sweep_dir = Path(argv[0])
         if not sweep_dir.is_dir():
             raise UserError(f"no such directory, {sweep_dir}; pass a multirun sweep dir")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
+import os
 import random
 import signal
 import time
@@ -31,7 +33,8 @@ from grpo_cli import algorithm, checkpoint, distributed, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
-from grpo_cli.metrics import final_mean, read_metrics
+from grpo_cli.evaluate import final_eval_on
+from grpo_cli.metrics import FINAL_EVAL, final_mean, read_metrics
 from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import build_optimizer
 from grpo_cli.rewards import RewardSet
@@ -187,7 +190,10 @@ class GRPOTrainer:
         seed_everything(self.tcfg.seed)
         rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
         self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
-        lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if cfg.eval.every else ()))
+        # eval.final is resolved by the CLI (auto: in a sweep); a trainer built by hand takes auto as a single run
+        self.final_eval = final_eval_on(cfg, multirun=False)
+        evaluates = bool(cfg.eval.every) or self.final_eval
+        lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
         self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         if self.tcfg.get("gradient_checkpointing"):
@@ -206,7 +212,8 @@ class GRPOTrainer:
         self.zero_std_streak, self.warned_zero_std = 0, False
         self.skipped_in_a_row = 0
         self.skipped_updates = 0
-        self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and cfg.eval.every else None
+        self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
+        self.last_eval: tuple[int, dict] | None = None  # (complete steps, result) of the newest eval.every eval
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
 
     # ---- one step -------------------------------------------------------------------------------
@@ -476,6 +483,8 @@ class GRPOTrainer:
         summary. A stop request (SIGINT/SIGTERM) during generation discards the step in progress; during the
         update the step finishes; either way the state after the last complete step is checkpointed."""
         start = self.resume()
+        if self.dist.is_main:  # a final eval of an earlier attempt does not describe this one's weights
+            (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
         tracker = self.open_tracker(start)
         t_start = time.time()
         # the CLI installs the handlers for the whole run (model load included); a bare fit() does it here
@@ -490,8 +499,9 @@ class GRPOTrainer:
                 self.record(tracker, step, *result)
                 last_complete = rng_snapshot()
                 self.checkpoint_if_due(step + 1)
-        adapter_dir = self.save_adapter()
-        return self.finish(tracker, adapter_dir, time.time() - t_start)
+            adapter_dir = self.save_adapter()
+            final_eval = self.final_evaluation()  # polls the stop request too
+        return self.finish(tracker, adapter_dir, time.time() - t_start, final_eval)
 
     def resume(self) -> int:
         """Restore the newest checkpoint when trainer.resume asks for one; returns the step to start at."""
@@ -523,7 +533,9 @@ class GRPOTrainer:
         if self.evaluator is not None and every and (step + 1) % every == 0:
             if self.dist.is_main:
                 try:
-                    metrics.update(self.evaluator(self.engine, stop=self.stop))
+                    result = self.evaluator(self.engine, stop=self.stop)
+                    metrics.update(result)
+                    self.last_eval = (step + 1, result)
                 except Interrupted:
                     tracker.warn(f"evaluation after step {step + 1} was stopped; its metrics are left out")
             distributed.barrier(self.dist)
@@ -540,7 +552,32 @@ class GRPOTrainer:
             if stopping:
                 raise Interrupted(self.stop.signum or signal.SIGTERM, ckpt, completed=done)
 
-    def finish(self, tracker: Tracker, adapter_dir: Path, seconds: float) -> dict:
+    def final_evaluation(self) -> dict | None:
+        """eval.final: the greedy eval of the trained policy on the held-out prompts, written to final_eval.json
+        (rank 0; None elsewhere or when off). An eval.every eval after the last step is reused: same prompts, same
+        weights, greedy. A stop request here raises Interrupted with a checkpoint after the last step, whose
+        resume runs only this eval."""
+        if not self.final_eval or self.evaluator is None:
+            return None
+        steps = self.tcfg.max_steps
+        result = None
+        if self.dist.is_main:
+            if self.last_eval is not None and self.last_eval[0] == steps:
+                result = self.last_eval[1]
+            else:
+                try:
+                    result = self.evaluator(self.engine, stop=self.stop)
+                except Interrupted:
+                    raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(steps),
+                                      completed=steps) from None
+            result = {"step": steps, **result}
+            tmp = self.run_dir / f".{FINAL_EVAL}.tmp"
+            tmp.write_text(json.dumps(result, indent=2) + "\n")
+            os.replace(tmp, self.run_dir / FINAL_EVAL)
+        distributed.barrier(self.dist)
+        return result
+
+    def finish(self, tracker: Tracker, adapter_dir: Path, seconds: float, final_eval: dict | None = None) -> dict:
         """The run's summary (rank 0: from metrics.jsonl, so a resumed run counts every step once)."""
         if not self.dist.is_main:
             return {"final_reward": float("nan"), "adapter": str(adapter_dir)}
@@ -550,6 +587,7 @@ class GRPOTrainer:
             "first_reward": sum(rewards[:10]) / max(1, len(rewards[:10])),
             "last_reward": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
             "final_reward": final_mean(rewards),
+            **({"final_eval_accuracy": final_eval["eval/accuracy"]} if final_eval else {}),
             "time_s": seconds,
             "adapter": str(adapter_dir),
         }
