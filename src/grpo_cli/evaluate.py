@@ -42,10 +42,10 @@ def eval_rows(cfg) -> list[dict]:
 
 
 def has_held_out_split(cfg_data) -> bool:
-    """Whether the data source has a test split without more configuration (a jsonl source needs data.eval_path;
-    a local GSM8K copy too)."""
-    if cfg_data.source == "jsonl" or (cfg_data.source == "gsm8k" and cfg_data.get("path")):
-        return bool(cfg_data.get("eval_path"))
+    """Whether the data has held-out rows: generated sources always; files and datasets when data.eval_path or
+    data.eval_split names them."""
+    if cfg_data.source in ("jsonl", "hf"):
+        return bool(cfg_data.get("eval_path") or cfg_data.get("eval_split"))
     return True
 
 
