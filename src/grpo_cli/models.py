@@ -227,7 +227,12 @@ def load_base_model(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_r
 
 def _load_quantized(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_remote_code: bool, tiny: dict | None,
                     seed: int, quantization: str, device: torch.device):
+    import logging
+
     from transformers import AutoModelForCausalLM
+
+    # at import bitsandbytes says its optional CPU kernels (a hub download) are missing; it falls back to its own
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
     def save_unquantized(folder: Path) -> None:
         load_base_model(name_or_path, tokenizer, torch.float32, tiny=tiny, seed=seed).save_pretrained(folder)
