@@ -227,37 +227,56 @@ def load_base_model(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_r
 
 def _load_quantized(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_remote_code: bool, tiny: dict | None,
                     seed: int, quantization: str, device: torch.device):
+    def save_unquantized(folder: Path) -> None:
+        _save_weights(load_base_model(name_or_path, tokenizer, torch.float32, tiny=tiny, seed=seed), folder)
+
+    if name_or_path == TINY:
+        with tempfile.TemporaryDirectory(prefix="grpo-tiny-") as scratch:
+            save_unquantized(Path(scratch))
+            return load_quantized(scratch, quantization, dtype, device, name=name_or_path)
+    source = name_or_path
+    if name_or_path.startswith(EMBEDDED_PREFIX):
+        folder, file = embedded_gguf(name_or_path[len(EMBEDDED_PREFIX):])
+        source = str(_cache_dir(f"{name_or_path[len(EMBEDDED_PREFIX):]}-dequantized", folder / file, save_unquantized))
+    return load_quantized(source, quantization, dtype, device, name=name_or_path, trust_remote_code=trust_remote_code)
+
+
+def _save_weights(model, folder: Path) -> None:
+    """Config and safetensors weights (a tied tensor once, under its first name), written by every rank:
+    under torch.distributed, transformers' save_pretrained writes on rank 0 only."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    seen, state = set(), {}
+    for key, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            state[key] = tensor.contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_quantized(source: str, quantization: str, dtype: torch.dtype, device: torch.device, *, name: str | None = None,
+                   trust_remote_code: bool = False):
+    """The model saved at `source` (a hub id or a saved model dir) with its linear layers quantized by
+    bitsandbytes (`quantization`: nf4 | fp4 | int8) on `device`, computing in `dtype`; `name` is the base's name
+    the adapter records (default `source`)."""
     import logging
 
     from transformers import AutoModelForCausalLM
 
+    name = name or source
     # at import bitsandbytes says its optional CPU kernels (a hub download) are missing; it falls back to its own
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-
-    def save_unquantized(folder: Path) -> None:
-        load_base_model(name_or_path, tokenizer, torch.float32, tiny=tiny, seed=seed).save_pretrained(folder)
-
-    source, scratch = name_or_path, None
-    if name_or_path == TINY:
-        scratch = tempfile.TemporaryDirectory(prefix="grpo-tiny-")
-        save_unquantized(Path(scratch.name))
-        source = scratch.name
-    elif name_or_path.startswith(EMBEDDED_PREFIX):
-        folder, file = embedded_gguf(name_or_path[len(EMBEDDED_PREFIX):])
-        source = str(_cache_dir(f"{name_or_path[len(EMBEDDED_PREFIX):]}-dequantized", folder / file, save_unquantized))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, quantization_config=bnb_config(quantization, dtype),
             device_map={"": device})
     except OSError as err:
-        raise ModelLoadError(_hub_hint(name_or_path, err)) from None
+        raise ModelLoadError(_hub_hint(name, err)) from None
     except (ImportError, RuntimeError, ValueError) as err:  # bitsandbytes missing, or without a backend for device
-        raise ModelLoadError(f"model.quantization={quantization} could not quantize {name_or_path} on {device} "
+        raise ModelLoadError(f"model.quantization={quantization} could not quantize {name} on {device} "
                              f"({error_line(err)[:200]}); pip install 'grpo-cli[qlora]', or use model.quantization=null") from None
-    finally:
-        if scratch is not None:
-            scratch.cleanup()
-    model.name_or_path = model.config._name_or_path = name_or_path  # the adapter records the base by this name
+    model.name_or_path = model.config._name_or_path = name
     for module in model.modules():
         # bitsandbytes repacks a 4-bit weight for its CPU inference kernel at the first eval-mode forward, for good,
         # and that kernel has no backward: training after sampling would drop the gradient through the base
