@@ -103,19 +103,20 @@ def _embedded_tokenizer(name: str):
     folder, file = embedded_gguf(name)
     try:
         return AutoTokenizer.from_pretrained(_cache_dir(f"{name}-tokenizer", folder / file, lambda tmp: AutoTokenizer
-                                                        .from_pretrained(folder, gguf_file=file).save_pretrained(tmp)))
+                                                        .from_pretrained(folder, gguf_file=file).save_pretrained(tmp),
+                                                        "tokenizer_config.json"))
     except OSError:  # a read-only cache only costs speed
         return AutoTokenizer.from_pretrained(folder, gguf_file=file)
 
 
-def _cache_dir(name: str, source: Path, save: Callable[[Path], None]) -> Path:
+def _cache_dir(name: str, source: Path, save: Callable[[Path], None], marker: str) -> Path:
     """A folder in the user's cache (`~/.cache/grpo_cli/NAME-SIZE-MTIME`, keyed on `source` so that a reinstall
-    invalidates it) that `save(folder)` fills once; written to a temporary folder first and renamed into
+    invalidates it) that `save(folder)` fills once (with the file `marker` among others); written to a temporary folder first and renamed into
     place, so a crashed or racing writer never leaves half a folder."""
     stat = source.stat()
     cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo_cli"
     cached = cache_root / f"{name}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (cached / "config.json").is_file() or (cached / "tokenizer_config.json").is_file():
+    if (cached / marker).is_file():
         return cached
     tmp = Path(tempfile.mkdtemp(prefix=cached.name, dir=_ensure_dir(cache_root)))
     save(tmp)
@@ -237,7 +238,8 @@ def _load_quantized(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_r
     source = name_or_path
     if name_or_path.startswith(EMBEDDED_PREFIX):
         folder, file = embedded_gguf(name_or_path[len(EMBEDDED_PREFIX):])
-        source = str(_cache_dir(f"{name_or_path[len(EMBEDDED_PREFIX):]}-dequantized", folder / file, save_unquantized))
+        source = str(_cache_dir(f"{name_or_path[len(EMBEDDED_PREFIX):]}-dequantized", folder / file, save_unquantized,
+                                "model.safetensors"))
     return load_quantized(source, quantization, dtype, device, name=name_or_path, trust_remote_code=trust_remote_code)
 
 
