@@ -111,8 +111,8 @@ def _embedded_tokenizer(name: str):
 
 def _cache_dir(name: str, source: Path, save: Callable[[Path], None], marker: str) -> Path:
     """A folder in the user's cache (`~/.cache/grpo_cli/NAME-SIZE-MTIME`, keyed on `source` so that a reinstall
-    invalidates it) that `save(folder)` fills once (with the file `marker` among others); written to a temporary folder first and renamed into
-    place, so a crashed or racing writer never leaves half a folder."""
+    invalidates it) that `save(folder)` fills once (`marker` is one of its files); written to a temporary folder
+    first and renamed into place, so a crashed or racing writer never leaves half a folder."""
     stat = source.stat()
     cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo_cli"
     cached = cache_root / f"{name}-{stat.st_size}-{int(stat.st_mtime)}"
