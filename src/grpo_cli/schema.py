@@ -263,6 +263,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.tiny.num_layers", integer(1), "tiny-random: layers", optional=True),
     Option("model.tiny.num_heads", integer(1), "tiny-random: attention heads", optional=True),
     Option("model.tiny.max_position_embeddings", integer(1), "tiny-random: context length", optional=True),
+    Option("model.quantization", one_of("nf4", "fp4", "int8"), "QLoRA: load the frozen base in 4 bits (nf4, fp4) "
+      "or 8 bits (int8) through bitsandbytes; null = unquantized", optional=True, nullable=True),
     # ---- data=NAME
     Option("data.source", one_of("sums", "reasoning_gym", "hf", "jsonl"), "where prompts come from (hf: a hub id or local "
       "files through `datasets`; jsonl: the same reader, named for a .jsonl data.path)"),

@@ -174,11 +174,12 @@ class Engine:
 
 @ENGINES.register("auto")
 class AutoEngine:
-    """`rollout.engine=auto`: `compiled` on CUDA (where it pays), `hf` elsewhere."""
+    """`rollout.engine=auto`: `compiled` on CUDA (where it pays), `hf` elsewhere and for a quantized base (the
+    compiled engine's merged inference copy needs plain weights)."""
 
     @staticmethod
     def from_config(cfg_rollout, lm, max_prompt_tokens: int | None = None) -> Engine:
-        name = "compiled" if lm.device.type == "cuda" else "hf"
+        name = "compiled" if lm.device.type == "cuda" and getattr(lm, "quantization", None) is None else "hf"
         return ENGINES[name].from_config(cfg_rollout, lm, max_prompt_tokens)
 
 
