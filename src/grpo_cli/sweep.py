@@ -42,8 +42,9 @@ import os
 import sys
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from hydra.core.utils import JobReturn, JobStatus
@@ -51,7 +52,17 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli.errors import MetricsError, RunError, UserError, error_line, exit_with, one_line, warn
+from grpo_cli.errors import (
+    ConfigError,
+    MetricsError,
+    RunError,
+    UserError,
+    error_line,
+    exit_with,
+    one_line,
+    program,
+    warn,
+)
 from grpo_cli.metrics import final_mean, read_metrics
 from grpo_cli.overrides import override_key
 
@@ -60,6 +71,7 @@ log = logging.getLogger(__name__)
 SUMMARY_CSV = "sweep_summary.csv"
 SUMMARY_JSON = "sweep_summary.json"
 SWEEP_ID_FILE = ".grpo_sweep_id"
+SWEEP_COMMAND_FILE = ".grpo_sweep_command.json"  # what a re-run into the same dir is compared with
 LOCK_FILE = ".sweep_summary.lock"
 JOB_STATUS = "job_status.json"
 ERROR_FILE = "error.txt"
@@ -301,6 +313,95 @@ def write_summary(sweep_dir: Path) -> list[dict]:
     return rows
 
 
+# ---- a re-run of the same sweep -------------------------------------------------------------------
+def sweep_command(config: DictConfig) -> dict:
+    """What makes two sweeps the same: the command's overrides and the sweeper's search space."""
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    return {"overrides": [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []],
+            "params": {str(k): str(v) for k, v in params.items()}}
+
+
+def continues_sweep(sweep_dir: Path, command: dict) -> bool:
+    """True when `sweep_dir` holds a sweep of the same command (its jobs are carried on, not started over)."""
+    return (sweep_dir / SWEEP_ID_FILE).is_file() and _read_json(sweep_dir / SWEEP_COMMAND_FILE) == command
+
+
+RUN_CONTROL_KEYS = ("trainer.resume", "trainer.overwrite", "trainer.resume_allow_changes")
+
+
+def job_config(config: DictConfig) -> dict:
+    """A job's composed config (Hydra's part and the keys that only say how to start left out), resolved, as
+    dotted keys: what a finished job is compared by when its sweep runs again."""
+    from grpo_cli.rundir import flatten
+
+    flat: dict = {}
+    for key in config:
+        if key != "hydra":
+            flatten(str(key), OmegaConf.to_container(config[key], resolve=True)
+                    if OmegaConf.is_config(config[key]) else config[key], flat)
+    return {k: v for k, v in flat.items() if k not in RUN_CONTROL_KEYS}
+
+
+@dataclass
+class JobPlan:
+    """What a sweep job does with what an earlier attempt of its sweep left in its dir: `fresh` (nothing
+    there), `skip` (finished with the same config: `result` is what it returned), `resume` (from its newest
+    checkpoint) or `restart` (the dir's run is deleted first); `line` says which and why."""
+
+    action: str
+    line: str | None = None
+    result: Any = None
+
+
+def job_name(config: DictConfig) -> str:
+    """`job N (the overrides this sweep varies)`, for the lines about one job."""
+    command = _read_json(_sweep_dir(config, in_job=True) / SWEEP_COMMAND_FILE)
+    swept = set(swept_in_command(command.get("overrides") or [])) | {override_key(k) for k in command.get("params") or {}}
+    overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
+    shown = [o for o in overrides if override_key(o.partition("=")[0]) in swept] or overrides
+    return f"job {config.hydra.job.num} ({' '.join(shown)})"
+
+
+def plan_job(cfg: DictConfig, config: DictConfig) -> JobPlan:
+    """Decide what a sweep job does with `cfg` (its composed config), given `config` (a config holding its
+    `hydra` part), from the record of its previous attempt that `SweepSummary.on_job_start` kept in
+    job_status.json (Hydra has rewritten `.hydra/` by then)."""
+    from grpo_cli import checkpoint, rundir
+
+    job_dir = _job_dir(config)
+    previous = _read_json(job_dir / JOB_STATUS).get("previous") or {}
+    name = job_name(config)
+    if previous.get("status") == "ok" and "config" in previous and (job_dir / "adapter").is_dir():
+        current = job_config(cfg)
+        changes = rundir.changed_keys(previous["config"], current)
+        if not changes:
+            return JobPlan("skip", f"{name} finished before with the same config; skipped", previous.get("result"))
+        return JobPlan("restart", f"{name} finished before with another config "
+                                  f"({rundir.describe_changes(changes, previous['config'], current)}); starting it over")
+    if not rundir.holds_run(job_dir):
+        return JobPlan("fresh")
+    found, _damaged = checkpoint.newest_intact(job_dir)
+    if found is None:
+        return JobPlan("restart", f"{name} did not finish and has no intact checkpoint; starting it over")
+    saved, current = rundir.saved_fingerprint(found), rundir.fingerprint(cfg)
+    if saved is None:
+        return JobPlan("restart", f"{name} did not finish and its checkpoint {found} holds no config fingerprint; "
+                                  "starting it over")
+    changes = rundir.changed_keys(saved, current)
+    if changes:
+        return JobPlan("restart", f"{name} did not finish, and its checkpoint {found} was written with another config "
+                                  f"({rundir.describe_changes(changes, saved, current)}); starting it over")
+    return JobPlan("resume", f"{name} did not finish; resuming it from {found}")
+
+
+class JobStopped(Exception):
+    """A sweep job stopped by SIGINT/SIGTERM: `SweepSummary` records it, writes the summary and ends the sweep."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 # ---- the callback --------------------------------------------------------------------------------
 def _is_multirun(config: DictConfig) -> bool:
     return OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN
@@ -333,9 +434,18 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = _sweep_dir(config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        (sweep_dir / SWEEP_ID_FILE).write_text(uuid.uuid4().hex + "\n")
-        for name in (SUMMARY_CSV, SUMMARY_JSON):
-            (sweep_dir / name).unlink(missing_ok=True)
+        command = sweep_command(config)
+        if continues_sweep(sweep_dir, command):
+            log.info(f"continuing the sweep in {sweep_dir}: finished jobs are skipped, unfinished ones resumed")
+        else:
+            if find_job_dirs(sweep_dir) and not OmegaConf.select(config, "trainer.overwrite"):
+                exit_with(ConfigError(
+                    f"hydra.sweep.dir={sweep_dir} holds the jobs of another sweep command; re-run that command to "
+                    "continue it, add trainer.overwrite=true to start every job over, or pick another hydra.sweep.dir"))
+            (sweep_dir / SWEEP_ID_FILE).write_text(uuid.uuid4().hex + "\n")
+            _replace(sweep_dir / SWEEP_COMMAND_FILE, json.dumps(command) + "\n")
+            for name in (SUMMARY_CSV, SUMMARY_JSON):
+                (sweep_dir / name).unlink(missing_ok=True)
         warning = on_policy_clip_sweep(config)
         if warning:
             warn(warning)
@@ -356,7 +466,9 @@ class SweepSummary(Callback):
             return
         job_dir = _job_dir(config)
         (job_dir / ERROR_FILE).unlink(missing_ok=True)
-        self._write_status(config, {"status": "running"})
+        previous = _read_json(job_dir / JOB_STATUS)
+        previous.pop("previous", None)
+        self._write_status(config, {"status": "running", "previous": previous or None})  # for plan_job
         if self.gpu_per_job:
             self._place_on_gpu(config)
 
@@ -364,6 +476,8 @@ class SweepSummary(Callback):
         if not _is_multirun(config):
             return
         failed = job_return.status == JobStatus.FAILED
+        if failed and isinstance(job_return._return_value, JobStopped):
+            self._stop_sweep(config, job_return._return_value)
         try:
             if failed:
                 err = job_return._return_value
@@ -372,8 +486,9 @@ class SweepSummary(Callback):
                 (_job_dir(config) / ERROR_FILE).write_text(f"{line}\n\n{tb}")
                 log.error(f"job {config.hydra.job.num} failed: {line}")
                 self._write_status(config, {"status": "failed", "error": line})
-            else:
-                self._write_status(config, {"status": "ok"})
+            else:  # what a re-run of the sweep compares and returns for a finished job (plan_job)
+                self._write_status(config, {"status": "ok", "result": _json_value(job_return.return_value),
+                                            "config": job_config(config)})
         finally:
             if failed and OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER:
                 # BasicSweeper would re-raise this after the batch and drop the rest of the sweep
@@ -383,6 +498,15 @@ class SweepSummary(Callback):
             write_summary(_sweep_dir(config, in_job=True))
         except Exception as err:  # a summary problem must not fail the job
             warn(f"could not write the sweep summary: {error_line(err)}")
+
+    def _stop_sweep(self, config: DictConfig, stopped: JobStopped) -> NoReturn:
+        """A stopped job stops the sweep: its status and the summary are written, then the process exits
+        128 + signal (a SystemExit passes Hydra's callback guard and its launcher: no later job starts)."""
+        self._write_status(config, {"status": "stopped", "error": str(stopped)})
+        with contextlib.suppress(Exception):
+            write_summary(_sweep_dir(config, in_job=True))
+        print(f"{program()}: {stopped}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stopped.signum)
 
     def _write_status(self, config: DictConfig, fields: dict) -> None:
         sweep_file = _sweep_dir(config, in_job=True) / SWEEP_ID_FILE
