@@ -135,7 +135,33 @@ def _multirun_config(sweep_dir: Path, overrides: list[str], overwrite: bool = Fa
                              "trainer": {"overwrite": overwrite}})
 
 
-def test_the_same_command_continues_its_sweep_and_another_command_is_refused(tmp_path, capsys):
+@pytest.fixture
+def signal_handlers_kept():
+    """on_multirun_start takes SIGINT/SIGTERM for the sweep; give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_a_signal_between_jobs_ends_the_sweep_before_the_next_job(tmp_path, capsys, signal_handlers_kept):
+    sweep_dir = tmp_path / "sweep"
+    callback = sweep.SweepSummary()
+    callback.on_multirun_start(_multirun_config(sweep_dir, ["algo.beta=0.0,0.04"]))
+    os.kill(os.getpid(), signal.SIGTERM)  # no job runs: the sweep's own handler takes it
+    config = _multirun_config(sweep_dir, ["algo.beta=0.04"])
+    config.hydra.update({"job": {"num": 1}, "runtime": {"output_dir": str(sweep_dir / "1"), "cwd": str(tmp_path)},
+                         "sweep": {"dir": str(sweep_dir), "subdir": "1"}, "mode": sweep.RunMode.MULTIRUN})
+    with pytest.raises(SystemExit) as exit_info:
+        callback.on_job_start(config)
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines()[-1].endswith(  # after the program's name
+        ": stopped by SIGTERM before job 1 (algo.beta=0.04) started; the sweep stops here; run the same command "
+        "again to go on from this job")
+    assert not (sweep_dir / "1" / sweep.JOB_STATUS).exists()
+
+
+def test_the_same_command_continues_its_sweep_and_another_command_is_refused(tmp_path, capsys, signal_handlers_kept):
     sweep_dir = tmp_path / "sweep"
     callback = sweep.SweepSummary()
     first = ["algo.beta=0.0,0.04", "trainer.seed=0,1,2"]

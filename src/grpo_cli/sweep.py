@@ -65,6 +65,7 @@ from grpo_cli.errors import (
 )
 from grpo_cli.metrics import final_mean, read_metrics
 from grpo_cli.overrides import override_key
+from grpo_cli.stopping import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +367,7 @@ def plan_job(cfg: DictConfig, config: DictConfig) -> JobPlan:
     """Decide what a sweep job does with `cfg` (its composed config), given `config` (a config holding its
     `hydra` part), from the record of its previous attempt that `SweepSummary.on_job_start` kept in
     job_status.json (Hydra has rewritten `.hydra/` by then)."""
-    from grpo_cli import checkpoint, rundir
+    from grpo_cli import rundir
 
     job_dir = _job_dir(config)
     previous = _read_json(job_dir / JOB_STATUS).get("previous") or {}
@@ -380,6 +381,8 @@ def plan_job(cfg: DictConfig, config: DictConfig) -> JobPlan:
                                   f"({rundir.describe_changes(changes, previous['config'], current)}); starting it over")
     if not rundir.holds_run(job_dir):
         return JobPlan("fresh")
+    from grpo_cli import checkpoint  # torch: not for a skipped job
+
     found, _damaged = checkpoint.newest_intact(job_dir)
     if found is None:
         return JobPlan("restart", f"{name} did not finish and has no intact checkpoint; starting it over")
@@ -429,6 +432,10 @@ class SweepSummary(Callback):
     def __init__(self, exit_on_failure: bool = True, gpu_per_job: bool = True) -> None:
         self.exit_on_failure = exit_on_failure
         self.gpu_per_job = gpu_per_job
+        # SIGINT/SIGTERM between jobs (a job's own StopRequest takes them while it runs): the sweep stops at
+        # the next job boundary instead of dying inside Hydra with a KeyboardInterrupt traceback
+        self._between_jobs: StopRequest | None = None
+        self._handlers = contextlib.ExitStack()
 
     # -- sweep --
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -449,8 +456,12 @@ class SweepSummary(Callback):
         warning = on_policy_clip_sweep(config)
         if warning:
             warn(warning)
+        with contextlib.suppress(ValueError):  # signal handlers can only be set from the main thread
+            self._between_jobs = self._handlers.enter_context(
+                StopRequest(effect="the sweep stops before its next job").installed())
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._handlers.close()
         sweep_dir = _sweep_dir(config)
         rows = write_summary(sweep_dir)
         bad = [r for r in rows if r["status"] != "ok"]
@@ -465,6 +476,9 @@ class SweepSummary(Callback):
         if not _is_multirun(config):
             return
         job_dir = _job_dir(config)
+        if self._between_jobs is not None and self._between_jobs():
+            self._end_sweep(f"stopped by {self._between_jobs.name} before {job_name(config)} started; the sweep "
+                            "stops here; run the same command again to go on from this job", self._between_jobs.signum)
         (job_dir / ERROR_FILE).unlink(missing_ok=True)
         previous = _read_json(job_dir / JOB_STATUS)
         previous.pop("previous", None)
@@ -498,15 +512,22 @@ class SweepSummary(Callback):
             write_summary(_sweep_dir(config, in_job=True))
         except Exception as err:  # a summary problem must not fail the job
             warn(f"could not write the sweep summary: {error_line(err)}")
+        if self._between_jobs is not None and self._between_jobs():
+            self._end_sweep(f"stopped by {self._between_jobs.name} after {job_name(config)} ended; the sweep stops "
+                            "here; run the same command again to go on from the next job", self._between_jobs.signum)
 
     def _stop_sweep(self, config: DictConfig, stopped: JobStopped) -> NoReturn:
-        """A stopped job stops the sweep: its status and the summary are written, then the process exits
-        128 + signal (a SystemExit passes Hydra's callback guard and its launcher: no later job starts)."""
+        """A stopped job stops the sweep: its status and the summary are written first."""
         self._write_status(config, {"status": "stopped", "error": str(stopped)})
         with contextlib.suppress(Exception):
             write_summary(_sweep_dir(config, in_job=True))
-        print(f"{program()}: {stopped}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + stopped.signum)
+        self._end_sweep(str(stopped), stopped.signum)
+
+    def _end_sweep(self, line: str, signum: int) -> NoReturn:
+        """Exit 128 + signal: a SystemExit passes Hydra's callback guard and its launcher, so no later job starts."""
+        self._handlers.close()
+        print(f"{program()}: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
 
     def _write_status(self, config: DictConfig, fields: dict) -> None:
         sweep_file = _sweep_dir(config, in_job=True) / SWEEP_ID_FILE
