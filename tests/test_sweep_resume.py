@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import read_jsonl, run_cli, script
 from omegaconf import OmegaConf
 
@@ -173,6 +174,12 @@ def test_the_same_command_continues_its_sweep_and_another_command_is_refused(tmp
     callback.on_multirun_start(_multirun_config(sweep_dir, first))
     assert (sweep_dir / sweep.SWEEP_ID_FILE).read_text() == sweep_id  # one sweep: one summary of all its jobs
     assert (sweep_dir / sweep.SUMMARY_CSV).is_file()
+    callback.on_multirun_start(_multirun_config(sweep_dir, [*first, "trainer.resume=auto"]))  # what it does anyway
+    assert (sweep_dir / sweep.SWEEP_ID_FILE).read_text() == sweep_id
+    (sweep_dir / sweep.SWEEP_COMMAND_FILE).unlink()  # an older grpo-cli's sweep: its multirun.yaml has the command
+    (sweep_dir / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": first}}}))
+    callback.on_multirun_start(_multirun_config(sweep_dir, first))
+    assert (sweep_dir / sweep.SWEEP_ID_FILE).read_text() == sweep_id
 
     with pytest.raises(SystemExit) as exit_info:
         callback.on_multirun_start(_multirun_config(sweep_dir, ["algo.beta=0.1,0.2"]))

@@ -164,22 +164,21 @@ def _train_task(cfg) -> float:
 
 def _plan_sweep_job(cfg):
     """A sweep run again: this job is skipped (finished with the same config), resumed or started over, and a
-    line says which (grpo_cli.sweep.plan_job). trainer.resume or trainer.overwrite on the command decide alone."""
+    line says which (grpo_cli.sweep.plan_job). trainer.overwrite=true or a trainer.resume path on the command
+    decide alone; trainer.resume=auto is what this does anyway."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
     from grpo_cli.sweep import plan_job
 
-    if cfg.trainer.get("resume") or cfg.trainer.get("overwrite"):
+    if cfg.trainer.get("overwrite") or cfg.trainer.get("resume") not in (None, "auto"):
         return None
     plan = plan_job(cfg, HydraConfig.instance().cfg)
     if plan.line and is_rank_zero():
         print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
     with open_dict(cfg):
-        if plan.action == "resume":
-            cfg.trainer.resume = "auto"
-        elif plan.action == "restart":
-            cfg.trainer.overwrite = True
+        cfg.trainer.resume = "auto" if plan.action == "resume" else None
+        cfg.trainer.overwrite = plan.action == "restart"
     return plan
 
 

@@ -20,6 +20,15 @@ it runs under every launcher (basic, joblib, submitit_local, slurm) and every sw
   (`algo.mini_batches=1` and `algo.num_iterations=1`, neither of them nor the recipe swept) gets one
   warning line: clipping has no effect there, so that axis of the sweep measures nothing.
 
+A sweep survives a crash: the same command run again into the same `hydra.sweep.dir` continues that sweep
+(one summary of all its jobs). Each job then decides before its run dir is claimed (`plan_job`, from the
+record of its previous attempt that `on_job_start` keeps in job_status.json): finished with the same composed
+config -> skipped, its recorded result returned to the sweeper; unfinished with a checkpoint that fits ->
+resumed; changed, or unfinished without a fitting checkpoint -> started over; one line says which. Another
+command into a used sweep dir is refused (trainer.overwrite=true starts every job over). SIGINT/SIGTERM stops
+the whole sweep: the running job checkpoints and is recorded `stopped`, the summary is written, the process
+exits 128 + signal, and no later job starts.
+
 `python -m grpo_cli.sweep DIR` rebuilds the summary of a sweep dir (e.g. after a sweep was killed).
 
 GPU placement under `hydra/launcher=joblib`: with `trainer.device=auto` and several visible CUDA devices,
@@ -315,19 +324,24 @@ def write_summary(sweep_dir: Path) -> list[dict]:
 
 
 # ---- a re-run of the same sweep -------------------------------------------------------------------
-def sweep_command(config: DictConfig) -> dict:
-    """What makes two sweeps the same: the command's overrides and the sweeper's search space."""
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    return {"overrides": [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []],
-            "params": {str(k): str(v) for k, v in params.items()}}
+RUN_CONTROL_KEYS = ("trainer.resume", "trainer.overwrite", "trainer.resume_allow_changes")
+
+
+def sweep_command(overrides, params) -> dict:
+    """What makes two sweeps the same: the command's overrides (less those that only say how to start) and
+    the sweeper's search space."""
+    return {"overrides": [str(o) for o in overrides or [] if override_key(str(o).partition("=")[0])
+                          not in RUN_CONTROL_KEYS],
+            "params": {str(k): str(v) for k, v in (params or {}).items()}}
 
 
 def continues_sweep(sweep_dir: Path, command: dict) -> bool:
     """True when `sweep_dir` holds a sweep of the same command (its jobs are carried on, not started over)."""
-    return (sweep_dir / SWEEP_ID_FILE).is_file() and _read_json(sweep_dir / SWEEP_COMMAND_FILE) == command
-
-
-RUN_CONTROL_KEYS = ("trainer.resume", "trainer.overwrite", "trainer.resume_allow_changes")
+    recorded = _read_json(sweep_dir / SWEEP_COMMAND_FILE)
+    if not recorded:  # a sweep of an older grpo-cli: its multirun.yaml (basic sweeper) holds the command
+        hydra = _load_yaml(sweep_dir / "multirun.yaml").get("hydra") or {}
+        recorded = sweep_command((hydra.get("overrides") or {}).get("task"), (hydra.get("sweeper") or {}).get("params"))
+    return (sweep_dir / SWEEP_ID_FILE).is_file() and recorded == command
 
 
 def job_config(config: DictConfig) -> dict:
@@ -441,18 +455,20 @@ class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = _sweep_dir(config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        command = sweep_command(config)
-        if continues_sweep(sweep_dir, command):
+        command = sweep_command(OmegaConf.select(config, "hydra.overrides.task"),
+                                OmegaConf.select(config, "hydra.sweeper.params"))
+        overwrite = bool(OmegaConf.select(config, "trainer.overwrite"))
+        if not overwrite and continues_sweep(sweep_dir, command):
             log.info(f"continuing the sweep in {sweep_dir}: finished jobs are skipped, unfinished ones resumed")
         else:
-            if find_job_dirs(sweep_dir) and not OmegaConf.select(config, "trainer.overwrite"):
+            if find_job_dirs(sweep_dir) and not overwrite:
                 exit_with(ConfigError(
                     f"hydra.sweep.dir={sweep_dir} holds the jobs of another sweep command; re-run that command to "
                     "continue it, add trainer.overwrite=true to start every job over, or pick another hydra.sweep.dir"))
             (sweep_dir / SWEEP_ID_FILE).write_text(uuid.uuid4().hex + "\n")
-            _replace(sweep_dir / SWEEP_COMMAND_FILE, json.dumps(command) + "\n")
             for name in (SUMMARY_CSV, SUMMARY_JSON):
                 (sweep_dir / name).unlink(missing_ok=True)
+        _replace(sweep_dir / SWEEP_COMMAND_FILE, json.dumps(command) + "\n")
         warning = on_policy_clip_sweep(config)
         if warning:
             warn(warning)
