@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import time
@@ -149,6 +150,7 @@ def test_a_signal_between_jobs_ends_the_sweep_before_the_next_job(tmp_path, caps
     sweep_dir = tmp_path / "sweep"
     callback = sweep.SweepSummary()
     callback.on_multirun_start(_multirun_config(sweep_dir, ["algo.beta=0.0,0.04"]))
+    assert pickle.loads(pickle.dumps(callback))._between_jobs is None  # joblib/submitit workers get a copy
     os.kill(os.getpid(), signal.SIGTERM)  # no job runs: the sweep's own handler takes it
     config = _multirun_config(sweep_dir, ["algo.beta=0.04"])
     config.hydra.update({"job": {"num": 1}, "runtime": {"output_dir": str(sweep_dir / "1"), "cwd": str(tmp_path)},

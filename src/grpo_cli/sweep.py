@@ -451,6 +451,10 @@ class SweepSummary(Callback):
         self._between_jobs: StopRequest | None = None
         self._handlers = contextlib.ExitStack()
 
+    def __getstate__(self) -> dict:
+        """joblib and submitit pickle the callbacks into their workers: the signal handlers stay in this process."""
+        return {**self.__dict__, "_between_jobs": None, "_handlers": contextlib.ExitStack()}
+
     # -- sweep --
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = _sweep_dir(config)
