@@ -24,7 +24,7 @@ TINY_SWEEP = ["-m", "+recipe=quickstart", "model=tiny", "trainer.max_steps=2", "
 SKIPPED = "finished before with the same config; skipped"
 
 
-def _fingerprints(sweep_dir: Path, jobs) -> dict:
+def _metrics_files(sweep_dir: Path, jobs) -> dict:
     """Each job's metrics.jsonl: its bytes and its mtime (a job trained again rewrites both)."""
     return {j: ((sweep_dir / str(j) / "metrics.jsonl").read_bytes(),
                 (sweep_dir / str(j) / "metrics.jsonl").stat().st_mtime_ns) for j in jobs}
@@ -58,7 +58,7 @@ def test_a_sweep_stopped_in_job_3_goes_on_where_it_stopped(tmp_path):
     rows = json.loads((sweep_dir / "sweep_summary.json").read_text())
     assert [(r["job"], r["status"]) for r in rows] == [(0, "ok"), (1, "ok"), (2, "ok"), (3, "stopped")]
     assert list((sweep_dir / "3" / "checkpoints").iterdir())
-    finished = _fingerprints(sweep_dir, range(3))
+    finished = _metrics_files(sweep_dir, range(3))
 
     # 2. the same command again: jobs 0-2 skipped (not trained again), job 3 resumed, 4 and 5 run
     again = run_cli(command, cwd=tmp_path)
@@ -67,7 +67,7 @@ def test_a_sweep_stopped_in_job_3_goes_on_where_it_stopped(tmp_path):
                                      "algo.beta=0.0 trainer.seed=2"]):
         assert f"grpo-train: job {num} ({overrides}) {SKIPPED}" in again.stderr
     assert "job 3 (algo.beta=0.04 trainer.seed=0) did not finish; resuming it from" in again.stderr
-    assert _fingerprints(sweep_dir, range(3)) == finished
+    assert _metrics_files(sweep_dir, range(3)) == finished
     assert [r["step"] for r in read_jsonl(sweep_dir / "3" / "metrics.jsonl")] == [0, 1]  # each step once
     rows = json.loads((sweep_dir / "sweep_summary.json").read_text())
     assert [(r["job"], r["status"], r["steps"]) for r in rows] == [(j, "ok", 2) for j in range(6)]
@@ -75,11 +75,11 @@ def test_a_sweep_stopped_in_job_3_goes_on_where_it_stopped(tmp_path):
     assert status["result"] == pytest.approx(rows[0]["final_reward"])  # what a skipped job returns to Hydra
 
     # 3. and once more: nothing is trained, every job says it was skipped, the summary still holds all six
-    everything = _fingerprints(sweep_dir, range(6))
+    everything = _metrics_files(sweep_dir, range(6))
     third = run_cli(command, cwd=tmp_path)
     assert third.returncode == 0, third.stderr[-3000:]
     assert third.stderr.count(SKIPPED) == 6
-    assert _fingerprints(sweep_dir, range(6)) == everything
+    assert _metrics_files(sweep_dir, range(6)) == everything
     assert len(json.loads((sweep_dir / "sweep_summary.json").read_text())) == 6
 
 
