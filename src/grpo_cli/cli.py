@@ -99,12 +99,15 @@ def _validated(cfg) -> list[str]:
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
     """After SIGINT/SIGTERM: where the run stands and how to resume it, then exit 128 + signal."""
     if is_rank_zero():
-        name = signal.Signals(stop.signum).name
-        done = "" if stop.completed is None else f" after {stop.completed} complete step(s)"
-        dropped = "; the unfinished step was discarded" if stop.discarded else ""
-        print(f"{prog}: stopped by {name}{done}{dropped}; checkpoint {stop.checkpoint_dir}; resume with the same command "
+        print(f"{prog}: stopped by {signal.Signals(stop.signum).name}{_stop_state(stop)}; resume with the same command "
               f"plus trainer.resume=auto hydra.run.dir={run_dir}", file=sys.stderr, flush=True)
     sys.exit(128 + stop.signum)
+
+
+def _stop_state(stop: Interrupted) -> str:
+    done = "" if stop.completed is None else f" after {stop.completed} complete step(s)"
+    dropped = "; the unfinished step was discarded" if stop.discarded else ""
+    return f"{done}{dropped}; checkpoint {stop.checkpoint_dir}"
 
 
 def _train_task(cfg) -> float:
@@ -122,6 +125,9 @@ def _train_task(cfg) -> float:
             with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
                 with rundir.restoring_hydra(run_dir, _hydra_before):
                     warnings = _validated(cfg)
+                    plan = _plan_sweep_job(cfg) if _is_multirun() else None
+                    if plan is not None and plan.action == "skip":
+                        return plan.result
                     claim = rundir.claim(cfg, run_dir, main=is_rank_zero())  # refusals before anything is written
                 with open_dict(cfg):
                     cfg.trainer.resume = None if claim.checkpoint is None else str(claim.checkpoint)
@@ -144,11 +150,37 @@ def _train_task(cfg) -> float:
 
                     teardown(trainer.dist)
         except Interrupted as stopped:
+            if _is_multirun():
+                from grpo_cli.sweep import JobStopped, job_name
+
+                raise JobStopped(f"stopped by {signal.Signals(stopped.signum).name} in {job_name(HydraConfig.instance().cfg)}"
+                                 f"{_stop_state(stopped)}; the sweep stops here; run the same command again to skip "
+                                 "its finished jobs and resume this one", stopped.signum) from None
             _stopped("grpo-train", stopped, run_dir)
         finally:
             if claim is not None and claim.lock is not None:
                 claim.lock.release()
     return float(summary["final_reward"])
+
+
+def _plan_sweep_job(cfg):
+    """A sweep run again: this job is skipped (finished with the same config), resumed or started over, and a
+    line says which (grpo_cli.sweep.plan_job). trainer.overwrite=true or a trainer.resume path on the command
+    decide alone; trainer.resume=auto is what this does anyway."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from grpo_cli.sweep import plan_job
+
+    if cfg.trainer.get("overwrite") or cfg.trainer.get("resume") not in (None, "auto"):
+        return None
+    plan = plan_job(cfg, HydraConfig.instance().cfg)
+    if plan.line and is_rank_zero():
+        print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
+    with open_dict(cfg):
+        cfg.trainer.resume = "auto" if plan.action == "resume" else None
+        cfg.trainer.overwrite = plan.action == "restart"
+    return plan
 
 
 def train() -> None:

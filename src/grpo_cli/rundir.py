@@ -143,10 +143,11 @@ def check_writable(run_dir: Path) -> str | None:
 
 
 # ---- the pinned config --------------------------------------------------------------------------
-def _flatten(prefix: str, value, out: dict) -> None:
+def flatten(prefix: str, value, out: dict) -> None:
+    """`value`'s leaves into `out` under dotted keys that start with `prefix`."""
     if isinstance(value, dict):
         for key, sub in value.items():
-            _flatten(f"{prefix}.{key}", sub, out)
+            flatten(f"{prefix}.{key}", sub, out)
     else:
         out[prefix] = value
 
@@ -158,7 +159,7 @@ def fingerprint(cfg: DictConfig) -> dict:
 
     out: dict = {"world_size": ranks(cfg)}
     for key in FINGERPRINT_KEYS:
-        _flatten(key, OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}), resolve=True)["v"],
+        flatten(key, OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}), resolve=True)["v"],
                  out)
     return {k: v for k, v in out.items() if not any(_under(k, skip) for skip in NOT_FINGERPRINTED)}
 
@@ -171,10 +172,14 @@ def _shown(value) -> str:
     return "unset" if value == "<unset>" else json.dumps(value)
 
 
+def saved_fingerprint(found: Path) -> dict | None:
+    """The fingerprint a checkpoint was written with (None: an older grpo-cli wrote none)."""
+    return json.loads((found / "state.json").read_text()).get("fingerprint")
+
+
 def check_fingerprint(cfg: DictConfig, found: Path) -> None:
     """Refuse a resume whose config differs from the checkpoint's in a key that is not allowed to change."""
-    state = json.loads((found / "state.json").read_text())
-    saved = state.get("fingerprint")
+    saved = saved_fingerprint(found)
     if saved is None:
         raise CheckpointError(f"{found} holds no config fingerprint (an older grpo-cli wrote it); it cannot be checked "
                               "for an exact resume: start a new run")
@@ -187,18 +192,18 @@ def check_fingerprint(cfg: DictConfig, found: Path) -> None:
     changes = changed_keys(saved, current)
     never = [k for k in changes if any(_under(k, n) for n in NEVER_CHANGED)]
     if never:
-        raise RunDirError(f"resume from {found} with {_diff(never, saved, current)}: the saved adapter and optimizer "
+        raise RunDirError(f"resume from {found} with {describe_changes(never, saved, current)}: the saved adapter and optimizer "
                           "state only fit the run's own value, even with trainer.resume_allow_changes; start a new run "
                           "in another hydra.run.dir")
     refused = [k for k in changes if not any(_under(k, a) for a in allowed)]
     if refused:
         listed = ",".join(refused)
-        raise RunDirError(f"resume from {found} with a changed config: {_diff(refused, saved, current)}; resume with "
+        raise RunDirError(f"resume from {found} with a changed config: {describe_changes(refused, saved, current)}; resume with "
                           f"the run's values for an exact resume, or allow the change on purpose with "
                           f"trainer.resume_allow_changes=[{listed}]")
 
 
-def _diff(keys: list[str], saved: dict, current: dict) -> str:
+def describe_changes(keys: list[str], saved: dict, current: dict) -> str:
     return ", ".join(f"{k} {_shown(saved.get(k, '<unset>'))} -> {_shown(current.get(k, '<unset>'))}" for k in keys)
 
 

@@ -322,6 +322,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("reward.functions", MAPPING, "NAME: {_target_, weight, options...} per reward function", free=True),
     Option("reward.functions.*._target_", DOTTED_PATH, "dotted path of the function or class"),
     Option("reward.functions.*.weight", number(), "its weight in the summed reward (1 when left out)", optional=True),
+    # ---- sweep: resuming a sweep, averaging an Optuna trial over seeds
+    Option("sweep.seeds", Rule(lambda v: v == 1, "1", failure="averaging one trial over several seeds is not "
+      "supported (hydra-optuna-sweeper runs exactly one job per trial); use 1 and sweep trainer.seed=0,1,2 "
+      "with the basic sweeper, whose summary groups the seeds of a setting"), "seeds per Optuna trial (only 1 "
+      "for now)", 1),
 )
 
 def root_defaults() -> dict:

@@ -23,6 +23,15 @@ it runs under every launcher (basic, joblib, submitit_local, slurm) and every sw
   (`algo.mini_batches=1` and `algo.num_iterations=1`, neither of them nor the recipe swept) gets one
   warning line: clipping has no effect there, so that axis of the sweep measures nothing.
 
+A sweep survives a crash: the same command run again into the same `hydra.sweep.dir` continues that sweep
+(one summary of all its jobs). Each job then decides before its run dir is claimed (`plan_job`, from the
+record of its previous attempt that `on_job_start` keeps in job_status.json): finished with the same composed
+config -> skipped, its recorded result returned to the sweeper; unfinished with a checkpoint that fits ->
+resumed; changed, or unfinished without a fitting checkpoint -> started over; one line says which. Another
+command into a used sweep dir is refused (trainer.overwrite=true starts every job over). SIGINT/SIGTERM stops
+the whole sweep: the running job checkpoints and is recorded `stopped`, the summary is written, the process
+exits 128 + signal, and no later job starts.
+
 `python -m grpo_cli.sweep DIR` rebuilds the summary and cells of a sweep dir (e.g. after a sweep was killed).
 
 GPU placement under `hydra/launcher=joblib`: with `trainer.device=auto` and several visible CUDA devices,
@@ -45,8 +54,9 @@ import os
 import sys
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from hydra.core.utils import JobReturn, JobStatus
@@ -54,9 +64,20 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli.errors import MetricsError, RunError, UserError, error_line, exit_with, one_line, warn
+from grpo_cli.errors import (
+    ConfigError,
+    MetricsError,
+    RunError,
+    UserError,
+    error_line,
+    exit_with,
+    one_line,
+    program,
+    warn,
+)
 from grpo_cli.metrics import FINAL_EVAL, final_mean, read_metrics
 from grpo_cli.overrides import override_key
+from grpo_cli.stopping import StopRequest
 from grpo_cli.sweep_stats import SEED_KEY, cell_keys, cell_table
 
 log = logging.getLogger(__name__)
@@ -66,6 +87,7 @@ SUMMARY_JSON = "sweep_summary.json"
 CELLS_CSV = "sweep_cells.csv"
 CELLS_JSON = "sweep_cells.json"
 SWEEP_ID_FILE = ".grpo_sweep_id"
+SWEEP_COMMAND_FILE = ".grpo_sweep_command.json"  # what a re-run into the same dir is compared with
 LOCK_FILE = ".sweep_summary.lock"
 JOB_STATUS = "job_status.json"
 ERROR_FILE = "error.txt"
@@ -357,6 +379,102 @@ def write_summary(sweep_dir: Path, metric: str | None = None) -> list[dict]:
     return rows
 
 
+# ---- a re-run of the same sweep -------------------------------------------------------------------
+RUN_CONTROL_KEYS = ("trainer.resume", "trainer.overwrite", "trainer.resume_allow_changes")
+
+
+def sweep_command(overrides, params) -> dict:
+    """What makes two sweeps the same: the command's overrides (less those that only say how to start) and
+    the sweeper's search space."""
+    return {"overrides": [str(o) for o in overrides or [] if override_key(str(o).partition("=")[0])
+                          not in RUN_CONTROL_KEYS],
+            "params": {str(k): str(v) for k, v in (params or {}).items()}}
+
+
+def continues_sweep(sweep_dir: Path, command: dict) -> bool:
+    """True when `sweep_dir` holds a sweep of the same command (its jobs are carried on, not started over)."""
+    recorded = _read_json(sweep_dir / SWEEP_COMMAND_FILE)
+    if not recorded:  # a sweep of an older grpo-cli: its multirun.yaml (basic sweeper) holds the command
+        hydra = _load_yaml(sweep_dir / "multirun.yaml").get("hydra") or {}
+        recorded = sweep_command((hydra.get("overrides") or {}).get("task"), (hydra.get("sweeper") or {}).get("params"))
+    return (sweep_dir / SWEEP_ID_FILE).is_file() and recorded == command
+
+
+def job_config(config: DictConfig) -> dict:
+    """A job's composed config (Hydra's part and the keys that only say how to start left out), resolved, as
+    dotted keys: what a finished job is compared by when its sweep runs again."""
+    from grpo_cli.rundir import flatten
+
+    flat: dict = {}
+    for key in config:
+        if key != "hydra":
+            flatten(str(key), OmegaConf.to_container(config[key], resolve=True)
+                    if OmegaConf.is_config(config[key]) else config[key], flat)
+    return {k: v for k, v in flat.items() if k not in RUN_CONTROL_KEYS}
+
+
+@dataclass
+class JobPlan:
+    """What a sweep job does with what an earlier attempt of its sweep left in its dir: `fresh` (nothing
+    there), `skip` (finished with the same config: `result` is what it returned), `resume` (from its newest
+    checkpoint) or `restart` (the dir's run is deleted first); `line` says which and why."""
+
+    action: str
+    line: str | None = None
+    result: Any = None
+
+
+def job_name(config: DictConfig) -> str:
+    """`job N (the overrides this sweep varies)`, for the lines about one job."""
+    command = _read_json(_sweep_dir(config, in_job=True) / SWEEP_COMMAND_FILE)
+    swept = set(swept_in_command(command.get("overrides") or [])) | {override_key(k) for k in command.get("params") or {}}
+    overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
+    shown = [o for o in overrides if override_key(o.partition("=")[0]) in swept] or overrides
+    return f"job {config.hydra.job.num} ({' '.join(shown)})"
+
+
+def plan_job(cfg: DictConfig, config: DictConfig) -> JobPlan:
+    """Decide what a sweep job does with `cfg` (its composed config), given `config` (a config holding its
+    `hydra` part), from the record of its previous attempt that `SweepSummary.on_job_start` kept in
+    job_status.json (Hydra has rewritten `.hydra/` by then)."""
+    from grpo_cli import rundir
+
+    job_dir = _job_dir(config)
+    previous = _read_json(job_dir / JOB_STATUS).get("previous") or {}
+    name = job_name(config)
+    if previous.get("status") == "ok" and "config" in previous and (job_dir / "adapter").is_dir():
+        current = job_config(cfg)
+        changes = rundir.changed_keys(previous["config"], current)
+        if not changes:
+            return JobPlan("skip", f"{name} finished before with the same config; skipped", previous.get("result"))
+        return JobPlan("restart", f"{name} finished before with another config "
+                                  f"({rundir.describe_changes(changes, previous['config'], current)}); starting it over")
+    if not rundir.holds_run(job_dir):
+        return JobPlan("fresh")
+    from grpo_cli import checkpoint  # torch: not for a skipped job
+
+    found, _damaged = checkpoint.newest_intact(job_dir)
+    if found is None:
+        return JobPlan("restart", f"{name} did not finish and has no intact checkpoint; starting it over")
+    saved, current = rundir.saved_fingerprint(found), rundir.fingerprint(cfg)
+    if saved is None:
+        return JobPlan("restart", f"{name} did not finish and its checkpoint {found} holds no config fingerprint; "
+                                  "starting it over")
+    changes = rundir.changed_keys(saved, current)
+    if changes:
+        return JobPlan("restart", f"{name} did not finish, and its checkpoint {found} was written with another config "
+                                  f"({rundir.describe_changes(changes, saved, current)}); starting it over")
+    return JobPlan("resume", f"{name} did not finish; resuming it from {found}")
+
+
+class JobStopped(Exception):
+    """A sweep job stopped by SIGINT/SIGTERM: `SweepSummary` records it, writes the summary and ends the sweep."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 # ---- the callback --------------------------------------------------------------------------------
 def _is_multirun(config: DictConfig) -> bool:
     return OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN
@@ -384,19 +502,42 @@ class SweepSummary(Callback):
     def __init__(self, exit_on_failure: bool = True, gpu_per_job: bool = True) -> None:
         self.exit_on_failure = exit_on_failure
         self.gpu_per_job = gpu_per_job
+        # SIGINT/SIGTERM between jobs (a job's own StopRequest takes them while it runs): the sweep stops at
+        # the next job boundary instead of dying inside Hydra with a KeyboardInterrupt traceback
+        self._between_jobs: StopRequest | None = None
+        self._handlers = contextlib.ExitStack()
+
+    def __getstate__(self) -> dict:
+        """joblib and submitit pickle the callbacks into their workers: the signal handlers stay in this process."""
+        return {**self.__dict__, "_between_jobs": None, "_handlers": contextlib.ExitStack()}
 
     # -- sweep --
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = _sweep_dir(config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        (sweep_dir / SWEEP_ID_FILE).write_text(uuid.uuid4().hex + "\n")
-        for name in (SUMMARY_CSV, SUMMARY_JSON, CELLS_CSV, CELLS_JSON):
-            (sweep_dir / name).unlink(missing_ok=True)
+        command = sweep_command(OmegaConf.select(config, "hydra.overrides.task"),
+                                OmegaConf.select(config, "hydra.sweeper.params"))
+        overwrite = bool(OmegaConf.select(config, "trainer.overwrite"))
+        if not overwrite and continues_sweep(sweep_dir, command):
+            log.info(f"continuing the sweep in {sweep_dir}: finished jobs are skipped, unfinished ones resumed")
+        else:
+            if find_job_dirs(sweep_dir) and not overwrite:
+                exit_with(ConfigError(
+                    f"hydra.sweep.dir={sweep_dir} holds the jobs of another sweep command; re-run that command to "
+                    "continue it, add trainer.overwrite=true to start every job over, or pick another hydra.sweep.dir"))
+            (sweep_dir / SWEEP_ID_FILE).write_text(uuid.uuid4().hex + "\n")
+            for name in (SUMMARY_CSV, SUMMARY_JSON, CELLS_CSV, CELLS_JSON):
+                (sweep_dir / name).unlink(missing_ok=True)
+        _replace(sweep_dir / SWEEP_COMMAND_FILE, json.dumps(command) + "\n")
         warning = on_policy_clip_sweep(config)
         if warning:
             warn(warning)
+        with contextlib.suppress(ValueError):  # signal handlers can only be set from the main thread
+            self._between_jobs = self._handlers.enter_context(
+                StopRequest(effect="the sweep stops before its next job").installed())
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._handlers.close()
         sweep_dir = _sweep_dir(config)
         rows = write_summary(sweep_dir)
         bad = [r for r in rows if r["status"] != "ok"]
@@ -411,8 +552,13 @@ class SweepSummary(Callback):
         if not _is_multirun(config):
             return
         job_dir = _job_dir(config)
+        if self._between_jobs is not None and self._between_jobs():
+            self._end_sweep(f"stopped by {self._between_jobs.name} before {job_name(config)} started; the sweep "
+                            "stops here; run the same command again to go on from this job", self._between_jobs.signum)
         (job_dir / ERROR_FILE).unlink(missing_ok=True)
-        self._write_status(config, {"status": "running"})
+        previous = _read_json(job_dir / JOB_STATUS)
+        previous.pop("previous", None)
+        self._write_status(config, {"status": "running", "previous": previous or None})  # for plan_job
         if self.gpu_per_job:
             self._place_on_gpu(config)
 
@@ -420,6 +566,8 @@ class SweepSummary(Callback):
         if not _is_multirun(config):
             return
         failed = job_return.status == JobStatus.FAILED
+        if failed and isinstance(job_return._return_value, JobStopped):
+            self._stop_sweep(config, job_return._return_value)
         try:
             if failed:
                 err = job_return._return_value
@@ -428,8 +576,9 @@ class SweepSummary(Callback):
                 (_job_dir(config) / ERROR_FILE).write_text(f"{line}\n\n{tb}")
                 log.error(f"job {config.hydra.job.num} failed: {line}")
                 self._write_status(config, {"status": "failed", "error": line})
-            else:
-                self._write_status(config, {"status": "ok"})
+            else:  # what a re-run of the sweep compares and returns for a finished job (plan_job)
+                self._write_status(config, {"status": "ok", "result": _json_value(job_return.return_value),
+                                            "config": job_config(config)})
         finally:
             if failed and OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER:
                 # BasicSweeper would re-raise this after the batch and drop the rest of the sweep
@@ -439,6 +588,22 @@ class SweepSummary(Callback):
             write_summary(_sweep_dir(config, in_job=True))
         except Exception as err:  # a summary problem must not fail the job
             warn(f"could not write the sweep summary: {error_line(err)}")
+        if self._between_jobs is not None and self._between_jobs():
+            self._end_sweep(f"stopped by {self._between_jobs.name} after {job_name(config)} ended; the sweep stops "
+                            "here; run the same command again to go on from the next job", self._between_jobs.signum)
+
+    def _stop_sweep(self, config: DictConfig, stopped: JobStopped) -> NoReturn:
+        """A stopped job stops the sweep: its status and the summary are written first."""
+        self._write_status(config, {"status": "stopped", "error": str(stopped)})
+        with contextlib.suppress(Exception):
+            write_summary(_sweep_dir(config, in_job=True))
+        self._end_sweep(str(stopped), stopped.signum)
+
+    def _end_sweep(self, line: str, signum: int) -> NoReturn:
+        """Exit 128 + signal: a SystemExit passes Hydra's callback guard and its launcher, so no later job starts."""
+        self._handlers.close()
+        print(f"{program()}: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
 
     def _write_status(self, config: DictConfig, fields: dict) -> None:
         sweep_file = _sweep_dir(config, in_job=True) / SWEEP_ID_FILE
