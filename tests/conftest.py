@@ -15,6 +15,18 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped, in one place, where no CUDA device is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(no_cuda)
+
+
 def script(name: str) -> str:
     path = BIN / name
     return str(path) if path.exists() else shutil.which(name) or name

@@ -229,7 +229,6 @@ def test_process_group_is_joined_before_the_model_loads(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_one_rank_binds_its_gpu_and_nccl_before_the_model_loads(tmp_path):
     seen = run_order_worker(tmp_path, 1, "auto")[0]
     assert seen["group_ready"] and seen["backend"] == "nccl"
