@@ -12,6 +12,9 @@ import pytest
 import torch
 from conftest import read_jsonl, run_cli, script
 
+from grpo_cli.config import validate
+from grpo_cli.errors import UserError
+
 
 def with_pythonpath(folder) -> dict:
     """The environment entry that makes `folder` importable, ahead of (not instead of) the current PYTHONPATH."""
@@ -20,8 +23,9 @@ def with_pythonpath(folder) -> dict:
 
 NO_GPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present here")
 
-# (override, words the one-line message must contain)
-BAD = [
+# (override, words the one-line message must contain): values that validate() refuses, checked in-process; the
+# route from validate() to one line and exit 2 is the same for all of them, run for real once below
+BAD_VALUES = [
     ("algo.num_generations=1", ["algo.num_generations=1", ">= 2"]),
     ("algo.beta=-0.5", ["algo.beta=-0.5", ">= 0"]),
     ("algo.clip_eps=0", ["algo.clip_eps=0", "0 < clip_eps < 1"]),
@@ -44,20 +48,42 @@ BAD = [
     ("+reward.functions.mine._target_=nowhere.fn", ["reward.functions.mine._target_=nowhere.fn", "cannot be imported"]),
     ("data.path=/no/such/file.jsonl", ["data.path=/no/such/file.jsonl", "no such file"]),
     ("trainer.resume=/no/such/checkpoint", ["trainer.resume=/no/such/checkpoint"]),
-    ("model=nope", ["model/nope", "smollm2-135m"]),
-    ("algo.betta=0.1", ["algo.betta"]),
     ("reward.on_error=ignore", ["reward.on_error=ignore", "zero"]),
-    # limits: the tiny model's context is 1024 tokens; data.max_prompt_tokens is 256
-    ("rollout.max_new_tokens=900", ["rollout.max_new_tokens=900", "1156 tokens", "1024-token context",
-                                    "rollout.max_new_tokens<=768"]),
-    ("data.max_prompt_tokens=2000", ["rollout.max_new_tokens=8", "lower data.max_prompt_tokens below 1024"]),
     ("algo.beta=${oops}", ["algo.beta=${oops}", "does not resolve", "'oops' not found"]),
     ("eval.max_new_tokens=${rollout.nope}", ["eval.max_new_tokens=${rollout.nope}", "does not resolve"]),
 ]
 
 
+def cases(table):
+    return [pytest.param(*b, id=b[0]) if type(b) is tuple else b for b in table]
+
+
+@pytest.mark.parametrize("override,words", cases(BAD_VALUES))
+def test_bad_value_is_one_line_naming_key_value_and_what_is_allowed(compose, override, words):
+    with pytest.raises(UserError) as err:
+        validate(compose(["+recipe=quickstart", "model=tiny", override]))
+    line = str(err.value)
+    assert "\n" not in line
+    for word in words:
+        assert word in line, line
+
+
+# the real grpo-train, one case per way a bad invocation is caught: a value validate() refuses, an unknown group
+# option and an unknown key (Hydra's compose), a limit that needs the model's context, an unresolvable value
+BAD_INVOCATIONS = [
+    ("algo.num_generations=1", ["algo.num_generations=1", ">= 2"]),
+    ("model=nope", ["model/nope", "smollm2-135m"]),
+    ("algo.betta=0.1", ["algo.betta"]),
+    # limits: the tiny model's context is 1024 tokens; data.max_prompt_tokens is 256
+    ("rollout.max_new_tokens=900", ["rollout.max_new_tokens=900", "1156 tokens", "1024-token context",
+                                    "rollout.max_new_tokens<=768"]),
+    ("data.max_prompt_tokens=2000", ["rollout.max_new_tokens=8", "lower data.max_prompt_tokens below 1024"]),
+    ("algo.beta=${oops}", ["algo.beta=${oops}", "does not resolve", "'oops' not found"]),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("override,words", [pytest.param(*b, id=b[0]) if type(b) is tuple else b for b in BAD])
+@pytest.mark.parametrize("override,words", cases(BAD_INVOCATIONS))
 def test_bad_invocation_is_one_line_exit_2(tmp_path, override, words):
     proc = run_cli(["+recipe=quickstart", "model=tiny", override], tmp_path, timeout=120)
     lines = proc.stderr.strip().splitlines()
@@ -70,6 +96,7 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, override, words):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
 
 
+@pytest.mark.slow  # a grpo-train subprocess
 def test_prompts_per_step_over_nproc_is_refused_before_torchrun(tmp_path):
     t0 = time.time()
     proc = run_cli(["+recipe=quickstart", "model=tiny", "trainer.nproc=3", "data.prompts_per_step=4"], tmp_path, timeout=120)
@@ -81,6 +108,7 @@ def test_prompts_per_step_over_nproc_is_refused_before_torchrun(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow  # a grpo-train subprocess
 def test_prompts_per_step_over_world_size_inside_torchrun(tmp_path):
     """What every rank of `torchrun --nproc_per_node=2` sees: WORLD_SIZE=2; refused before the process group."""
     proc = run_cli(["+recipe=quickstart", "model=tiny", "data.prompts_per_step=3"], tmp_path, timeout=120,
