@@ -41,6 +41,24 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = N
                           timeout=timeout)
 
 
+# a short real run on the tiny model: 2 steps of 2 prompts x 4 completions of 4 tokens, a checkpoint at step 2,
+# samples every step, a learning rate large enough that the adapter moves the logits
+TRAINED_TINY = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "rollout.max_new_tokens=4",
+                "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=2", "trainer.save_every=2",
+                "trainer.log_samples_every=1", "optimizer.lr=1e-2"]
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_run(tmp_path_factory) -> Path:
+    """The run dir of one real `grpo-train TRAINED_TINY`, trained once for every test that reads a finished run;
+    a test that changes the run works on a copy."""
+    cwd = tmp_path_factory.mktemp("trained_tiny")
+    run = cwd / "run"
+    proc = run_cli([*TRAINED_TINY, f"hydra.run.dir={run}"], cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -4,13 +4,14 @@ also in the middle of generation."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
 
 import pytest
 import torch
-from conftest import read_jsonl, run_cli, script
+from conftest import TRAINED_TINY, read_jsonl, run_cli, script
 
 from grpo_cli.config import validate
 from grpo_cli.errors import UserError
@@ -248,10 +249,9 @@ def test_sigterm_checkpoints_and_exits_143(tmp_path):
 
 
 @pytest.mark.slow
-def test_crafted_pickle_in_checkpoint_is_refused(tmp_path):
+def test_crafted_pickle_in_checkpoint_is_refused(trained_tiny_run, tmp_path):
     run = tmp_path / "run"
-    proc = run_cli([*TINY_RUN, "trainer.max_steps=2", f"hydra.run.dir={run}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    shutil.copytree(trained_tiny_run, run)
     ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
     sentinel = tmp_path / "PWNED"
 
@@ -262,7 +262,7 @@ def test_crafted_pickle_in_checkpoint_is_refused(tmp_path):
     import pickle
 
     (ckpt / "trainer_state.pt").write_bytes(pickle.dumps({"optimizer": Payload()}))
-    proc = run_cli([*TINY_RUN, "trainer.max_steps=4", f"hydra.run.dir={run}", "trainer.resume=auto"], tmp_path)
+    proc = run_cli([*TRAINED_TINY, "trainer.max_steps=4", f"hydra.run.dir={run}", "trainer.resume=auto"], tmp_path)
     assert proc.returncode == 2
     assert "refused" in proc.stderr.strip().splitlines()[-1]
     assert not sentinel.exists()
