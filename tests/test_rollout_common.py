@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_trainer
 
 from grpo_cli import algorithm
 from grpo_cli.models import load_base_model, load_tokenizer
@@ -87,3 +88,19 @@ def test_the_loss_counts_what_the_engine_generated_up_to_its_eos(tokenizer):
                                     beta=0.0, eps_low=0.2, loss_type="grpo")
     loss.backward()
     assert (logp.grad != 0).long().tolist() == [m for m, _ in wanted]
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_the_trainer_loss_mask_is_the_completion_mask_less_truncated_rows_if_asked(compose, tmp_path, mask_truncated):
+    """A real training step of the tiny model with a quarter of its vocabulary made EOS: rows stop early (with
+    padding after the EOS) or run to max_new_tokens; the loss counts exactly the completion mask, and with
+    algo.mask_truncated=true none of a truncated row."""
+    trainer = make_trainer(compose, tmp_path, f"algo.mask_truncated={str(mask_truncated).lower()}")
+    eos = trainer.tokenizer.eos_token_id
+    trainer.model.generation_config.eos_token_id = list(range(eos, trainer.model.config.vocab_size, 4))
+    _, batch = trainer.step(0)
+    roll = batch.rollout
+    assert roll.truncated.any() and not roll.truncated.all()
+    assert (roll.completion_mask[~roll.truncated] == 0).any()  # padding after an EOS
+    kept = (~roll.truncated).float().unsqueeze(1) if mask_truncated else torch.ones(len(roll.truncated), 1)
+    assert torch.equal(batch.mask, roll.completion_mask.float() * kept)
