@@ -41,10 +41,10 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = N
                           timeout=timeout)
 
 
-# a short real run on the tiny model: 2 steps of 2 prompts x 4 completions of 4 tokens, a checkpoint at step 2,
+# a short real run on the tiny model: 6 steps of 2 prompts x 4 completions of 4 tokens, a checkpoint every 2 steps,
 # samples every step, a learning rate large enough that the adapter moves the logits
 TRAINED_TINY = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "rollout.max_new_tokens=4",
-                "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=2", "trainer.save_every=2",
+                "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=6", "trainer.save_every=2",
                 "trainer.log_samples_every=1", "optimizer.lr=1e-2"]
 
 
