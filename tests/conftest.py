@@ -15,6 +15,18 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped, in one place, where no CUDA device is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(no_cuda)
+
+
 def script(name: str) -> str:
     path = BIN / name
     return str(path) if path.exists() else shutil.which(name) or name
@@ -27,6 +39,24 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = N
     full_env.pop("WANDB_API_KEY", None)
     return subprocess.run([script(command), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+# a short real run on the tiny model: 6 steps of 2 prompts x 4 completions of 4 tokens, a checkpoint every 2 steps,
+# samples every step, a learning rate large enough that the adapter moves the logits
+TRAINED_TINY = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "rollout.max_new_tokens=4",
+                "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=6", "trainer.save_every=2",
+                "trainer.log_samples_every=1", "optimizer.lr=1e-2"]
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_run(tmp_path_factory) -> Path:
+    """The run dir of one real `grpo-train TRAINED_TINY`, trained once for every test that reads a finished run;
+    a test that changes the run works on a copy."""
+    cwd = tmp_path_factory.mktemp("trained_tiny")
+    run = cwd / "run"
+    proc = run_cli([*TRAINED_TINY, f"hydra.run.dir={run}"], cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
 
 
 def read_jsonl(path: Path) -> list[dict]:

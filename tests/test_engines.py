@@ -232,7 +232,6 @@ def test_grpo_train_and_eval_with_the_compiled_engine(tmp_path):
 
 
 # ---- CUDA (scripts/gpu_check.sh) --------------------------------------------------------------------
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA_TINY = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=16", "trainer.device=cuda"]
 
 
@@ -250,7 +249,6 @@ def teacher_forced_gap(model, roll) -> float:
 
 
 @pytest.mark.cuda
-@cuda
 def test_cuda_compiled_engine_in_training(compose, tmp_path):
     """bf16 on CUDA with the decode step compiled: compiled once, base bit-identical after 3 steps, the merged
     copy as close to an fp32 policy as the bf16 policy itself is, greedy decoding the policy's argmax."""
@@ -295,7 +293,6 @@ def real_embedded_gguf() -> bool:
 
 
 @pytest.mark.cuda
-@cuda
 @pytest.mark.skipif(not real_embedded_gguf(), reason="the embedded GGUF is not here (or is gpu_check.sh's stand-in)")
 def test_cuda_embedded_model_greedy_through_compiled(compose):
     lm = load_policy(compose(["+recipe=quickstart", "trainer.device=cuda"]).model, "cuda")
@@ -310,7 +307,6 @@ def test_cuda_embedded_model_greedy_through_compiled(compose):
 
 
 @pytest.mark.cuda
-@cuda
 def test_cuda_grpo_train_three_steps_compiled(tmp_path):
     run = tmp_path / "run"
     proc = run_cli([*CUDA_TINY, "trainer.max_steps=3", "rollout.engine=compiled", f"hydra.run.dir={run}"], tmp_path)

@@ -277,14 +277,11 @@ print(tok.decode(model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.s
 
 
 @pytest.mark.slow
-def test_grpo_export_console_script_on_a_trained_run(tmp_path):
-    """grpo-train (2 steps) then grpo-export, both for real; a fresh process without peft loads and generates."""
+def test_grpo_export_console_script_on_a_trained_run(trained_tiny_run, tmp_path):
+    """A run grpo-train made (2 steps) through grpo-export, for real; a fresh process without peft loads and generates."""
     from peft import PeftModel
 
-    run = tmp_path / "run"
-    proc = run_cli([*TINY, "trainer.max_steps=2", "rollout.max_new_tokens=4", "optimizer.lr=1e-2",
-                    f"hydra.run.dir={run}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = trained_tiny_run
     proc = run_cli([str(run), str(tmp_path / "merged"), "--dtype", "fp32"], tmp_path, command="grpo-export")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [line.split("]")[0] for line in proc.stdout.splitlines() if "[" in line] == [

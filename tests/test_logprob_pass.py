@@ -199,8 +199,6 @@ def test_no_op_holds_the_logits_of_more_than_one_chunk(policy):
 
 
 # ---- CUDA (scripts/gpu_check.sh): bf16, self-calibrated against fp32 --------------------------------
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def _qwen_like(tokenizer, dtype, layers=2):
     """Qwen2.5-0.5B's widths (hidden 896, vocab 151936, GQA 14/2) with few layers: random, no hub."""
@@ -218,7 +216,6 @@ def _qwen_like(tokenizer, dtype, layers=2):
 
 
 @pytest.mark.cuda
-@cuda
 def test_cuda_bf16_logprob_pass_matches_full_forward_and_saves_memory():
     tokenizer = load_tokenizer("tiny-random")
     device = torch.device("cuda")

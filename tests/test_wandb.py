@@ -23,9 +23,6 @@ from pathlib import Path
 import pytest
 from conftest import read_jsonl, script
 
-wandb = pytest.importorskip("wandb")
-from wandb.proto import wandb_internal_pb2  # noqa: E402
-
 TINY = ["+recipe=quickstart", "model=tiny", "trainer.max_steps=3", "rollout.max_new_tokens=4"]
 FAKE_KEY = "FAKEwandbKEY" + "0123456789abcdef" * 3  # 60 characters: W&B only checks the length offline
 SECTION_6 = ["reward", "reward_std", "frac_reward_zero_std", "kl", "clip_fraction", "loss", "grad_norm", "entropy",
@@ -37,6 +34,7 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 def wandb_records(path: Path):
     """Yield every `Record` of a .wandb transaction log, checking the file header and each chunk's CRC."""
+    from wandb.proto import wandb_internal_pb2  # imported here: the tests without a W&B run do not pay for it
     data = path.read_bytes()
     ident, magic, version = struct.unpack("<4sHB", data[:HEADER])
     assert (ident, magic) == (b":W&B", 0xBEE1), f"not a W&B log: {data[:HEADER]!r}"
