@@ -31,9 +31,25 @@ def prompts(tiny):
     return chat_prompts(tiny.tokenizer)
 
 
+@pytest.fixture(scope="module")
+def hf(tiny):
+    return engines(tiny)[0]
+
+
 def sample(engine, prompts, seed: int = 3, **options):
     torch.manual_seed(seed)
     return engine.generate(prompts, 2, max_new_tokens=NEW, min_new_tokens=NEW, **options)
+
+
+@pytest.fixture(scope="module")
+def greedy(hf, prompts):
+    return sample(hf, prompts, greedy=True)
+
+
+@pytest.fixture(scope="module")
+def plain(hf, prompts):
+    """Sampled at temperature 1 with no option on."""
+    return sample(hf, prompts)
 
 
 def assert_ends_at_first_stop(tokenizer, full, cut, stop: str) -> None:
@@ -60,22 +76,18 @@ def assert_same_row(a, b, i: int) -> None:
 
 # ---- what each option does ------------------------------------------------------------------------------
 @pytest.mark.parametrize("truncation", [{"top_k": 1}, {"min_p": 0.999}], ids=["top_k=1", "min_p=0.999"])
-def test_sampling_that_keeps_one_token_is_greedy(tiny, prompts, truncation):
+def test_sampling_that_keeps_one_token_is_greedy(hf, prompts, greedy, plain, truncation):
     """top_k=1 keeps the likeliest token only, and so does min_p near 1: sampling at temperature 1 gives the greedy
     tokens, where plain sampling does not."""
-    hf = engines(tiny)[0]
-    greedy = hf.generate(prompts, 2, max_new_tokens=NEW, min_new_tokens=NEW, greedy=True)
     assert torch.equal(sample(hf, prompts, **truncation).completion_ids, greedy.completion_ids)
-    assert not torch.equal(sample(hf, prompts).completion_ids, greedy.completion_ids)
+    assert not torch.equal(plain.completion_ids, greedy.completion_ids)
 
 
-def test_repetition_penalty_pushes_down_tokens_already_seen(tiny, prompts):
-    """The tiny model's greedy completion repeats one token; with a large penalty the likeliest token (top_k=1) is
+def test_repetition_penalty_pushes_down_tokens_already_seen(hf, prompts, greedy):
+    """The tiny model's greedy completions repeat tokens; with a large penalty the likeliest token (top_k=1) is
     never one already in the prompt or the completion."""
-    hf = engines(tiny)[0]
-    plain = sample(hf, prompts, top_k=1).completion_ids.tolist()
     penalised = sample(hf, prompts, top_k=1, repetition_penalty=1e6).completion_ids.tolist()
-    assert all(len(set(row)) < len(row) for row in plain)
+    assert all(len(set(row)) < len(row) for row in greedy.completion_ids.tolist())
     for i, row in enumerate(penalised):
         assert len(set(row)) == len(row) and not set(row) & set(prompts[i // 2])
 
@@ -84,31 +96,25 @@ def test_both_engines_sample_the_same_tokens_with_every_option(tiny, prompts):
     hf, compiled = engines(tiny)
     options = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "min_p": 0.01, "repetition_penalty": 1.3}
     stop = sample(hf, prompts, **options).texts[0][4:7]
-    a = sample(hf, prompts, **options, stop_strings=(stop,))
-    assert_same_rollout(sample(compiled, prompts, **options, stop_strings=(stop,)), a)
-    assert not torch.equal(a.completion_ids, sample(hf, prompts, **{**options, "top_k": 0}).completion_ids)
+    assert_same_rollout(sample(compiled, prompts, **options, stop_strings=(stop,)),
+                        sample(hf, prompts, **options, stop_strings=(stop,)))
 
 
-def test_a_stop_string_ends_the_completion_at_its_first_occurrence(tiny, prompts):
+def test_a_stop_string_ends_the_completion_at_its_first_occurrence(tiny, hf, prompts, plain):
     """The completion keeps the tokens up to the one that completes the stop string (so the string stays in it, as
     with vLLM's include_stop_str_in_output), the mask ends there, and every row is the same sample up to where it
     stops. A stop string acts before min_new_tokens too (that one holds back EOS only)."""
-    hf = engines(tiny)[0]
-    full = sample(hf, prompts)
-    assert bool(full.completion_mask.all()) and bool(full.truncated.all())
-    stop = full.texts[0][5:9]  # four characters in the middle of the first completion, likely across two tokens
+    assert bool(plain.completion_mask.all()) and bool(plain.truncated.all())
+    stop = plain.texts[0][5:9]  # four characters in the middle of the first completion, likely across two tokens
     cut = sample(hf, prompts, stop_strings=(stop,))
-    assert_ends_at_first_stop(tiny.tokenizer, full, cut, stop)
+    assert_ends_at_first_stop(tiny.tokenizer, plain, cut, stop)
     assert int(cut.completion_mask[0].sum()) < NEW
 
 
-def test_greedy_ignores_sampling_options_but_not_stop_strings(tiny, prompts):
-    hf = engines(tiny)[0]
-    greedy = hf.generate(prompts, 1, max_new_tokens=NEW, greedy=True)
-    assert_same_rollout(hf.generate(prompts, 1, max_new_tokens=NEW, greedy=True, top_k=5, repetition_penalty=9.0),
-                        greedy)
+def test_greedy_ignores_sampling_options_but_not_stop_strings(tiny, hf, prompts, greedy):
+    assert_same_rollout(sample(hf, prompts, greedy=True, top_k=5, repetition_penalty=9.0), greedy)
     stop = tiny.tokenizer.decode(greedy.completion_ids[0, :2])
-    stopped = hf.generate(prompts, 1, max_new_tokens=NEW, greedy=True, stop_strings=(stop,))
+    stopped = sample(hf, prompts, greedy=True, stop_strings=(stop,))
     assert_ends_at_first_stop(tiny.tokenizer, greedy, stopped, stop)
     assert int(stopped.completion_mask[0].sum()) <= 2
 
@@ -143,7 +149,7 @@ def test_the_trainer_samples_and_masks_as_the_config_says(compose, tmp_path):
     assert batch.mask.sum(dim=1).tolist() == [2.0] * len(roll.texts)
 
 
-def test_the_evaluator_stops_greedy_completions_and_samples_with_rollouts_options(compose, tiny):
+def test_the_evaluator_stops_greedy_completions_and_samples_with_rollouts_options(compose, tiny, hf):
     """grpo-eval's greedy pass@1 ends at the stop strings and ignores the rest; its pass@k samples with rollout's
     options at eval.temperature (top_k=1 here: the greedy completions again)."""
     seen: list[list[str]] = []
@@ -159,7 +165,7 @@ def test_the_evaluator_stops_greedy_completions_and_samples_with_rollouts_option
         assert evaluator.sampling == sampling_options(cfg.rollout)
         evaluator.judge = judge  # records what it is given
         seen.clear()
-        evaluator.run(engines(tiny)[0])
+        evaluator.run(hf)
         return seen[0], seen[1]
 
     rows = [{"messages": [{"role": "user", "content": q}]} for q in ("Hi", "What is 2 + 3?")]
