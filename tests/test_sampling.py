@@ -205,7 +205,7 @@ def test_reshaped_sampling_with_off_policy_updates_warns(compose, overrides, war
     ("rollout.top_k=2.5", "rollout.top_k=2.5 is invalid: needs an integer >= 0, or null"),
     ("rollout.min_p=1.5", "rollout.min_p=1.5 is invalid: needs 0 <= min_p <= 1, or null"),
     ("rollout.repetition_penalty=0", "rollout.repetition_penalty=0 is invalid: needs repetition_penalty > 0"),
-    ('rollout.stop=[""]', "rollout.stop=[''] is invalid: needs a list of non-empty strings, e.g. rollout.stop="),
+    ('rollout.stop=[""]', "rollout.stop=[''] is invalid: needs a list of non-empty strings, e.g. 'rollout.stop="),
     ("rollout.stop=[1]", "rollout.stop=[1] is invalid: needs a list of non-empty strings"),
     ("rollout.stop=STOP", "rollout.stop=STOP is invalid: needs a list of non-empty strings"),
 ])
@@ -220,4 +220,5 @@ def test_a_bad_stop_string_is_one_line_and_exit_2(tmp_path):
     proc = run_cli(["+recipe=quickstart", "model=tiny", 'rollout.stop=[""]'], tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        "grpo-train: rollout.stop=[''] is invalid: needs a list of non-empty strings, e.g. rollout.stop=[\"</answer>\"]"]
+        "grpo-train: rollout.stop=[''] is invalid: needs a list of non-empty strings, e.g. "
+        "'rollout.stop=[\"</answer>\"]' (quoted for the shell)"]

@@ -101,7 +101,8 @@ ANY_TEXT = Rule(lambda v: isinstance(v, str), "a string")
 MAPPING = Rule(lambda v: isinstance(v, DictConfig), "a mapping")
 TEXT_LIST = Rule(lambda v: isinstance(v, ListConfig) and all(isinstance(t, str) for t in v), "a list of strings")
 STOP_STRINGS = Rule(lambda v: isinstance(v, ListConfig) and all(isinstance(t, str) and t for t in v),
-                   "a list of non-empty strings", failure='needs a list of non-empty strings, e.g. rollout.stop=["</answer>"]')
+                   "a list of non-empty strings",
+                   failure="""needs a list of non-empty strings, e.g. 'rollout.stop=["</answer>"]' (quoted for the shell)""")
 
 
 def registry_names(module: str, attribute: str, *, auto: bool = False) -> Callable[[], tuple]:
