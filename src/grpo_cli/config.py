@@ -172,6 +172,12 @@ def validate(cfg: DictConfig) -> list[str]:
     warnings = []
     if cfg.algo.adv_eps >= 1e-2:
         warnings.append(f"algo.adv_eps={cfg.algo.adv_eps} is near the reward scale and shrinks the advantages; 1e-4 is usual")
+    reshaping = sampling_reshapes(cfg.rollout)
+    if reshaping and not is_on_policy(cfg):
+        warnings.append(f"{', '.join(reshaping)} with algo.mini_batches or algo.num_iterations > 1: completions are "
+                        "sampled from the truncated or penalised distribution, but the clipped ratio's log-probs are "
+                        "the full temperature softmax, so it compares against a distribution that was not the sampling "
+                        "one; leave these options off for off-policy updates (README \"Sampling\")")
     if cfg.model.lora.dropout > 0 and not is_on_policy(cfg) and cfg.algo.check:
         warnings.append("model.lora.dropout > 0 with mini_batches or num_iterations > 1: the ratio == 1 check is "
                         "relaxed by dropout noise")
@@ -201,6 +207,14 @@ def check_mini_batches(cfg: DictConfig, world_size: int = 1) -> None:
 def is_on_policy(cfg: DictConfig) -> bool:
     """One optimizer update per rollout batch: the ratio is exactly 1, so clipping never acts."""
     return cfg.algo.get("mini_batches", 1) == 1 and cfg.algo.num_iterations == 1
+
+
+def sampling_reshapes(rollout: DictConfig) -> list[str]:
+    """The sampling options set (key=value) that make the sampled distribution differ from the temperature softmax
+    the loss's log-probs come from: truncation (top_p, top_k, min_p) and the repetition penalty."""
+    reshaping = {"top_p": rollout.top_p < 1, "top_k": bool(rollout.top_k), "min_p": bool(rollout.min_p),
+                 "repetition_penalty": rollout.repetition_penalty != 1}
+    return [f"rollout.{key}={rollout[key]}" for key, on in reshaping.items() if on]
 
 
 CLIP_KEYS = ("algo.clip_eps", "algo.clip_eps_high")

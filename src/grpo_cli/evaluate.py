@@ -20,7 +20,7 @@ from grpo_cli.data import load_rows
 from grpo_cli.errors import ConfigError, Interrupted
 from grpo_cli.rewards import resolve_callable, to_scores
 from grpo_cli.rewards.parsing import extract_final_answer, parse_number
-from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine
+from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine, sampling_options
 
 EVAL_BATCH_PROMPTS = 16
 
@@ -65,17 +65,19 @@ def _vote(texts: list[str]):
 
 class Evaluator:
     def __init__(self, rows: list[dict], tokenizer, judge, *, samples: int, temperature: float, max_new_tokens: int,
-                 max_prompt_tokens: int):
+                 max_prompt_tokens: int, sampling: dict | None = None):
         self.rows, self.tokenizer, self.judge = rows, tokenizer, judge
         self.samples, self.temperature, self.max_new_tokens = samples, temperature, max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
+        # rollout's sampling options (rollout.sampling_options): all of them for pass@k, its stop strings for greedy
+        self.sampling = sampling or {}
 
     @classmethod
     def from_config(cls, cfg, tokenizer, rows: list[dict] | None = None) -> Evaluator:
         rows = eval_rows(cfg) if rows is None else rows
         return cls(rows, tokenizer, accuracy_function(cfg.reward), samples=cfg.eval.samples,
                    temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens,
-                   max_prompt_tokens=cfg.data.max_prompt_tokens)
+                   max_prompt_tokens=cfg.data.max_prompt_tokens, sampling=sampling_options(cfg.rollout))
 
     @classmethod
     def for_training(cls, cfg, lm) -> Evaluator:
@@ -99,13 +101,14 @@ class Evaluator:
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
             ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
-            roll = engine.generate(ids, 1, max_new_tokens=self.max_new_tokens, greedy=True, stop=stop)
+            roll = engine.generate(ids, 1, max_new_tokens=self.max_new_tokens, greedy=True,
+                                   stop_strings=self.sampling.get("stop_strings", ()), stop=stop)
             self._check(roll, stop)
             greedy_correct += self._score(roll.texts, rows)
             if self.samples > 1:
                 k = self.samples
-                sampled = engine.generate(ids, k, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                          stop=stop)
+                sampled = engine.generate(ids, k, max_new_tokens=self.max_new_tokens,
+                                          **{**self.sampling, "temperature": self.temperature}, stop=stop)
                 self._check(sampled, stop)
                 scores = self._score(sampled.texts, [r for r in rows for _ in range(k)])
                 for i, row in enumerate(rows):

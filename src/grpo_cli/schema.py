@@ -101,6 +101,9 @@ TEXT = Rule(lambda v: isinstance(v, str) and bool(v.strip()), "a non-empty strin
 ANY_TEXT = Rule(lambda v: isinstance(v, str), "a string")
 MAPPING = Rule(lambda v: isinstance(v, DictConfig), "a mapping")
 TEXT_LIST = Rule(lambda v: isinstance(v, ListConfig) and all(isinstance(t, str) for t in v), "a list of strings")
+STOP_STRINGS = Rule(lambda v: isinstance(v, ListConfig) and all(isinstance(t, str) and t for t in v),
+                   "a list of non-empty strings",
+                   failure="""needs a list of non-empty strings, e.g. 'rollout.stop=["</answer>"]' (quoted for the shell)""")
 
 
 def registry_names(module: str, attribute: str, *, auto: bool = False) -> Callable[[], tuple]:
@@ -211,7 +214,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("rollout.max_new_tokens", integer(1), "tokens per completion at most", 64),
     Option("rollout.min_new_tokens", integer(0), "tokens before EOS may end a completion (<= max_new_tokens)", 0),
     Option("rollout.temperature", number(0, low_open=True), "sampling temperature", 1.0),
-    Option("rollout.top_p", number(0, 1, low_open=True), "nucleus sampling mass", 1.0),
+    Option("rollout.top_p", number(0, 1, low_open=True), "nucleus sampling mass; 1 = off (the loss's log-probs stay "
+      "the full softmax)", 1.0),
+    # ---- rollout: the sampling options TRL users expect (README "Sampling": what each does to the loss's log-probs)
+    Option("rollout.top_k", integer(0), "sample among the k likeliest tokens only; 0/null = off (the loss's "
+      "log-probs stay the full softmax)", 0, nullable=True),
+    Option("rollout.min_p", number(0, 1), "drop tokens below min_p x the likeliest one's probability; 0/null = off "
+      "(the loss's log-probs stay the full softmax)", 0.0, nullable=True),
+    Option("rollout.repetition_penalty", number(0, low_open=True), "penalise tokens already in the prompt or "
+      "completion (a logit l becomes l/p if l > 0, l*p if not); 1 = off (the loss's log-probs stay unpenalised)", 1.0),
+    Option("rollout.stop", STOP_STRINGS, "a completion ends at the first of these strings, which stays in it (and in "
+      "the loss); \\n and \\t read as newline and tab", []),
     Option("rollout.engine", one_of(names=registry_names("grpo_cli.rollout", "ENGINES", auto=True)),
       "auto = compiled on CUDA, hf on the CPU", "auto"),
     Option("rollout.compile", AUTO_OR_BOOLEAN, "compiled engine: compile the decode step; auto = on CUDA, "

@@ -38,7 +38,7 @@ from grpo_cli.metrics import FINAL_EVAL, final_mean, read_metrics
 from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import build_optimizer
 from grpo_cli.rewards import RewardSet
-from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine
+from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine, sampling_options
 from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import Tracker, open_tracker
 
@@ -234,8 +234,8 @@ class GRPOTrainer:
         torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank)
         t0, compile_before = time.perf_counter(), self.engine.compile_s
         roll = self.engine.generate(enc.ids, G, max_new_tokens=self.roll.max_new_tokens,
-                                    min_new_tokens=self.roll.min_new_tokens, temperature=self.roll.temperature,
-                                    top_p=self.roll.top_p, stop=self.stop)
+                                    min_new_tokens=self.roll.min_new_tokens, **sampling_options(self.roll),
+                                    stop=self.stop)
         if roll.interrupted:
             return None
         compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart

@@ -1,7 +1,7 @@
 """Rollouts: G completions per prompt behind one seam, and the log-prob pass over them.
 
     engine = make_engine(cfg.rollout, lm, max_prompt_tokens=...)   # rollout.engine: a name in ENGINES
-    roll = engine.generate(prompt_ids, G, max_new_tokens=..., temperature=..., stop=...)   # -> Rollout
+    roll = engine.generate(prompt_ids, G, max_new_tokens=..., **sampling_options(cfg.rollout), stop=...)
     engine.policy_changed()                                          # after each optimizer step
     engine.close()
 
@@ -25,6 +25,7 @@ from grpo_cli.rollout.common import (
     left_pad,
     positions,
     prefill,
+    sampling_options,
 )
 from grpo_cli.rollout.compiled import CompiledEngine
 from grpo_cli.rollout.hf import HFEngine, generate
@@ -33,7 +34,7 @@ from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, comp
 __all__ = [
     "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "HFEngine", "Rollout", "StopFn", "as_engine",
     "completion_hidden", "completion_logits", "completion_logprobs", "completion_masks", "encode_prompts",
-    "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill",
+    "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill", "sampling_options",
 ]
 
 

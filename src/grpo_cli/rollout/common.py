@@ -1,9 +1,12 @@
-"""What every engine shares: prompt encoding, the Rollout record, padding, masks, the stop hook."""
+"""What every engine shares: prompt encoding, the Rollout record, padding, masks, the stop hook, the sampling
+options and stop strings."""
 
 from __future__ import annotations
 
+import bisect
 import inspect
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +34,8 @@ class Rollout:
     prompt_ids: torch.Tensor       # [P, Lp] left-padded, one row per prompt (shared by its G completions)
     prompt_mask: torch.Tensor      # [P, Lp]
     completion_ids: torch.Tensor   # [N, T] right-padded
-    completion_mask: torch.Tensor  # [N, T] 1 on real tokens up to and including EOS
-    truncated: torch.Tensor        # [N] bool: hit max_new_tokens without EOS
+    completion_mask: torch.Tensor  # [N, T] 1 on real tokens up to and including EOS or a stop string's last token
+    truncated: torch.Tensor        # [N] bool: hit max_new_tokens without EOS or a stop string
     texts: list[str]
     group_size: int
     interrupted: bool = False      # the caller's stop() fired during generation: partial, to be discarded
@@ -85,10 +88,32 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
+def stop_string_ends(tokenizer, completion: torch.Tensor, lengths: torch.Tensor,
+                     stop_strings: Sequence[str]) -> torch.Tensor:
+    """Per row, how many of its first `lengths` tokens it keeps when it ends at its first stop string: up to and
+    including the token whose text completes the first occurrence; 0 where no stop string occurs."""
+    ends = []
+    for row, length in zip(completion.tolist(), lengths.tolist(), strict=True):
+        def holds_a_stop(n: int, row=row) -> bool:
+            text = tokenizer.decode(row[:n])
+            return any(s in text for s in stop_strings)
+
+        ends.append(bisect.bisect_left(range(length + 1), True, key=holds_a_stop) if holds_a_stop(length) else 0)
+    return torch.tensor(ends, dtype=torch.long, device=completion.device)
+
+
 def finish_rollout(tokenizer, eos: list[int], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                   completion: torch.Tensor, num_generations: int, interrupted: bool) -> Rollout:
-    """Masks, padding after EOS, texts: the part of a Rollout every engine builds the same way."""
+                   completion: torch.Tensor, num_generations: int, interrupted: bool,
+                   stop_strings: Sequence[str] = ()) -> Rollout:
+    """Masks, padding after EOS (or after a stop string's last token), texts: the part of a Rollout every engine
+    builds the same way."""
     cmask, truncated = completion_masks(completion, eos)
+    if stop_strings:
+        ends = stop_string_ends(tokenizer, completion, cmask.sum(dim=1), stop_strings)
+        stopped = ends > 0
+        within = torch.arange(completion.shape[1], device=completion.device) < ends[:, None]
+        cmask = torch.where(stopped[:, None], within.long(), cmask)
+        truncated = truncated & ~stopped
     completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
     texts = tokenizer.batch_decode(completion, skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, completion, cmask, truncated, texts, num_generations, interrupted)
@@ -111,12 +136,22 @@ def output_cache(out):
     return cache if cache is not None else out.get("past_key_values")
 
 
-def stop_criteria(stop: StopFn | None):
+def stop_criteria(stop: StopFn | None, stop_strings: Sequence[str] = (), tokenizer=None, prompt_width: int = 0):
     """A transformers StoppingCriteriaList that ends every row once `stop()` is true (polled each decode step),
-    and remembers that it fired; None when there is nothing to poll."""
+    and remembers that it fired, and ends a row at the first of `stop_strings` in its completion (the tokens
+    after `prompt_width`; finish_rollout cuts the mask at the same token); None when there is nothing to do."""
+    from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+
+    class InCompletion(StopStringCriteria):
+        """transformers' stop-string matcher on the completion only: a stop string that begins in the prompt
+        must not end a completion."""
+
+        def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+            return super().__call__(input_ids[:, prompt_width:], scores, **kwargs)
+
+    criteria = StoppingCriteriaList([InCompletion(tokenizer, list(stop_strings))] if stop_strings else [])
     if stop is None:
-        return None, lambda: False
-    from transformers import StoppingCriteria, StoppingCriteriaList
+        return criteria or None, lambda: False
 
     class StopWhenAsked(StoppingCriteria):
         fired = False
@@ -127,7 +162,8 @@ def stop_criteria(stop: StopFn | None):
             return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
     criterion = StopWhenAsked()
-    return StoppingCriteriaList([criterion]), lambda: criterion.fired
+    criteria.append(criterion)
+    return criteria, lambda: criterion.fired
 
 
 def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
@@ -142,7 +178,9 @@ class Engine:
     """The rollout seam: everything that samples completions for the trainer and the evaluator.
 
     `generate` returns G completions per prompt (rows g*G .. g*G+G-1 share prompt g), sampled from the
-    global torch RNG (the caller seeds it), polling `stop()` at every decode step; `policy_changed()` is
+    global torch RNG (the caller seeds it) with the options of `sampling_kwargs` (greedy ignores all but
+    `stop_strings`), each ended at EOS or at its first stop string, polling `stop()` at every decode step;
+    `sampling_options(cfg.rollout)` gives the sampling keywords of a config; `policy_changed()` is
     called after every optimizer step that changed the policy's weights; `close()` frees what the engine
     holds. Log-probs for the loss never come from an engine: the trainer recomputes them, so an engine may
     sample with other numerics (merged bf16 weights, CUDA graphs) without biasing the update.
@@ -161,8 +199,9 @@ class Engine:
         return cls(lm.model, lm.tokenizer, lm.device)
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
-                 min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                 stop: StopFn | None = None) -> Rollout:
+                 min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, greedy: bool = False,
+                 stop_strings: Sequence[str] = (), stop: StopFn | None = None) -> Rollout:
         raise NotImplementedError
 
     def policy_changed(self) -> None:
@@ -183,8 +222,28 @@ class AutoEngine:
         return ENGINES[name].from_config(cfg_rollout, lm, max_prompt_tokens)
 
 
-def sampling_kwargs(greedy: bool, temperature: float, top_p: float) -> dict:
-    """transformers' generate arguments for our sampling: plain temperature / nucleus sampling, no top-k."""
+def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                    min_p: float = 0.0, repetition_penalty: float = 1.0) -> dict:
+    """transformers' generate arguments for our sampling, each one given even when off, so that a model's own
+    generation_config (a hub model's top_k=20 or repetition_penalty) never adds to it. Greedy is the argmax of
+    the model's distribution, unpenalised."""
     if greedy:
-        return {"do_sample": False}
-    return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        return {"do_sample": False, "repetition_penalty": 1.0}
+    return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k or 0,
+            "min_p": min_p or None, "repetition_penalty": repetition_penalty}
+
+
+ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """`\\n`, `\\t`, `\\r` and `\\\\` as the command line can type them (Hydra keeps the backslash) read as
+    newline, tab, carriage return and one backslash."""
+    return re.sub(r"\\[ntr\\]", lambda m: ESCAPES[m.group()], text)
+
+
+def sampling_options(cfg_rollout) -> dict:
+    """The sampling keywords of `Engine.generate` for the `rollout` config group (null = off)."""
+    return {"temperature": cfg_rollout.temperature, "top_p": cfg_rollout.top_p, "top_k": cfg_rollout.top_k or 0,
+            "min_p": cfg_rollout.min_p or 0.0, "repetition_penalty": cfg_rollout.repetition_penalty,
+            "stop_strings": tuple(unescape(s) for s in cfg_rollout.stop or ())}

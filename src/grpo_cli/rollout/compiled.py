@@ -8,7 +8,8 @@ What it changes against `hf`, and why (measured on an H200, see README "Speed"):
   calls, so every decode step has the same shapes and the compiled step is captured once;
 - the prompts are prefilled per completion row (the static cache has one row per completion), not once per
   group: prefill is a few percent of a rollout on a GPU, and the cache trick needs a dynamic cache.
-Sampling is transformers' own (temperature, top_p, min_new_tokens, EOS), from the caller-seeded global RNG.
+Sampling is transformers' own (temperature, top_p, top_k, min_p, repetition_penalty, min_new_tokens, EOS, stop
+strings), from the caller-seeded global RNG: the same tokens as `hf` at the same seed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -75,8 +77,9 @@ class CompiledEngine(Engine):
         self.policy = None
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
-                 min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                 stop: StopFn | None = None) -> Rollout:
+                 min_new_tokens: int = 0, stop_strings: Sequence[str] = (), stop: StopFn | None = None,
+                 **sampling) -> Rollout:
+        """See Engine.generate; `sampling`: the keywords of `sampling_kwargs`."""
         model = self.inference_model()
         ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, self.device)
         rows = ids.shape[0] * num_generations
@@ -102,12 +105,13 @@ class CompiledEngine(Engine):
                     self.stop_compiling(err)
                     common.update(self.compile_kwargs())
             cache.reset()
-            criteria, fired = stop_criteria(stop)
+            criteria, fired = stop_criteria(stop, stop_strings, self.tokenizer, ids.shape[1])
             out = model.generate(**common, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                 stopping_criteria=criteria, **sampling_kwargs(greedy, temperature, top_p))
+                                 stopping_criteria=criteria, **sampling_kwargs(**sampling))
         finally:
             model.train(was_training)
-        return finish_rollout(self.tokenizer, eos, ids, mask, out[:rows, ids.shape[1]:], num_generations, fired())
+        return finish_rollout(self.tokenizer, eos, ids, mask, out[:rows, ids.shape[1]:], num_generations, fired(),
+                              stop_strings)
 
     # ---- parts ------------------------------------------------------------------------------------
     def inference_model(self):

@@ -3,6 +3,8 @@ prompt prefilled once and its KV cache repeated for its G completions. The CPU d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from grpo_cli.rollout.common import (
@@ -22,16 +24,17 @@ from grpo_cli.rollout.common import (
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: int, max_new_tokens: int,
-             min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-             device=None, stop: StopFn | None = None) -> Rollout:
-    """G completions for each prompt, ordered so rows g*G .. g*G+G-1 share prompt g.
+             min_new_tokens: int = 0, device=None, stop_strings: Sequence[str] = (), stop: StopFn | None = None,
+             **sampling) -> Rollout:
+    """G completions for each prompt, ordered so rows g*G .. g*G+G-1 share prompt g; `sampling`: the
+    keywords of `sampling_kwargs` (greedy, temperature, top_p, top_k, min_p, repetition_penalty).
 
     The prompts are prefilled once and their KV cache repeated G times, instead of prefilling every
     prompt G times as `num_return_sequences` would."""
     device = device or next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, device)
     eos = eos_ids(model, tokenizer)
-    criteria, fired = stop_criteria(stop)
+    criteria, fired = stop_criteria(stop, stop_strings, tokenizer, ids.shape[1])
     was_training = model.training
     model.eval()
     try:
@@ -44,11 +47,11 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: 
             input_ids=ids.repeat_interleave(num_generations, dim=0),
             attention_mask=mask.repeat_interleave(num_generations, dim=0), **cache,
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos, stopping_criteria=criteria, **sampling_kwargs(greedy, temperature, top_p),
+            eos_token_id=eos, stopping_criteria=criteria, **sampling_kwargs(**sampling),
         )
     finally:
         model.train(was_training)
-    return finish_rollout(tokenizer, eos, ids, mask, out[:, ids.shape[1]:], num_generations, fired())
+    return finish_rollout(tokenizer, eos, ids, mask, out[:, ids.shape[1]:], num_generations, fired(), stop_strings)
 
 
 @ENGINES.register("hf")
@@ -57,9 +60,7 @@ class HFEngine(Engine):
 
     name = "hf"
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
-                 min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                 stop: StopFn | None = None) -> Rollout:
-        return generate(self.model, self.tokenizer, prompt_ids, num_generations=num_generations,
-                        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, temperature=temperature,
-                        top_p=top_p, greedy=greedy, device=self.device, stop=stop)
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, **options) -> Rollout:
+        """See Engine.generate for the options."""
+        return generate(self.model, self.tokenizer, prompt_ids, num_generations=num_generations, device=self.device,
+                        **options)
