@@ -260,11 +260,12 @@ def test_crafted_pickle_in_checkpoint_is_refused(trained_tiny_run, tmp_path):
 
     import pickle
 
-    from grpo_cli.checkpoint import write_manifest
+    from grpo_cli.checkpoint import damage, write_manifest
 
     (ckpt / "trainer_state.pt").write_bytes(pickle.dumps({"optimizer": Payload()}))
     write_manifest(ckpt)  # the file matches its manifest: only the weights-only loader stands in the way
-    proc = run_cli([*TRAINED_TINY, "trainer.max_steps=8", f"hydra.run.dir={run}", "trainer.resume=auto",
+    assert "trainer_state.pt was refused" in damage(ckpt)  # resume=auto skips it, naming why, for an older one
+    proc = run_cli([*TRAINED_TINY, "trainer.max_steps=8", f"hydra.run.dir={run}", f"trainer.resume={ckpt}",
                     "trainer.resume_allow_changes=[trainer.max_steps]"], tmp_path)
     assert proc.returncode == 2
     assert "refused" in proc.stderr.strip().splitlines()[-1]

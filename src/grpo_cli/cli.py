@@ -135,14 +135,14 @@ def _train_task(cfg) -> float:
                 _quiet_libraries()  # heavy imports only after the config is known good
                 from grpo_cli.evaluate import Evaluator, final_eval_on
                 from grpo_cli.trainer import GRPOTrainer
-                cfg.eval.final = final_eval_on(cfg, multirun=_is_multirun())  # auto: on in a sweep
                 if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
                     clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
                     warnings += [clip] if clip else []
                 for text in warnings if is_rank_zero() else []:
                     warn(text)
 
-                trainer = GRPOTrainer(cfg, run_dir, stop=stop, make_evaluator=partial(Evaluator.for_training, cfg))
+                trainer = GRPOTrainer(cfg, run_dir, stop=stop, make_evaluator=partial(Evaluator.for_training, cfg),
+                                      final_eval=final_eval_on(cfg, multirun=_is_multirun()))
                 try:
                     summary = trainer.fit()
                 finally:

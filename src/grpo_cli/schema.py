@@ -179,6 +179,7 @@ class Option:
     nullable: bool = False
     optional: bool = False
     free: bool = False
+    row: str = ""  # options of one section with the same row share a line of the README table
 
     @property
     def rules(self) -> tuple[Rule, ...]:
@@ -194,9 +195,9 @@ OPTIONS: tuple[Option, ...] = (
     # ---- algo: the GRPO objective
     Option("algo.num_generations", integer(2), "G: completions per prompt (the group)", 8),
     Option("algo.beta", number(0), "KL coefficient; 0 skips the reference pass", 0.04),
-    Option("algo.clip_eps", number(0, 1, low_open=True, high_open=True), "eps_low of the clipped ratio", 0.2),
+    Option("algo.clip_eps", number(0, 1, low_open=True, high_open=True), "eps_low of the clipped ratio", 0.2, row="clip"),
     Option("algo.clip_eps_high", number(0, 1, low_open=True, high_open=True), "eps_high; null = clip_eps", None,
-      nullable=True),
+      nullable=True, row="clip"),
     Option("algo.adv_eps", number(0, 1, low_open=True, high_open=True),
       "stability constant in the advantage denominator (1e-4 is usual)", 1.0e-4),
     Option("algo.scale_rewards", one_of("group", "batch", "none"),
@@ -205,8 +206,8 @@ OPTIONS: tuple[Option, ...] = (
       "how token losses add up (see Loss types)", "grpo"),
     Option("algo.ratio_level", one_of("token", "sequence"), "importance ratio per token, or per sequence (GSPO)", "token"),
     Option("algo.mini_batches", integer(1), "optimizer updates per rollout batch, on whole groups; 1 (and "
-      "num_iterations 1) = on-policy, clipping never acts", 1),
-    Option("algo.num_iterations", integer(1), "mu: passes over the mini-batches of one rollout batch", 1),
+      "num_iterations 1) = on-policy, clipping never acts", 1, row="updates"),
+    Option("algo.num_iterations", integer(1), "mu: passes over the mini-batches of one rollout batch", 1, row="updates"),
     Option("algo.mask_truncated", BOOLEAN, "leave completions that hit max_new_tokens without EOS out of the loss",
       False),
     Option("algo.check", BOOLEAN, "live invariant checks (cheap)", True),
@@ -218,11 +219,11 @@ OPTIONS: tuple[Option, ...] = (
       "the full softmax)", 1.0),
     # ---- rollout: the sampling options TRL users expect (README "Sampling": what each does to the loss's log-probs)
     Option("rollout.top_k", integer(0), "sample among the k likeliest tokens only; 0/null = off (the loss's "
-      "log-probs stay the full softmax)", 0, nullable=True),
+      "log-probs stay the full softmax)", 0, nullable=True, row="truncation"),
     Option("rollout.min_p", number(0, 1), "drop tokens below min_p x the likeliest one's probability; 0/null = off "
-      "(the loss's log-probs stay the full softmax)", 0.0, nullable=True),
+      "(the loss's log-probs stay the full softmax)", 0.0, nullable=True, row="truncation"),
     Option("rollout.repetition_penalty", number(0, low_open=True), "penalise tokens already in the prompt or "
-      "completion (a logit l becomes l/p if l > 0, l*p if not); 1 = off (the loss's log-probs stay unpenalised)", 1.0),
+      "completion (a logit l becomes l/p if l > 0, l*p if not); 1 = off (the loss's log-probs stay unpenalised)", 1.0, row="truncation"),
     Option("rollout.stop", STOP_STRINGS, "a completion ends at the first of these strings, which stays in it (and in "
       "the loss); \\n and \\t read as newline and tab", []),
     Option("rollout.engine", one_of(names=registry_names("grpo_cli.rollout", "ENGINES", auto=True)),
@@ -240,8 +241,8 @@ OPTIONS: tuple[Option, ...] = (
       "pass", 1024, nullable=True),
     Option("trainer.gradient_checkpointing", BOOLEAN, "recompute activations in the backward (less memory, ~1/3 "
       "more compute)", False),
-    Option("trainer.save_every", integer(0), "checkpoint every K steps; 0 = only the final adapter", 0),
-    Option("trainer.keep_last", integer(1), "checkpoints kept", 2),
+    Option("trainer.save_every", integer(0), "checkpoint every K steps; 0 = only the final adapter", 0, row="checkpoints"),
+    Option("trainer.keep_last", integer(1), "checkpoints kept", 2, row="checkpoints"),
     Option("trainer.resume", RESUME, "auto (with hydra.run.dir=RUN_DIR) or a checkpoint / run dir path; a used "
       "run dir takes only auto or its own",
       None, nullable=True),
@@ -254,10 +255,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("trainer.nproc", integer(1), "processes; > 1 relaunches under torchrun", 1),
     # ---- eval: held-out accuracy (grpo-eval, and during training)
     Option("eval.every", integer(0), "evaluate every K training steps; 0 = never (needs reward.accuracy)", 0),
-    Option("eval.num_prompts", integer(1), "held-out prompts per evaluation", 50),
-    Option("eval.samples", integer(1), "k: pass@k and majority@k when > 1", 1),
-    Option("eval.temperature", number(0, low_open=True), "sampling temperature when samples > 1", 0.8),
-    Option("eval.max_new_tokens", integer(1), "tokens per completion at most", "${rollout.max_new_tokens}"),
+    Option("eval.num_prompts", integer(1), "held-out prompts per evaluation", 50, row="held-out"),
+    Option("eval.samples", integer(1), "k: pass@k and majority@k when > 1", 1, row="held-out"),
+    Option("eval.temperature", number(0, low_open=True), "sampling temperature when samples > 1", 0.8, row="held-out"),
+    Option("eval.max_new_tokens", integer(1), "tokens per completion at most", "${rollout.max_new_tokens}", row="held-out"),
     Option("eval.adapter", ADAPTER, "grpo-eval: a trained adapter dir; null = the base model", None, nullable=True),
     Option("eval.final", AUTO_OR_BOOLEAN, "greedy eval on the fixed held-out prompts after the last step "
       "(final_eval.json); auto = in a sweep when the data has a held-out split", "auto"),
@@ -265,6 +266,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("sweep.metric", one_of(names=registry_names("grpo_cli.sweep", "RANK_METRICS", auto=True)),
       "the summary column cells are ranked by (higher is better); auto = final_eval_accuracy where every job "
       "has it, else mean_reward", "auto"),
+    Option("sweep.seeds", Rule(lambda v: v == 1, "1", failure="averaging one trial over several seeds is not "
+      "supported (hydra-optuna-sweeper runs exactly one job per trial); use 1 and sweep trainer.seed=0,1,2 "
+      "with the basic sweeper, whose summary groups the seeds of a setting"), "seeds per Optuna trial (only 1 "
+      "for now)", 1),
     # ---- model=NAME
     Option("model.name_or_path", MODEL_NAME, "hub id, local dir, embedded:NAME or tiny-random"),
     Option("model.trust_remote_code", BOOLEAN, "run a hub model's own code"),
@@ -281,12 +286,12 @@ OPTIONS: tuple[Option, ...] = (
     # ---- data=NAME
     Option("data.source", one_of("sums", "reasoning_gym", "hf", "jsonl"), "where prompts come from (hf: a hub id or local "
       "files through `datasets`; jsonl: the same reader, named for a .jsonl data.path)"),
-    Option("data.task", TEXT, "reasoning_gym: the generator", optional=True),
-    Option("data.task_args", MAPPING, "reasoning_gym: the generator's arguments", optional=True, free=True),
-    Option("data.low", integer(), "sums: smallest term", optional=True),
-    Option("data.high", integer(), "sums: largest term (>= low)", optional=True),
-    Option("data.size", integer(1), "generated training prompts", optional=True),
-    Option("data.eval_size", integer(1), "generated held-out prompts", optional=True),
+    Option("data.task", TEXT, "reasoning_gym: the generator", optional=True, row="reasoning_gym"),
+    Option("data.task_args", MAPPING, "reasoning_gym: the generator's arguments", optional=True, free=True, row="reasoning_gym"),
+    Option("data.low", integer(), "sums: smallest term", optional=True, row="generated"),
+    Option("data.high", integer(), "sums: largest term (>= low)", optional=True, row="generated"),
+    Option("data.size", integer(1), "generated training prompts", optional=True, row="generated"),
+    Option("data.eval_size", integer(1), "generated held-out prompts", optional=True, row="generated"),
     Option("data.question_suffix", ANY_TEXT, "appended to each question"),
     Option("data.system_prompt", ANY_TEXT, "system turn; null = the model's own default", nullable=True),
     Option("data.prompts_per_step", integer(1), "prompts per step (each sampled G times)"),
@@ -295,15 +300,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("data.path", DATA_PATH, "training rows: .jsonl/.json/.parquet/.csv/.arrow file or glob, or a "
       "save_to_disk dir; null = the source's own", nullable=True),
     Option("data.eval_path", DATA_PATH, "held-out rows, as data.path; null = the source's own", nullable=True),
-    Option("data.name", TEXT, "hf: a hub dataset id (data.path wins when both are set)", nullable=True, optional=True),
-    Option("data.config", TEXT, "hf: the hub dataset's config (subset)", nullable=True, optional=True),
-    Option("data.split", TEXT, "hf: the training split of data.name or of a saved DatasetDict", optional=True),
+    Option("data.name", TEXT, "hf: a hub dataset id (data.path wins when both are set)", nullable=True, optional=True, row="hub"),
+    Option("data.config", TEXT, "hf: the hub dataset's config (subset)", nullable=True, optional=True, row="hub"),
+    Option("data.split", TEXT, "hf: the training split of data.name or of a saved DatasetDict", optional=True, row="hub"),
     Option("data.eval_split", TEXT, "hf: the held-out split of data.name or of a saved DatasetDict (or use "
-      "data.eval_path)", nullable=True, optional=True),
+      "data.eval_path)", nullable=True, optional=True, row="hub"),
     Option("data.prompt_column", TEXT, "hf, jsonl: the column of prompts (text or chat messages); prompt falls back "
-      "to messages", optional=True),
+      "to messages", optional=True, row="columns"),
     Option("data.answer_column", TEXT, "hf, jsonl: a column that reaches rewards as answer; null = every column "
-      "under its own name", nullable=True, optional=True),
+      "under its own name", nullable=True, optional=True, row="columns"),
     # ---- optimizer=NAME
     Option("optimizer", MAPPING, "the common keys below and exactly the keys its builder (optim.OPTIMIZERS) reads",
       free=True),
@@ -312,9 +317,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("optimizer.weight_decay", number(0), "decoupled weight decay"),
     Option("optimizer.warmup_steps", integer(0), "linear warmup, in training steps"),
     Option("optimizer.schedule", one_of("constant", "linear", "cosine"), "learning rate after warmup"),
-    Option("optimizer.betas", BETAS, "adamw: moment decay rates", optional=True),
-    Option("optimizer.momentum", number(0, 1, high_open=True), "sgd: momentum", optional=True),
-    Option("optimizer.nesterov", BOOLEAN, "sgd: Nesterov momentum (needs momentum > 0)", optional=True),
+    Option("optimizer.betas", BETAS, "adamw: moment decay rates", optional=True, row="own"),
+    Option("optimizer.momentum", number(0, 1, high_open=True), "sgd: momentum", optional=True, row="own"),
+    Option("optimizer.nesterov", BOOLEAN, "sgd: Nesterov momentum (needs momentum > 0)", optional=True, row="own"),
     # ---- logger=NAME
     Option("logger.backend", one_of(names=registry_names("grpo_cli.tracking", "LOGGERS")), "where metrics go besides metrics.jsonl and the console"),
     Option("logger.wandb.mode", one_of(names=registry_names("grpo_cli.tracking", "WANDB_MODES")),
@@ -336,10 +341,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("reward.functions.*._target_", DOTTED_PATH, "dotted path of the function or class"),
     Option("reward.functions.*.weight", number(), "its weight in the summed reward (1 when left out)", optional=True),
     # ---- sweep: resuming a sweep, averaging an Optuna trial over seeds
-    Option("sweep.seeds", Rule(lambda v: v == 1, "1", failure="averaging one trial over several seeds is not "
-      "supported (hydra-optuna-sweeper runs exactly one job per trial); use 1 and sweep trainer.seed=0,1,2 "
-      "with the basic sweeper, whose summary groups the seeds of a setting"), "seeds per Optuna trial (only 1 "
-      "for now)", 1),
 )
 
 def root_defaults() -> dict:
@@ -446,15 +447,16 @@ def _markdown_cells(cfg: DictConfig, option: Option) -> tuple[str, str, str]:
 
 
 def markdown_rows(cfg: DictConfig) -> list[str]:
-    """One row per option; options three or more levels deep that share a parent (model.lora.*, logger.wandb.*)
-    share a row, each part named, so the table stays short."""
+    """One row per option; options three or more levels deep that share a parent (model.lora.*, logger.wandb.*),
+    and options of a section declared with the same `row`, share a row, each part named, so the table stays short."""
     rows: list[tuple[str, list[Option]]] = []
     for option in OPTIONS:
-        parent = option.key.rpartition(".")[0] if option.key.count(".") >= 2 else option.key
-        if rows and rows[-1][0] == parent and parent != option.key:
+        section = option.key.rpartition(".")[0]
+        shared = f"{section}/{option.row}" if option.row else section if option.key.count(".") >= 2 else option.key
+        if rows and rows[-1][0] == shared and shared != option.key:
             rows[-1][1].append(option)
         else:
-            rows.append((parent, [option]))
+            rows.append((shared, [option]))
     lines = []
     for parent, options in rows:
         if len(options) == 1:
@@ -465,7 +467,8 @@ def markdown_rows(cfg: DictConfig) -> list[str]:
             parts = [_markdown_cells(cfg, o) for o in options]
             cells = tuple("; ".join(f"{n}: {c[i]}" for n, c in zip(names, parts, strict=True) if c[i] not in ("", "-"))
                           for i in range(3))
-            key = f"`{parent.replace('*', 'NAME')}.`{{{', '.join(names)}}}"
+            parent = options[0].key.rpartition(".")[0].replace("*", "NAME")
+            key = f"`{parent}.`{{{', '.join(names)}}}"
         lines.append(f"| {key} | {cells[0]} | {cells[1]} | {cells[2]} |".replace("|  |", "| |"))
     return lines
 

@@ -181,7 +181,8 @@ class GRPOTrainer:
     errors.warn (the run's console while it logs)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, lm: LoadedModel | None = None, rows: list[dict] | None = None,
-                 stop: StopRequest | None = None, *, make_evaluator: Callable[[LoadedModel], Callable] | None = None):
+                 stop: StopRequest | None = None, *, make_evaluator: Callable[[LoadedModel], Callable] | None = None,
+                 final_eval: bool | None = None):
         self.cfg, self.run_dir = cfg, run_dir
         self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
         # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
@@ -190,8 +191,8 @@ class GRPOTrainer:
         seed_everything(self.tcfg.seed)
         rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
         self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
-        # eval.final is resolved by the CLI (auto: in a sweep); a trainer built by hand takes auto as a single run
-        self.final_eval = final_eval_on(cfg, multirun=False)
+        # eval.final resolved (auto: in a sweep) by the CLI, which knows; a trainer built by hand is a single run
+        self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
         self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
