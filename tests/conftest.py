@@ -59,6 +59,21 @@ def trained_tiny_run(tmp_path_factory) -> Path:
     return run
 
 
+def module_on_path(tmp_path_factory, name: str, source: str) -> dict:
+    """An environment whose PYTHONPATH starts with a folder holding module `name` (its text `source`)."""
+    folder = tmp_path_factory.mktemp(name)
+    (folder / f"{name}.py").write_text(source)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+def finished_run(tmp_path_factory, label: str, args: list[str], env: dict) -> Path:
+    """The run dir of a grpo-train run with `args` that finished (exit 0)."""
+    run = tmp_path_factory.mktemp(label) / "run"
+    proc = run_cli([*args, f"hydra.run.dir={run}"], run.parent, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

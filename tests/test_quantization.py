@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import read_jsonl, run_cli
+from conftest import finished_run, module_on_path, read_jsonl, run_cli
 
 from grpo_cli.errors import ConfigError
 
@@ -53,19 +53,13 @@ def test_the_compiled_engine_refuses_a_quantized_base_in_one_line(compose):
 # ---- a 3-step nf4 run, its resume, eval load and export ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rewards_env(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("rewards")
-    (folder / "qlora_rewards.py").write_text(REWARDS)
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+    return module_on_path(tmp_path_factory, "qlora_rewards", REWARDS)
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, rewards_env):
     """A finished 3-step nf4 run with checkpoints after steps 1, 2 and 3 (not to be changed)."""
-    cwd = tmp_path_factory.mktemp("straight")
-    run = cwd / "run"
-    proc = run_cli([*RUN, f"hydra.run.dir={run}"], cwd, env=rewards_env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+    return finished_run(tmp_path_factory, "straight", RUN, rewards_env)
 
 
 @needs_bnb

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import read_jsonl, run_cli, script
+from conftest import finished_run, module_on_path, read_jsonl, run_cli, script
 
 REWARDS = '''
 import os, time
@@ -35,19 +35,13 @@ ADAPTER = "adapter/adapter_model.safetensors"
 
 @pytest.fixture(scope="module")
 def rewards_env(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("rewards")
-    (folder / "rundir_rewards.py").write_text(REWARDS)
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+    return module_on_path(tmp_path_factory, "rundir_rewards", REWARDS)
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, rewards_env):
     """A finished 4-step run (not to be changed: tests copy it)."""
-    cwd = tmp_path_factory.mktemp("finished")
-    run = cwd / "run"
-    proc = run_cli([*RUN, f"hydra.run.dir={run}"], cwd, env=rewards_env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+    return finished_run(tmp_path_factory, "finished", RUN, rewards_env)
 
 
 @pytest.fixture
