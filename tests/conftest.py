@@ -15,6 +15,16 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers) each worker and the processes it starts get one torch
+    thread: two workers of two threads each on two cores spend their time waiting for each other."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` are skipped, in one place, where no CUDA device is visible."""
     import torch
