@@ -148,6 +148,7 @@ def run_eval(cfg, run_dir: Path, stop=None) -> dict:
     label = str(Path(adapter).expanduser()) if adapter else "base"
     evaluator = Evaluator.from_config(cfg, lm.tokenizer, rows)
     engine = make_engine(cfg.rollout, lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    Console().print(f"evaluating {label} on {len(evaluator.rows)} held-out prompts", markup=False, highlight=False)
     try:
         result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(engine, stop)}
     finally:

@@ -473,8 +473,9 @@ class Tracker:
     """Fans each call out to its sinks, in order (the console last); with no sinks (ranks other than 0) it
     drops everything. From its opening to `close` it is where errors.warn() sends warnings."""
 
-    def __init__(self, sinks: list[MetricSink]):
+    def __init__(self, sinks: list[MetricSink], say: Callable[[str], None] | None = None):
         self.sinks = list(sinks)
+        self.say = say or (lambda text: None)  # a line for the user (the console), not a record
         send_warnings_to(self._show_warning)
 
     def log(self, row: dict) -> None:
@@ -509,7 +510,7 @@ def open_tracker(run_dir: Path, cfg_logger, config: dict, total_steps: int, star
     console; warnings go to it from here on."""
     console = ConsoleView(total_steps, start_step)
     files = JsonlSink(run_dir)
-    tracker = Tracker([files, console])  # takes the warnings already: a logger that cannot start says so here
+    tracker = Tracker([files, console], say=console.say)  # takes the warnings already: a logger that cannot start says so here
     cfg_logger = _plain(cfg_logger) or {}
     run = RunInfo(Path(run_dir), _plain(config), total_steps, start_step, resume, say=console.say)
     logger = LOGGERS.lookup(str(cfg_logger.get("backend") or "none"))(cfg_logger, run)

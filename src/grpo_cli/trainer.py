@@ -501,7 +501,7 @@ class GRPOTrainer:
                 last_complete = rng_snapshot()
                 self.checkpoint_if_due(step + 1)
             adapter_dir = self.save_adapter()
-            final_eval = self.final_evaluation()  # polls the stop request too
+            final_eval = self.final_evaluation(tracker)  # polls the stop request too
         return self.finish(tracker, adapter_dir, time.time() - t_start, final_eval)
 
     def resume(self) -> int:
@@ -533,6 +533,7 @@ class GRPOTrainer:
         every = self.cfg.eval.every
         if self.evaluator is not None and every and (step + 1) % every == 0:
             if self.dist.is_main:
+                tracker.say(f"evaluating after step {step + 1} on the held-out prompts")
                 try:
                     result = self.evaluator(self.engine, stop=self.stop)
                     metrics.update(result)
@@ -553,7 +554,7 @@ class GRPOTrainer:
             if stopping:
                 raise Interrupted(self.stop.signum or signal.SIGTERM, ckpt, completed=done)
 
-    def final_evaluation(self) -> dict | None:
+    def final_evaluation(self, tracker: Tracker) -> dict | None:
         """eval.final: the greedy eval of the trained policy on the held-out prompts, written to final_eval.json
         (rank 0; None elsewhere or when off). An eval.every eval after the last step is reused: same prompts, same
         weights, greedy. A stop request here raises Interrupted with a checkpoint after the last step, whose
@@ -566,6 +567,7 @@ class GRPOTrainer:
             if self.last_eval is not None and self.last_eval[0] == steps:
                 result = self.last_eval[1]
             else:
+                tracker.say("final evaluation on the held-out prompts (eval.final)")
                 try:
                     result = self.evaluator(self.engine, stop=self.stop)
                 except Interrupted:
