@@ -58,6 +58,7 @@ def test_issue_acceptance_command_outside_repo(tmp_path):
     warned = [line for line in proc.stderr.splitlines() if "algo.clip_eps has no effect here" in line]
     assert len(warned) == 1 and warned[0].startswith("grpo-train: warning: "), proc.stderr[-3000:]
     assert "algo.clip_eps has no effect here" not in proc.stdout
+    assert "kernels-community" not in proc.stderr + proc.stdout  # bitsandbytes' CPU note on every run, kept quiet
 
 
 def test_user_recipe_in_working_directory(tmp_path):

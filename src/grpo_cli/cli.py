@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -87,6 +88,10 @@ def _quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # peft imports bitsandbytes whenever it is installed, quantized base or not; on a CPU that logs, every run, that
+    # an optional package (`kernels`) for its 4-bit matmul is missing
+    bnb_cpu = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    bnb_cpu.addFilter(lambda record: "kernels-community" not in record.getMessage())
 
 
 def _validated(cfg) -> list[str]:
@@ -221,7 +226,9 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> None:
         # beside the other overrides: argparse takes them only as one unbroken run (`a=b --flag x c=d` fails)
         first = next(i for i, a in enumerate(argv) if "=" in a and not a.startswith("-"))
         argv = [*argv[:first], f"hydra.run.dir=outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}", *argv[first:]]
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "grpo_cli.train", *argv]
+    # --standalone: a free port for the rendezvous, so two runs on one machine do not both take torchrun's 29500
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+               "grpo_cli.train", *argv]
     os.execv(sys.executable, command)
 
 
