@@ -42,8 +42,7 @@ RUN_MARKERS = RUN_OUTPUTS[:4]
 # the keys (or whole sections) that decide what a step computes
 FINGERPRINT_KEYS = (
     "model", "algo", "data", "reward", "optimizer",
-    "rollout.max_new_tokens", "rollout.min_new_tokens", "rollout.temperature", "rollout.top_p",
-    "trainer.seed", "trainer.max_steps", "trainer.micro_batch_size", "trainer.logprob_chunk_size",
+    "rollout", "trainer.seed", "trainer.max_steps", "trainer.micro_batch_size", "trainer.logprob_chunk_size",
     "trainer.max_grad_norm",
 )
 NOT_FINGERPRINTED = ("algo.check", "reward.timeout_s", "reward.accuracy")  # checks and limits, not the computation
@@ -165,7 +164,12 @@ def fingerprint(cfg: DictConfig) -> dict:
 
 
 def changed_keys(saved: dict, current: dict) -> list[str]:
-    return sorted(k for k in saved.keys() | current.keys() if saved.get(k, "<unset>") != current.get(k, "<unset>"))
+    """Keys whose value differs. A key that `saved` lacks and that now holds its declared default is not a change:
+    grpo-cli gained the option after `saved` was written, and the older version behaved as that default."""
+    from grpo_cli.schema import default_of
+
+    return sorted(k for k in saved.keys() | current.keys() if saved.get(k, "<unset>") != current.get(k, "<unset>")
+                  and not (k not in saved and current[k] == default_of(k)))
 
 
 def _shown(value) -> str:

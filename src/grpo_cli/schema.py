@@ -343,6 +343,13 @@ OPTIONS: tuple[Option, ...] = (
     # ---- sweep: resuming a sweep, averaging an Optuna trial over seeds
 )
 
+
+def default_of(key: str) -> object:
+    """The default `key` is declared with; ABSENT when it has none of its own (a group option's value)."""
+    option = next((o for o in OPTIONS if o.key == key), None)
+    return ABSENT if option is None or option.default is FROM_GROUP else option.default
+
+
 def root_defaults() -> dict:
     """The root sections' defaults as nested dicts: stored as `grpo_defaults` for conf/config.yaml."""
     tree: dict = {}
