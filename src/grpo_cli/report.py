@@ -138,7 +138,11 @@ def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
             grid[i][j] = grid[i][j] or cell
         means = [[math.nan if c is None or c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in row]
                  for row in grid]
-        im = ax.imshow(means, origin="lower", cmap="viridis", aspect="auto")
+        # the colours span the intervals, not just the means: cells whose difference is noise look alike
+        ends = [c[f"{rank_by}_mean"] + sign * (half_width(c, rank_by) or 0.0) for c in table
+                if c[f"{rank_by}_mean"] is not None for sign in (-1, 1)]
+        im = ax.imshow(means, origin="lower", cmap="viridis", aspect="auto", vmin=min(ends, default=None),
+                       vmax=max(ends, default=None))
         fig.colorbar(im, ax=ax, label=rank_by)
         ax.set_xticks(range(len(xs)), xs)
         ax.set_yticks(range(len(ys)), ys)
@@ -148,7 +152,8 @@ def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
                 if cell is None or cell[f"{rank_by}_mean"] is None:
                     continue
                 best = cell["label"] == BEST
-                ax.text(j, i, ("best\n" if best else "") + _estimate(cell, rank_by).replace(" ± ", "\n± "),
+                label = {BEST: "best\n", TIED: "tied with best\n", WORSE: "worse\n"}.get(cell["label"], "")
+                ax.text(j, i, label + _estimate(cell, rank_by).replace(" ± ", "\n± "),
                         ha="center", va="center", color="w", fontweight="bold" if best else "normal")
                 if best:
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=3))
