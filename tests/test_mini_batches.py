@@ -190,13 +190,13 @@ def test_resume_with_mini_batches_is_bitwise_identical(tmp_path):
 
 # ---- the issue's test on the embedded model --------------------------------------------------------
 EMBEDDED = ["+recipe=quickstart", "model=smollm2-135m", "data.prompts_per_step=4", "algo.num_generations=4",
-            "rollout.max_new_tokens=6", "trainer.max_steps=3", "optimizer.lr=3e-4", "trainer.device=cpu",
+            "rollout.max_new_tokens=6", "trainer.max_steps=2", "optimizer.lr=3e-4", "trainer.device=cpu",
             "trainer.log_samples_every=0"]
 
 
 @pytest.mark.slow
 def test_clip_eps_changes_training_only_when_updates_are_off_policy(compose, tmp_path):
-    """Two 3-step runs of the embedded model that differ only in algo.clip_eps (0.05 vs 0.3): with 4
+    """Two 2-step runs of the embedded model that differ only in algo.clip_eps (0.05 vs 0.3): with 4
     mini-batches they clip and end with different adapters; with 1 mini-batch and num_iterations=1 (fully
     on-policy) nothing is clipped and the adapters are identical. The four runs share one loaded model,
     each starting from the same fresh adapter."""
@@ -224,7 +224,7 @@ def test_clip_eps_changes_training_only_when_updates_are_off_policy(compose, tmp
         return all(torch.equal(a[n], b[n]) for n in a)
 
     for (mini, clip), (rows, adapter) in runs.items():
-        assert [r["step"] for r in rows] == [0, 1, 2] and not same(adapter, fresh), (mini, clip)
+        assert [r["step"] for r in rows] == [0, 1] and not same(adapter, fresh), (mini, clip)
         for r in rows:
             assert r["clip_fraction"] == pytest.approx(r["clip_fraction/low"] + r["clip_fraction/high"])
     assert max(r["clip_fraction"] for r in runs[4, 0.05][0]) > 0
