@@ -499,7 +499,7 @@ def accumulation_weight(loss_type: str, *, rows: int, rows_total: float, micro_b
 
 
 def loss_types_table() -> str:
-    """The README's table of loss types, written from the registry."""
+    """The table of loss types in docs/algorithm.md, written from the registry."""
     lines = ["| `algo.loss_type` | loss of one micro-batch | micro-batch losses of one update are | note |",
              "|---|---|---|---|"]
     for t in LOSS_TYPES.values():
