@@ -217,13 +217,20 @@ def test_evaluator_gives_the_same_with_either_engine(compose, tiny):
     assert results[0]["eval/num_prompts"] == 3
 
 
-@pytest.mark.slow
-def test_grpo_train_and_eval_with_the_compiled_engine(tmp_path):
+def train_compiled(tmp_path, base: list[str], steps: int) -> tuple[Path, list[dict]]:
+    """A `grpo-train` run of `steps` steps with the compiled engine: its run dir and its metrics rows."""
     run = tmp_path / "run"
-    proc = run_cli([*TINY, "trainer.max_steps=2", "rollout.engine=compiled", f"hydra.run.dir={run}"], tmp_path)
+    proc = run_cli([*base, f"trainer.max_steps={steps}", "rollout.engine=compiled", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1] and all(r["gen_compile_s"] == 0.0 for r in rows)  # no compile on CPU
+    assert [r["step"] for r in rows] == list(range(steps))
+    return run, rows
+
+
+@pytest.mark.slow
+def test_grpo_train_and_eval_with_the_compiled_engine(tmp_path):
+    run, rows = train_compiled(tmp_path, TINY, 2)
+    assert all(r["gen_compile_s"] == 0.0 for r in rows)  # no compile on CPU
     out = tmp_path / "eval"
     proc = run_cli([*TINY, "rollout.engine=compiled", "eval.num_prompts=2", f"eval.adapter={run / 'adapter'}",
                     f"hydra.run.dir={out}"], tmp_path, command="grpo-eval")
@@ -308,9 +315,5 @@ def test_cuda_embedded_model_greedy_through_compiled(compose):
 
 @pytest.mark.cuda
 def test_cuda_grpo_train_three_steps_compiled(tmp_path):
-    run = tmp_path / "run"
-    proc = run_cli([*CUDA_TINY, "trainer.max_steps=3", "rollout.engine=compiled", f"hydra.run.dir={run}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    _, rows = train_compiled(tmp_path, CUDA_TINY, 3)
     assert rows[0]["gen_compile_s"] > 0 and rows[1]["gen_compile_s"] == 0.0 and rows[2]["gen_compile_s"] == 0.0
