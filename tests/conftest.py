@@ -42,13 +42,15 @@ def script(name: str) -> str:
     return str(path) if path.exists() else shutil.which(name) or name
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None, command: str = "grpo-train"):
-    """Run a console script for real; returns CompletedProcess with text output."""
+def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None, command: str = "grpo-train",
+            preexec_fn=None):
+    """Run a console script for real; returns CompletedProcess with text output. `preexec_fn` runs in the child
+    before the script starts (a resource limit, say)."""
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     full_env.pop("WANDB_API_KEY", None)
     return subprocess.run([script(command), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, preexec_fn=preexec_fn)
 
 
 # a short real run on the tiny model: 6 steps of 2 prompts x 4 completions of 4 tokens, a checkpoint every 2 steps,

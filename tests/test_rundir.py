@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -337,6 +338,28 @@ def test_grpo_eval_with_an_adapter_of_another_base_is_one_line(tmp_path, finishe
     proc = run_cli(["+recipe=quickstart", "eval.num_prompts=2", f"eval.adapter={finished / 'adapter'}",
                     f"hydra.run.dir={tmp_path / 'eval'}"], tmp_path, command="grpo-eval")
     one_line_exit_2(proc, "but base embedded:smollm2-135m has", "it was trained on another base", "model=NAME")
+
+
+def files_of_at_most_20_kb():
+    """In the child: a file may not grow past 20 kB, and a write past it fails (EFBIG) instead of killing the
+    process: a full disk as a test can have it."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("write, code, words", [
+    ("trainer.save_every=1", 2, ["checkpoints/step-000001 failed (File too large", "no checkpoint was written before it"]),
+    ("trainer.log_samples_every=1", 1, ["a write found no room (File too large)", "trainer.resume=auto"]),
+], ids=["checkpoint", "records"])
+def test_a_write_that_finds_no_room_is_one_line(tmp_path, write, code, words):
+    run = tmp_path / "run"
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "trainer.max_steps=3", write,
+                    f"hydra.run.dir={run}"], tmp_path, preexec_fn=files_of_at_most_20_kb)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code and len(lines) == 1, proc.stderr[-3000:]
+    assert all(word in lines[0] for word in words), lines[0]
+    assert not list(run.glob("checkpoints/.tmp-*"))  # a half-written checkpoint does not hold on to the space
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpo_cli.errors import CheckpointError
+from grpo_cli.errors import CheckpointError, no_room
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -107,11 +107,15 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: dict, kee
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"writing checkpoint {final} failed ({err.strerror or err}); the previous checkpoint is intact, free space and resume with trainer.resume=auto"
-        ) from None
+    except Exception as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint would hold space a full disk needs
+        reason = no_room(err) or (err.strerror if isinstance(err, OSError) else None)
+        if reason is None:
+            raise
+        earlier = [p for p in checkpoints(run_dir) if p != final]
+        after = (f"the newest checkpoint, {earlier[-1].name}, is intact: free space and resume with trainer.resume=auto"
+                 if earlier else "no checkpoint was written before it: free space and start again")
+        raise CheckpointError(f"writing checkpoint {final} failed ({reason}); {after}") from None
     for old in sorted(root.glob(PREFIX + "*"))[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final

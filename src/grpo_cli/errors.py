@@ -10,6 +10,8 @@ Kept free of heavy imports so a bad config fails fast.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -85,6 +87,28 @@ def error_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+# a write that found no room, as libraries word it (safetensors: "File too large (os error 27)"; torch.save loses
+# the errno and says only "file write failed")
+_NO_ROOM_TEXT = re.compile(r"(No space left on device|Disk quota exceeded|File too large)( \(os error \d+\))?"
+                           r"|file write failed")
+_NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def no_room(err: BaseException | None) -> str | None:
+    """Why `err`, or an exception it was raised from, is a write that found no room (a full disk, a quota, a
+    file size limit); None when it is something else."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _NO_ROOM_ERRNOS:
+            return os.strerror(err.errno)
+        found = _NO_ROOM_TEXT.search(str(err))
+        if found:
+            return found.group(0)
+        err = err.__cause__ or err.__context__
+    return None
+
+
 # ---- the one route out ---------------------------------------------------------------------------
 _program: str | None = None
 
@@ -113,6 +137,16 @@ def one_line(prog: str, *, in_sweep: bool = False) -> Iterator[None]:
         if in_sweep:
             raise RuntimeError(f"{prog}: {err}") from None
         exit_with(err)
+    except Exception as err:
+        reason = no_room(err)
+        if reason is None:
+            raise
+        full = RunError(f"a write found no room ({reason}); free disk space (or raise the quota or file size limit) "
+                        "and run the same command again" + (", with trainer.resume=auto to go on from the newest "
+                                                            "checkpoint" if prog == "grpo-train" else ""))
+        if in_sweep:
+            raise RuntimeError(f"{prog}: {full}") from None
+        exit_with(full)
     finally:
         send_warnings_to(None)  # a run that raised left its Tracker open: the next job's warnings are not its
 
