@@ -4,7 +4,17 @@ import math
 
 import pytest
 
-from grpo_cli.sweep_stats import BEST, TIED, UNTESTED, WORSE, cell_table, describe, group_cells, welch_p
+from grpo_cli.sweep_stats import (
+    BEST,
+    TIED,
+    UNTESTED,
+    WORSE,
+    cell_table,
+    describe,
+    group_cells,
+    paired_p,
+    welch_p,
+)
 
 # two-sided 95 % Student-t quantiles, from a printed t-table
 T_975 = {1: 12.7062, 2: 4.3027, 4: 2.7764}
@@ -76,3 +86,20 @@ def test_cell_table_labels_and_failed_job():
     assert by_beta[0.04]["label"] == WORSE and by_beta[0.04]["p_vs_best"] < 0.05
     assert (by_beta[0.04]["jobs"], by_beta[0.04]["ok"], by_beta[0.04]["failed"]) == (4, 3, 1)
     assert by_beta[0.04]["final_reward_n"] == 3 and by_beta[0.04]["final_reward_mean"] == pytest.approx(0.41)
+
+
+def test_paired_p_by_hand_takes_out_what_the_seed_shares():
+    # the CPU sweep's held-out accuracy (docs/results.md): seed 0 is lower in both cells
+    best, other = {0: 0.62, 1: 0.68, 2: 0.69}, {0: 0.59, 1: 0.67, 2: 0.68}
+    # differences 0.03, 0.01, 0.01: mean 0.016667, std 0.011547, t = mean / (std / sqrt(3)) = 2.5, df 2
+    from scipy import stats
+
+    assert paired_p(other, best) == pytest.approx(2 * stats.t.sf(2.5, 2)) and paired_p(other, best) == pytest.approx(0.1296, abs=1e-4)
+    assert welch_p(list(other.values()), list(best.values())) > 0.6  # unpaired, the seed's spread hides it
+    assert paired_p({0: 0.5, 5: 0.6}, best) is None                # one shared seed: no test
+    assert paired_p({0: 0.6, 1: 0.7}, {0: 0.5, 1: 0.6}) == 0.0      # the same difference on every seed
+    rows = [job(0.0, s, v) for s, v in best.items()] + [job(0.04, s, v) for s, v in other.items()] + [job(0.08, 0, 0.6)]
+    table = cell_table(rows, ["algo.beta", "trainer.seed"], ["final_reward"], rank_by="final_reward")
+    by_beta = {c["algo.beta"]: c for c in table}
+    assert by_beta[0.0]["p_paired_vs_best"] is None and by_beta[0.08]["p_paired_vs_best"] is None
+    assert by_beta[0.04]["p_paired_vs_best"] == pytest.approx(0.1296, abs=1e-4) and by_beta[0.04]["label"] == TIED

@@ -196,32 +196,37 @@ def cell_curves(png: Path, sweep: Path, rows: list[dict], keys: list[str]) -> No
     fig.savefig(png, dpi=100)
 
 
+def _p(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2g}"
+
+
 def rich_cells(table: list[dict], keys: list[str]) -> RichTable:
     """The ranked cells for the terminal; the best in green, ties with it in yellow, worse in red."""
     rank_by = table[0]["rank_by"]
     out = RichTable(title=f"sweep cells ranked by {rank_by}: mean ± 95 % CI over seeds, Welch's t-test against the best")
-    for column in ["rank", *cell_keys(keys), "n", "mean ± CI", "p vs best", "label"]:
+    for column in ["rank", *cell_keys(keys), "n", "mean ± CI", "p vs best", "paired p", "label"]:
         out.add_column(column, justify="right" if column != "label" else "left",
-                       no_wrap=column in ("mean ± CI", "label"))
+                       no_wrap=column in ("mean ± CI", "label"), min_width=4 if column.startswith(("p ", "paired")) else None)
     for cell in table:
         style, _css, mark = CELL_STYLE.get(cell["label"], ("dim", "", ""))
         p = cell["p_vs_best"]
         label = mark + cell["label"] + (f"; {cell['note']}" if cell["note"] else "")
         out.add_row("-" if cell["rank"] is None else str(cell["rank"]), *(str(cell[k]) for k in cell_keys(keys)),
-                    str(cell[f"{rank_by}_n"]), _estimate(cell, rank_by, 4), "-" if p is None else f"{p:.3g}", label,
-                    style=style)
+                    str(cell[f"{rank_by}_n"]), _estimate(cell, rank_by, 4), _p(p), _p(cell.get("p_paired_vs_best")),
+                    label, style=style)
     return out
 
 
 def html_cells(table: list[dict], keys: list[str]) -> str:
     rank_by = table[0]["rank_by"]
-    head = ["rank", *cell_keys(keys), "n", f"{rank_by} mean ± 95 % CI", "p vs best", "label"]
+    head = ["rank", *cell_keys(keys), "n", f"{rank_by} mean ± 95 % CI", "p vs best (Welch)", "paired p (same seeds)",
+            "label"]
     lines = ["<table class='cells'><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
     for cell in table:
         _style, css, mark = CELL_STYLE.get(cell["label"], ("", "untested", ""))
         p = cell["p_vs_best"]
         values = ["-" if cell["rank"] is None else cell["rank"], *(cell[k] for k in cell_keys(keys)),
-                  cell[f"{rank_by}_n"], _estimate(cell, rank_by, 4), "-" if p is None else f"{p:.3g}",
+                  cell[f"{rank_by}_n"], _estimate(cell, rank_by, 4), _p(p), _p(cell.get("p_paired_vs_best")),
                   mark + cell["label"] + (f"; {cell['note']}" if cell["note"] else "")]
         lines.append(f"<tr class='{css}'>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in values) + "</tr>")
     return "".join(lines) + "</table>"

@@ -103,7 +103,7 @@ RANK_METRICS = ("final_eval_accuracy", "mean_reward", "final_reward", "best_rewa
 # the columns of sweep_cells.csv that get n, mean, std and a 95 % interval over the seeds (and sweep.metric)
 CELL_METRICS = ("final_eval_accuracy", "mean_reward", "final_reward", "best_reward", "final_kl", "eval_accuracy")
 CELL_COLUMNS = ("jobs", "ok", "failed", "seeds")
-RANK_COLUMNS = ("rank", "label", "p_vs_best", "rank_by", "note")
+RANK_COLUMNS = ("rank", "label", "p_vs_best", "rank_by", "note", "p_paired_vs_best")
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 

@@ -8,6 +8,11 @@ a cell with n = 1 gets no interval (its std and bounds are None). Cells are rank
 different settings need not spread alike): `best`, `tied with best` (p >= 0.05) or `worse`. A comparison
 that needs two seeds on both sides says `n = 1: not tested` instead of guessing.
 
+Jobs of one seed see the same prompts in the same order, so the seed often moves a job more than the swept
+setting does. Beside Welch's p (which labels) each cell also gets `p_paired_vs_best`: a paired t-test of its
+jobs against the best cell's jobs of the same seeds (two shared seeds at least), which takes that shared
+part of the noise out.
+
 Why Welch's t-test and not rliable's bootstrap: with 2-5 seeds a cell a bootstrap has too few distinct
 resamples to give a stable interval, while the t-interval and Welch's test are exact under normal noise and
 honest (wide) at small n. Both come from scipy.stats, not from code of ours.
@@ -53,6 +58,20 @@ def welch_p(a: Sequence[float], b: Sequence[float]) -> float | None:
     return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
 
 
+def paired_p(a: dict, b: dict) -> float | None:
+    """Two-sided p-value of a paired t-test of a against b, {seed: value} each, over the seeds both have; None
+    with fewer than two shared seeds. Differences without spread are all zero (p = 1) or not (p = 0)."""
+    from scipy import stats
+
+    seeds = [s for s in a if s in b]
+    if len(seeds) < 2:
+        return None
+    diffs = [float(a[s]) - float(b[s]) for s in seeds]
+    if max(diffs) == min(diffs):
+        return 1.0 if diffs[0] == 0 else 0.0
+    return float(stats.ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue)
+
+
 def cell_keys(swept: Sequence[str]) -> list[str]:
     """The swept keys that define a cell: all of them but the seed."""
     return [k for k in swept if k != SEED_KEY]
@@ -72,17 +91,22 @@ def _hashable(value):
 
 
 def _metric_values(jobs: list[dict], metric: str) -> list[float]:
-    values = []
+    return [v for _, v in _results(jobs, metric)]
+
+
+def _results(jobs: list[dict], metric: str) -> list[tuple[object, float]]:
+    """(seed, value) of each job that finished with a finite value of `metric`."""
+    out = []
     for job in jobs:
         v = job.get(metric)
         if job.get("status", "ok") == "ok" and isinstance(v, (int, float)) and math.isfinite(v):
-            values.append(float(v))
-    return values
+            out.append((job.get(SEED_KEY), float(v)))
+    return out
 
 
 def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], rank_by: str) -> list[dict]:
     """One row per cell: its swept values, jobs / ok / failed counts, `<metric>_{n,mean,std,ci_low,ci_high}`
-    for every metric, and `rank`, `p_vs_best`, `label` by `rank_by`; best first."""
+    for every metric, and `rank`, `p_vs_best`, `label`, `p_paired_vs_best` by `rank_by`; best first."""
     keys = cell_keys(swept)
     cells = []
     for _values, jobs in group_cells(rows, swept):
@@ -94,12 +118,15 @@ def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], r
             for stat, v in describe(_metric_values(jobs, metric)).items():
                 cell[f"{metric}_{stat}"] = v
         cell["_values"] = _metric_values(jobs, rank_by)
+        cell["_by_seed"] = {seed: v for seed, v in _results(jobs, rank_by) if seed is not None}
         cells.append(cell)
     ranked = sorted(cells, key=lambda c: -math.inf if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"],
                     reverse=True)
-    best = ranked[0]["_values"] if ranked and ranked[0][f"{rank_by}_mean"] is not None else None
+    top = ranked[0] if ranked and ranked[0][f"{rank_by}_mean"] is not None else None
+    best, best_by_seed = (top["_values"], top["_by_seed"]) if top is not None else (None, {})
     for rank, cell in enumerate(ranked, 1):
-        values = cell.pop("_values")
+        values, by_seed = cell.pop("_values"), cell.pop("_by_seed")
+        cell["p_paired_vs_best"] = None
         if cell[f"{rank_by}_mean"] is None or best is None:
             cell.update(rank=None, p_vs_best=None, label="no result")
             continue
@@ -110,4 +137,5 @@ def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], r
         p = welch_p(values, best)
         cell["p_vs_best"] = p
         cell["label"] = UNTESTED if p is None else (TIED if p >= ALPHA else WORSE)
+        cell["p_paired_vs_best"] = paired_p(by_seed, best_by_seed)
     return ranked
