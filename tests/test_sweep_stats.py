@@ -98,6 +98,7 @@ def test_paired_p_by_hand_takes_out_what_the_seed_shares():
     assert welch_p(list(other.values()), list(best.values())) > 0.6  # unpaired, the seed's spread hides it
     assert paired_p({0: 0.5, 5: 0.6}, best) is None                # one shared seed: no test
     assert paired_p({0: 0.6, 1: 0.7}, {0: 0.5, 1: 0.6}) == 0.0      # the same difference on every seed
+    assert paired_p({0: 0.42, 1: 0.40}, {0: 0.82, 1: 0.80}) == 0.0    # the same up to float rounding
     rows = [job(0.0, s, v) for s, v in best.items()] + [job(0.04, s, v) for s, v in other.items()] + [job(0.08, 0, 0.6)]
     table = cell_table(rows, ["algo.beta", "trainer.seed"], ["final_reward"], rank_by="final_reward")
     by_beta = {c["algo.beta"]: c for c in table}

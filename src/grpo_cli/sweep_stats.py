@@ -67,8 +67,8 @@ def paired_p(a: dict, b: dict) -> float | None:
     if len(seeds) < 2:
         return None
     diffs = [float(a[s]) - float(b[s]) for s in seeds]
-    if max(diffs) == min(diffs):
-        return 1.0 if diffs[0] == 0 else 0.0
+    if all(math.isclose(d, diffs[0], rel_tol=1e-9, abs_tol=1e-12) for d in diffs):  # 0.42 - 0.82 vs 0.40 - 0.80
+        return 1.0 if math.isclose(diffs[0], 0.0, abs_tol=1e-12) else 0.0
     return float(stats.ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue)
 
 
