@@ -88,10 +88,13 @@ def _quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    # peft imports bitsandbytes whenever it is installed, quantized base or not; on a CPU that logs, every run, that
-    # an optional package (`kernels`) for its 4-bit matmul is missing
-    bnb_cpu = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    bnb_cpu.addFilter(lambda record: "kernels-community" not in record.getMessage())
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernels_note)  # once, however many jobs
+
+
+def _no_kernels_note(record: logging.LogRecord) -> bool:
+    """peft imports bitsandbytes whenever it is installed, quantized base or not; on a CPU that logs, every run,
+    that an optional package (`kernels`) for its 4-bit matmul is missing."""
+    return "kernels-community" not in record.getMessage()
 
 
 def _validated(cfg) -> list[str]:

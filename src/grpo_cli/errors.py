@@ -133,20 +133,17 @@ def one_line(prog: str, *, in_sweep: bool = False) -> Iterator[None]:
     _program = prog
     try:
         yield
-    except (UserError, RunError) as err:
+    except Exception as err:
+        if not isinstance(err, (UserError, RunError)):
+            reason = no_room(err)
+            if reason is None:
+                raise
+            err = RunError(f"a write found no room ({reason}); free disk space (or raise the quota or file size limit) "
+                           "and run the same command again" + (", with trainer.resume=auto to go on from the newest "
+                                                               "checkpoint" if prog == "grpo-train" else ""))
         if in_sweep:
             raise RuntimeError(f"{prog}: {err}") from None
         exit_with(err)
-    except Exception as err:
-        reason = no_room(err)
-        if reason is None:
-            raise
-        full = RunError(f"a write found no room ({reason}); free disk space (or raise the quota or file size limit) "
-                        "and run the same command again" + (", with trainer.resume=auto to go on from the newest "
-                                                            "checkpoint" if prog == "grpo-train" else ""))
-        if in_sweep:
-            raise RuntimeError(f"{prog}: {full}") from None
-        exit_with(full)
     finally:
         send_warnings_to(None)  # a run that raised left its Tracker open: the next job's warnings are not its
 

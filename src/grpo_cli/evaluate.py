@@ -148,7 +148,8 @@ def run_eval(cfg, run_dir: Path, stop=None) -> dict:
     label = str(Path(adapter).expanduser()) if adapter else "base"
     evaluator = Evaluator.from_config(cfg, lm.tokenizer, rows)
     engine = make_engine(cfg.rollout, lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
-    Console().print(f"evaluating {label} on {len(evaluator.rows)} held-out prompts", markup=False, highlight=False)
+    console = Console()
+    console.print(f"evaluating {label} on {len(evaluator.rows)} held-out prompts", markup=False, highlight=False)
     try:
         result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(engine, stop)}
     finally:
@@ -161,6 +162,6 @@ def run_eval(cfg, run_dir: Path, stop=None) -> dict:
     for key, value in result.items():
         if key.startswith("eval/"):
             table.add_row(key[5:], f"{value:.4f}" if isinstance(value, float) else str(value))
-    Console().print(table)
+    console.print(table)
     result["accuracy"] = result["eval/accuracy"]
     return result

@@ -31,6 +31,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.errors import CheckpointError, UserError
+from grpo_cli.schema import default_of
 
 LOCK_FILE = ".lock"
 # append-only, one JSON row per line with its "step"; cut back to the checkpoint's step on resume
@@ -166,8 +167,6 @@ def fingerprint(cfg: DictConfig) -> dict:
 def changed_keys(saved: dict, current: dict) -> list[str]:
     """Keys whose value differs. A key that `saved` lacks and that now holds its declared default is not a change:
     grpo-cli gained the option after `saved` was written, and the older version behaved as that default."""
-    from grpo_cli.schema import default_of
-
     return sorted(k for k in saved.keys() | current.keys() if saved.get(k, "<unset>") != current.get(k, "<unset>")
                   and not (k not in saved and current[k] == default_of(k)))
 
@@ -212,6 +211,13 @@ def describe_changes(keys: list[str], saved: dict, current: dict) -> str:
 
 
 # ---- records ------------------------------------------------------------------------------------
+def replace_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file beside it (named for this process), then a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def _rows_before(lines: list[str], step: int) -> list[str]:
     """The lines of steps before `step`; an unreadable line (a write cut by a kill) ends the file."""
     kept = []
@@ -236,9 +242,7 @@ def roll_back_records(run_dir: Path, step: int, found: Path) -> None:
         kept = _rows_before(lines, step)
         if source.parent == run_dir and kept == lines:
             continue
-        tmp = run_dir / f".{name}.rollback"
-        tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, run_dir / name)
+        replace_text(run_dir / name, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
 
 
 # ---- the claim ----------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ from grpo_cli.errors import (
 )
 from grpo_cli.metrics import FINAL_EVAL, final_mean, read_metrics
 from grpo_cli.overrides import override_key
+from grpo_cli.rundir import replace_text
 from grpo_cli.stopping import StopRequest
 from grpo_cli.sweep_stats import SEED_KEY, cell_keys, cell_table
 
@@ -295,12 +296,6 @@ def _json_value(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 @contextlib.contextmanager
 def _locked(sweep_dir: Path):
     """Serialise summary writes of jobs that end at the same time (joblib, submitit)."""
@@ -360,9 +355,9 @@ def _write_table(sweep_dir: Path, csv_name: str, json_name: str, columns: list[s
     writer.writeheader()
     for row in rows:
         writer.writerow({k: _csv_cell(row.get(k)) for k in columns})
-    _replace(sweep_dir / csv_name, buf.getvalue())
-    _replace(sweep_dir / json_name, json.dumps([{k: _json_value(row.get(k)) for k in columns} for row in rows],
-                                               indent=2) + "\n")
+    replace_text(sweep_dir / csv_name, buf.getvalue())
+    replace_text(sweep_dir / json_name, json.dumps([{k: _json_value(row.get(k)) for k in columns} for row in rows],
+                                                   indent=2) + "\n")
 
 
 def write_summary(sweep_dir: Path, metric: str | None = None) -> list[dict]:
@@ -528,7 +523,7 @@ class SweepSummary(Callback):
             (sweep_dir / SWEEP_ID_FILE).write_text(uuid.uuid4().hex + "\n")
             for name in (SUMMARY_CSV, SUMMARY_JSON, CELLS_CSV, CELLS_JSON):
                 (sweep_dir / name).unlink(missing_ok=True)
-        _replace(sweep_dir / SWEEP_COMMAND_FILE, json.dumps(command) + "\n")
+        replace_text(sweep_dir / SWEEP_COMMAND_FILE, json.dumps(command) + "\n")
         warning = on_policy_clip_sweep(config)
         if warning:
             warn(warning)
@@ -609,7 +604,7 @@ class SweepSummary(Callback):
         sweep_file = _sweep_dir(config, in_job=True) / SWEEP_ID_FILE
         sweep_id = sweep_file.read_text().strip() if sweep_file.is_file() else None
         status = {"sweep_id": sweep_id, "job": config.hydra.job.num, "error": None, **fields}
-        _replace(_job_dir(config) / JOB_STATUS, json.dumps(status) + "\n")
+        replace_text(_job_dir(config) / JOB_STATUS, json.dumps(status) + "\n")
 
     @staticmethod
     def _place_on_gpu(config: DictConfig) -> None:

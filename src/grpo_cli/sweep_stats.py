@@ -117,8 +117,9 @@ def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], r
         for metric in metrics:
             for stat, v in describe(_metric_values(jobs, metric)).items():
                 cell[f"{metric}_{stat}"] = v
-        cell["_values"] = _metric_values(jobs, rank_by)
-        cell["_by_seed"] = {seed: v for seed, v in _results(jobs, rank_by) if seed is not None}
+        results = _results(jobs, rank_by)
+        cell["_values"] = [v for _, v in results]
+        cell["_by_seed"] = {seed: v for seed, v in results if seed is not None}
         cells.append(cell)
     ranked = sorted(cells, key=lambda c: -math.inf if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"],
                     reverse=True)

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import random
 import signal
 import time
@@ -574,9 +573,7 @@ class GRPOTrainer:
                     raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(steps),
                                       completed=steps) from None
             result = {"step": steps, **result}
-            tmp = self.run_dir / f".{FINAL_EVAL}.tmp"
-            tmp.write_text(json.dumps(result, indent=2) + "\n")
-            os.replace(tmp, self.run_dir / FINAL_EVAL)
+            rundir.replace_text(self.run_dir / FINAL_EVAL, json.dumps(result, indent=2) + "\n")
         distributed.barrier(self.dist)
         return result
 
