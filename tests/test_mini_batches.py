@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 
 import pytest
 import torch
 from conftest import fixed_batch, make_trainer, read_jsonl, run_cli
 
 from grpo_cli import algorithm
-from grpo_cli.trainer import GRPOTrainer, completion_logprobs, lr_lambda, mini_batch_groups
+from grpo_cli.optim import lr_factor
+from grpo_cli.trainer import GRPOTrainer, completion_logprobs, mini_batch_groups
 
 
 def varied_batch(trainer):
@@ -105,7 +107,7 @@ def test_later_mini_batches_are_off_policy_and_clip(compose, tmp_path):
                                "optimizer.lr=3e-2", "algo.beta=0.1")
         batch = varied_batch(trainer)
         stats = trainer.update(0, batch)
-        assert stats.updates == 4 and trainer.scheduler.last_epoch == 4
+        assert stats.updates == 4 and trainer.lr_schedule.updates == 4
         assert abs(stats.first_ratio - 1.0) < 1e-6  # the first update starts from the rollout policy
         assert stats.first_kl == 0.0                # and that policy is the reference (fresh adapter)
         results[clip] = (stats, lora_state(trainer))
@@ -122,7 +124,7 @@ def test_scheduler_counts_optimizer_updates(compose, tmp_path):
     seen = []
     trainer.optimizer.register_step_pre_hook(lambda opt, *_: seen.append(opt.param_groups[0]["lr"]))
     trainer.update(0, batch)
-    factor = lr_lambda("linear", 2 * 4, 3 * 4)  # warmup 2 steps and 3 steps of 2 x 2 updates each
+    factor = partial(lr_factor, "linear", 2 * 4, 3 * 4)  # warmup 2 steps and 3 steps of 2 x 2 updates each
     assert seen == pytest.approx([1e-3 * factor(k) for k in range(4)])
     assert seen == pytest.approx([1e-3 * k / 8 for k in (1, 2, 3, 4)])
 

@@ -1,8 +1,8 @@
 """Atomic checkpoints and exact resume.
 
-A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the adapter (safetensors), the optimiser and
-scheduler state (`trainer_state.pt`, tensors only, loaded with weights_only=True), RNG states and the step
-(`state.json`, with the config fingerprint of grpo_cli.rundir), and the metrics written so far. It is written
+A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the adapter (safetensors), the optimiser state and
+the learning-rate schedule's update count (`trainer_state.pt`, tensors only, loaded with weights_only=True), RNG
+states and the step (`state.json`, with the config fingerprint of grpo_cli.rundir), and the metrics written so far. It is written
 under a temporary name and renamed into place, so a crash mid-write leaves the previous checkpoint whole.
 `manifest.json`, written last, lists every other file with its size and sha256: resume checks a checkpoint
 against it (and that its files load) and falls back to the newest intact one.
@@ -85,7 +85,7 @@ def _tupled(obj):
     return tuple(_tupled(x) for x in obj) if isinstance(obj, list) else obj
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: dict, keep_last: int) -> Path:
+def save(run_dir: Path, step: int, model, optimizer, lr_schedule, extra: dict, keep_last: int) -> Path:
     """Write the state after `step` steps (so resume starts at `step`) and prune old checkpoints."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: dict, kee
         tmp.mkdir()
         model.save_pretrained(tmp / "adapter", save_embedding_layers=False)
         rng_json, rng_tensors = _rng_files(rng_snapshot())
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_tensors},
+        torch.save({"optimizer": optimizer.state_dict(), "lr_schedule": lr_schedule.state_dict(), "rng": rng_tensors},
                    tmp / "trainer_state.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, "rng": rng_json, **extra}))
         metrics = run_dir / "metrics.jsonl"
@@ -209,9 +209,9 @@ def find(run_dir: Path, resume: str) -> Path | None:
     return path
 
 
-def load(path: Path, model, optimizer, scheduler) -> dict:
-    """Restore adapter weights, optimiser, scheduler and RNG in place; return state.json. The configured
-    optimizer hyperparameters (lr, weight decay, betas, ...) win over the saved ones, so a change that
+def load(path: Path, model, optimizer, lr_schedule) -> dict:
+    """Restore adapter weights, optimiser, learning-rate schedule and RNG in place; return state.json. The
+    configured optimizer hyperparameters (lr, weight decay, betas, ...) win over the saved ones, so a change that
     trainer.resume_allow_changes let through is applied; unchanged, they are the same numbers."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -226,20 +226,9 @@ def load(path: Path, model, optimizer, scheduler) -> dict:
         raise CheckpointError(f"{path / 'trainer_state.pt'} was refused ({type(err).__name__}): only plain tensors load; it may be tampered with") from None
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(trainer_state["optimizer"])
-    scheduler.load_state_dict(trainer_state["scheduler"])
-    _apply_configured(optimizer, scheduler, configured)
+    for group, values in zip(optimizer.param_groups, configured, strict=True):
+        group.update(values)
+    lr_schedule.load_state_dict(trainer_state["lr_schedule"])  # the rate the configured schedule gives there
     state = json.loads((path / "state.json").read_text())
     restore_rng(_rng_from_files(state["rng"], trainer_state["rng"]))
     return state
-
-
-def _apply_configured(optimizer, scheduler, configured: list[dict]) -> None:
-    """Configured hyperparameters into the loaded param groups, and the learning rate the (configured)
-    schedule gives at the restored update count: LambdaLR's own formula, base_lr x factor(updates)."""
-    for group, values in zip(optimizer.param_groups, configured, strict=True):
-        group.update(values)
-    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
-    rates = [base * factor(scheduler.last_epoch) for factor, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
-    for group, lr in zip(optimizer.param_groups, rates, strict=True):
-        group["lr"] = lr
-    scheduler._last_lr = rates

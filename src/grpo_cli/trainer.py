@@ -3,12 +3,12 @@
     generate: prompts -> completions (adapter on) -> score: rewards -> advantages: group advantages, loss mask
     -> update: ref log-probs (adapter off) -> old log-probs (adapter on; only when off-policy) -> for each pass, for each mini-batch:
        (for each micro-batch: log-probs with grad -> policy_loss -> backward) -> sum over ranks -> clip
-       -> optimizer step -> scheduler step
+       -> optimizer step -> learning-rate schedule step
 
 A step's rollout batch is split into `algo.mini_batches` mini-batches of whole groups, each one optimizer
 update; `algo.num_iterations` passes go over them. Group g goes to mini-batch g mod mini_batches, so a
 mini-batch holds the same groups whatever the number of ranks (each rank's share of the step's prompts
-starts at a multiple of mini_batches). The scheduler counts optimizer updates.
+starts at a multiple of mini_batches). The learning-rate schedule counts optimizer updates.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.evaluate import final_eval_on
 from grpo_cli.metrics import FINAL_EVAL, final_mean, read_metrics
 from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
-from grpo_cli.optim import build_optimizer
+from grpo_cli.optim import LRSchedule, build_optimizer
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine, sampling_options
 from grpo_cli.stopping import StopRequest
@@ -158,20 +158,6 @@ def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
     return [list(range(j, num_groups, mini_batches)) for j in range(mini_batches)]
 
 
-def lr_lambda(schedule: str, warmup: int, total: int):
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        if schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-
-    return factor
-
-
 class GRPOTrainer:
     """Owns the objects a run needs; `step()` is one GRPO step (its optimizer updates), `fit()` the whole run.
 
@@ -203,10 +189,8 @@ class GRPOTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         opt = cfg.optimizer
         self.optimizer = build_optimizer(self.params, opt)
-        # the scheduler counts optimizer updates; warmup and max_steps are in training steps
-        per_step = self.algo.mini_batches * self.algo.num_iterations
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(opt.schedule, opt.warmup_steps * per_step, self.tcfg.max_steps * per_step))
+        self.lr_schedule = LRSchedule(self.optimizer, opt, self.tcfg.max_steps,
+                                      updates_per_step=self.algo.mini_batches * self.algo.num_iterations)
         self.eps_high = self.algo.clip_eps_high if self.algo.clip_eps_high is not None else self.algo.clip_eps
         self.fresh_adapter = True
         self.zero_std_streak, self.warned_zero_std = 0, False
@@ -338,7 +322,7 @@ class GRPOTrainer:
 
     def optimizer_step(self, step: int, loss: float) -> float:
         """Clip and apply the summed gradient, or skip it when it is not finite (stopping after
-        trainer.max_skipped in a row); the scheduler advances either way. Returns the norm before clipping."""
+        trainer.max_skipped in a row); the learning-rate schedule advances either way. Returns the norm before clipping."""
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm))
         if math.isfinite(grad_norm) and math.isfinite(loss):
             self.optimizer.step()
@@ -351,7 +335,7 @@ class GRPOTrainer:
             if self.skipped_in_a_row >= self.tcfg.max_skipped:
                 raise InvariantError(f"{self.skipped_in_a_row} non-finite updates in a row at step {step} "
                                      f"(loss {loss}, grad norm {grad_norm}); lower optimizer.lr or check the rewards")
-        self.scheduler.step()
+        self.lr_schedule.step()
         return grad_norm
 
     def update(self, step: int, batch: Batch) -> StepStats:
@@ -365,7 +349,7 @@ class GRPOTrainer:
         for iteration in range(self.algo.num_iterations):
             for mini in plan:
                 if not mini.rows_total:  # all its groups were dropped (data.overlong=drop): nothing to learn
-                    self.scheduler.step()
+                    self.lr_schedule.step()
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 local, local_max_logp = self.backward(ordered, mini, old, ref, first_pass=iteration == 0)
@@ -427,7 +411,7 @@ class GRPOTrainer:
             "entropy": stats.entropy,
             "completion_len": float(lengths.mean()),
             "truncated_frac": float(batch.rollout.truncated.float().mean()),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.lr_schedule.lr,
             "step_time_s": seconds,
             "gen_tokens_per_s": batch.stats["gen_tokens_per_s"],
             "gen_time_s": batch.stats["gen_time_s"],
@@ -510,7 +494,7 @@ class GRPOTrainer:
         found = checkpoint.find(self.run_dir, str(self.tcfg.resume))
         if found is None:
             return 0
-        state = checkpoint.load(found, self.model, self.optimizer, self.scheduler)
+        state = checkpoint.load(found, self.model, self.optimizer, self.lr_schedule)
         start = state["step"]
         self.last_checkpoint = (start, found)
         self.skipped_updates = state.get("skipped_updates", 0)
@@ -614,7 +598,7 @@ class GRPOTrainer:
     def save_checkpoint(self, done: int) -> Path:
         path = checkpoint.step_dir(self.run_dir, done)
         if self.dist.is_main:
-            path = checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.scheduler,
+            path = checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.lr_schedule,
                                    {"skipped_updates": self.skipped_updates, "fingerprint": rundir.fingerprint(self.cfg)},
                                    self.tcfg.keep_last)
         distributed.barrier(self.dist)
