@@ -277,7 +277,6 @@ def worker_ours(spec: dict) -> dict:
     cfg = compose_cfg(spec)
     n_steps = 1 + spec["steps"]
     rows = bench_rows(spec["prompts"] * n_steps, spec["seed"])
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-ours-"))
     t_load = time.perf_counter()
     lm = None
     # our `model` group expresses neither a hand-built config nor a dtype of the user's: build the LoadedModel
@@ -287,7 +286,7 @@ def worker_ours(spec: dict) -> dict:
         model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules)
         lm = LoadedModel(model=model if quantization else model.to(device), tokenizer=tokenizer, device=device,
                          dtype=dtype, quantization=quantization)
-    trainer = GRPOTrainer(cfg, run_dir, lm=lm, rows=rows)  # embedded/tiny: the trainer loads it (load_policy)
+    trainer = GRPOTrainer(cfg, lm=lm, rows=rows)  # embedded/tiny: the trainer loads it (load_policy)
     device = trainer.lm.device
     load_s = time.perf_counter() - t_load
     prompt_order = [r["messages"][0]["content"] for k in range(n_steps) for r in trainer.sampler.batch(k)]

@@ -111,10 +111,18 @@ TINY_TRAINER = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", 
 
 
 def make_trainer(compose, tmp_path, *overrides, **collaborators):
-    """An in-process GRPOTrainer on the tiny model (6 new tokens, CPU) with extra overrides."""
+    """An in-process GRPOTrainer on the tiny model (6 new tokens, CPU) with extra overrides; `tmp_path` is the
+    run dir a test's `fit` gives it."""
     from grpo_cli.trainer import GRPOTrainer
 
-    return GRPOTrainer(compose([*TINY_TRAINER, *overrides]), tmp_path, **collaborators)
+    return GRPOTrainer(compose([*TINY_TRAINER, *overrides]), **collaborators)
+
+
+def fit(trainer, run_dir):
+    """The whole run of `trainer` in `run_dir`, as a program runs it (grpo_cli.run.train)."""
+    from grpo_cli.run import train
+
+    return train(trainer.cfg, run_dir, trainer)
 
 
 def randomise_lora(model, scale: float = 0.05, seed: int = 0) -> None:
@@ -151,4 +159,4 @@ def fixed_batch(trainer, rewards, step: int = 0):
 
     generation = trainer.generate(step)
     n = generation.rollout.completion_ids.shape[0]
-    return trainer.advantages(generation, Scores(rewards(torch.arange(n, dtype=torch.float32), trainer.algo.num_generations), {}, 0))
+    return trainer.make_batch(generation, Scores(rewards(torch.arange(n, dtype=torch.float32), trainer.algo.num_generations), {}, 0))

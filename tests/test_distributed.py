@@ -38,7 +38,7 @@ WORKER = textwrap.dedent('''
     for name, overrides in cases.items():
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=overrides)
-        trainer = GRPOTrainer(cfg, os.path.dirname(out))
+        trainer = GRPOTrainer(cfg)
         full = torch.load(f"{out}.{name}.batch.pt", weights_only=False)
         rank, world = trainer.dist.rank, trainer.dist.world_size
         G, P = full.rollout.group_size, full.rollout.prompt_ids.shape[0]
@@ -80,7 +80,7 @@ def single_rank_batch_and_update(name: str, tmp_path):
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=CASES[name])
-    single = GRPOTrainer(cfg, tmp_path)
+    single = GRPOTrainer(cfg)
     batch = fixed_batch(single, lambda i, G: i % 3)
     batch.mask[0, -2:] = 0  # uneven token counts across ranks
     torch.save(batch, tmp_path / f"grads.{name}.batch.pt")
@@ -186,7 +186,7 @@ ORDER_WORKER = textwrap.dedent('''
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=json.loads(sys.argv[2]))
-    trainer = trainer_module.GRPOTrainer(cfg, os.path.dirname(sys.argv[1]))
+    trainer = trainer_module.GRPOTrainer(cfg)
     seen.update(model_device=str(trainer.lm.device), current_cuda=torch.cuda.current_device() if torch.cuda.is_available() else None,
                 rank=trainer.dist.rank, world=trainer.dist.world_size)
     with open(f"{sys.argv[1]}.rank{trainer.dist.rank}", "w") as f:

@@ -160,7 +160,7 @@ def compose_config(overrides: list[str]):
 def trained(tmp_path_factory):
     """A trainer with rollout.engine=compiled after 3 real steps, and the base weights from before them."""
     cfg = compose_config([*TINY, "rollout.engine=compiled", "optimizer.lr=1e-2", "algo.beta=0.04"])
-    trainer = GRPOTrainer(cfg, tmp_path_factory.mktemp("compiled"))
+    trainer = GRPOTrainer(cfg)
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
     for step in range(3):
@@ -260,7 +260,7 @@ def test_cuda_compiled_engine_in_training(compose, tmp_path):
     """bf16 on CUDA with the decode step compiled: compiled once, base bit-identical after 3 steps, the merged
     copy as close to an fp32 policy as the bf16 policy itself is, greedy decoding the policy's argmax."""
     cfg = compose([*CUDA_TINY, "rollout.engine=auto", "optimizer.lr=1e-2"])
-    trainer = GRPOTrainer(cfg, tmp_path)
+    trainer = GRPOTrainer(cfg)
     assert isinstance(trainer.engine, CompiledEngine) and trainer.engine.compile
     randomise_lora(trainer.model, scale=0.02)
     trainer.fresh_adapter = False  # policy != reference from the start

@@ -14,6 +14,7 @@ from conftest import fixed_batch, make_trainer, read_jsonl, run_cli
 
 from grpo_cli import algorithm
 from grpo_cli.optim import lr_factor
+from grpo_cli.run import train
 from grpo_cli.trainer import GRPOTrainer, completion_logprobs, mini_batch_groups
 
 
@@ -218,7 +219,7 @@ def test_clip_eps_changes_training_only_when_updates_are_off_policy(compose, tmp
                         p.copy_(fresh[n])
             run_dir = tmp_path / f"m{mini}-clip{clip}"
             run_dir.mkdir()
-            GRPOTrainer(cfg, run_dir, lm=lm).fit()
+            train(cfg, run_dir, lm=lm)
             adapter = {n: p.detach().clone() for n, p in lm.model.named_parameters() if p.requires_grad}
             runs[mini, clip] = (read_jsonl(run_dir / "metrics.jsonl"), adapter)
 

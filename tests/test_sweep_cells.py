@@ -184,7 +184,7 @@ def test_bad_eval_final_or_sweep_metric_is_one_line(base_cfg, values, words):
 
 @pytest.mark.slow  # one training step and one evaluation
 def test_final_eval_reuses_an_eval_after_the_last_step_and_replaces_a_stale_file(compose, tmp_path):
-    from conftest import TINY_TRAINER, make_trainer, read_jsonl
+    from conftest import TINY_TRAINER, fit, make_trainer, read_jsonl
 
     from grpo_cli.evaluate import Evaluator
 
@@ -199,7 +199,7 @@ def test_final_eval_reuses_an_eval_after_the_last_step_and_replaces_a_stale_file
     run = tmp_path / "run"
     run.mkdir()
     (run / "final_eval.json").write_text('{"eval/accuracy": 7}')  # an earlier attempt's
-    summary = make_trainer(compose, run, *overrides, make_evaluator=make_evaluator).fit()
+    summary = fit(make_trainer(compose, run, *overrides, make_evaluator=make_evaluator), run)
     [row] = read_jsonl(run / "metrics.jsonl")
     final = json.loads((run / "final_eval.json").read_text())
     assert len(calls) == 1  # eval.every's eval after the last step is the final one: same prompts, same weights
@@ -208,7 +208,7 @@ def test_final_eval_reuses_an_eval_after_the_last_step_and_replaces_a_stale_file
 
 @pytest.mark.slow  # one training step; its final eval stopped, then resumed
 def test_a_stop_during_the_final_eval_checkpoints_and_the_resume_runs_only_the_eval(compose, tmp_path):
-    from conftest import TINY_TRAINER, make_trainer, read_jsonl
+    from conftest import TINY_TRAINER, fit, make_trainer, read_jsonl
 
     from grpo_cli.errors import Interrupted
     from grpo_cli.evaluate import Evaluator
@@ -229,13 +229,13 @@ def test_a_stop_during_the_final_eval_checkpoints_and_the_resume_runs_only_the_e
     run_dir.mkdir()
     trainers.append(make_trainer(compose, run_dir, *overrides, make_evaluator=stopped_evaluator))
     with pytest.raises(Interrupted) as stopped:
-        trainers[0].fit()
+        fit(trainers[0], run_dir)
     assert stopped.value.completed == 1 and stopped.value.checkpoint_dir.name == "step-000001"
     assert not (run_dir / "final_eval.json").exists() and (run_dir / "adapter").is_dir()
 
     resumed = make_trainer(compose, run_dir, *overrides, f"trainer.resume={stopped.value.checkpoint_dir}",
                            make_evaluator=partial(Evaluator.for_training, compose([*TINY_TRAINER, *overrides])))
-    summary = resumed.fit()
+    summary = fit(resumed, run_dir)
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0]  # no step was trained again
     assert json.loads((run_dir / "final_eval.json").read_text())["eval/accuracy"] == summary["final_eval_accuracy"]
 

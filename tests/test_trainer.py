@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_TRAINER, fixed_batch, make_trainer
+from conftest import TINY_TRAINER, fit, fixed_batch, make_trainer
 
 from grpo_cli import algorithm
 from grpo_cli.trainer import completion_logprobs
@@ -66,12 +66,13 @@ def test_saved_adapter_reproduces_log_probs(compose, tmp_path):
     from peft import PeftModel
 
     from grpo_cli.models import load_base_model
+    from grpo_cli.run import save_adapter
 
     trainer = make_trainer(compose, tmp_path, "optimizer.lr=1e-2")
     batch = varied_batch(trainer)
     trainer.update(0, batch)
     trained = logprobs(trainer, batch)
-    adapter_dir = trainer.save_adapter()
+    adapter_dir = save_adapter(trainer, tmp_path)
     base = load_base_model("tiny-random", trainer.tokenizer, torch.float32, tiny=dict(trainer.cfg.model.tiny), seed=0)
     reloaded = PeftModel.from_pretrained(base, adapter_dir)
     with torch.no_grad():
@@ -103,6 +104,6 @@ def test_evaluator_is_given_at_construction(compose, tmp_path):
     (tmp_path / "every").mkdir()  # Hydra makes the run dir
     trainer = make_trainer(compose, tmp_path / "every", *overrides, make_evaluator=make_evaluator)
     assert built == [trainer.lm] and isinstance(trainer.evaluator, Evaluator)
-    trainer.fit()
+    fit(trainer, tmp_path / "every")
     [row] = read_jsonl(tmp_path / "every" / "metrics.jsonl")
     assert row["eval/num_prompts"] == 2 and 0.0 <= row["eval/accuracy"] <= 1.0

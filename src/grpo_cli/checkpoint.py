@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from grpo_cli.errors import CheckpointError, no_room
+from grpo_cli.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -29,7 +30,7 @@ MANIFEST = "manifest.json"
 
 
 def checkpoint_root(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
+    return run_dir / CHECKPOINTS_DIR
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -94,14 +95,14 @@ def save(run_dir: Path, step: int, model, optimizer, lr_schedule, extra: dict, k
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / "adapter", save_embedding_layers=False)
+        model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False)
         rng_json, rng_tensors = _rng_files(rng_snapshot())
         torch.save({"optimizer": optimizer.state_dict(), "lr_schedule": lr_schedule.state_dict(), "rng": rng_tensors},
                    tmp / "trainer_state.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, "rng": rng_json, **extra}))
-        metrics = run_dir / "metrics.jsonl"
+        metrics = run_dir / METRICS
         if metrics.is_file():
-            shutil.copy2(metrics, tmp / "metrics.jsonl")
+            shutil.copy2(metrics, tmp / METRICS)
         write_manifest(tmp)
         _fsync_tree(tmp)
         if final.exists():
@@ -147,7 +148,7 @@ def damage(folder: Path) -> str | None:
     try:
         entries = json.loads((folder / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
-        return f"no readable {MANIFEST} (its write did not finish, or an older grpo-cli wrote it)"
+        return f"no readable {MANIFEST} (its write did not finish)"
     for name in ("state.json", "trainer_state.pt", "adapter/adapter_model.safetensors"):
         if name not in entries:
             return f"{MANIFEST} does not list {name}"
@@ -160,10 +161,13 @@ def damage(folder: Path) -> str | None:
         if _sha256(file) != entry["sha256"]:
             return f"{name} does not match its sha256 in {MANIFEST}"
     try:
-        json.loads((folder / "state.json").read_text())["step"]
-        load_file(folder / "adapter" / "adapter_model.safetensors")
-    except (OSError, ValueError, KeyError, SafetensorError) as err:
+        state = json.loads((folder / "state.json").read_text())
+        load_file(folder / ADAPTER_DIR / "adapter_model.safetensors")
+    except (OSError, ValueError, SafetensorError) as err:
         return f"a file does not load ({type(err).__name__})"
+    missing = [key for key in ("step", "fingerprint") if key not in state]  # resume reads both
+    if missing:
+        return f"state.json holds no {' and no '.join(missing)}"
     try:
         torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, pickle.UnpicklingError) as err:
@@ -216,7 +220,7 @@ def load(path: Path, model, optimizer, lr_schedule) -> dict:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    adapter_file = path / "adapter" / "adapter_model.safetensors"
+    adapter_file = path / ADAPTER_DIR / "adapter_model.safetensors"
     if not adapter_file.is_file():
         raise CheckpointError(f"{adapter_file} is missing; the checkpoint is incomplete, resume from an older one")
     set_peft_model_state_dict(model, load_file(adapter_file, device=str(next(model.parameters()).device)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -88,13 +87,6 @@ def _quiet_libraries() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernels_note)  # once, however many jobs
-
-
-def _no_kernels_note(record: logging.LogRecord) -> bool:
-    """peft imports bitsandbytes whenever it is installed, quantized base or not; on a CPU that logs, every run,
-    that an optional package (`kernels`) for its 4-bit matmul is missing."""
-    return "kernels-community" not in record.getMessage()
 
 
 def _validated(cfg) -> list[str]:
@@ -105,14 +97,18 @@ def _validated(cfg) -> list[str]:
 
 
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
-    """After SIGINT/SIGTERM: where the run stands and how to resume it, then exit 128 + signal."""
+    """After SIGINT/SIGTERM: where the run stands and how to go on, then exit 128 + signal."""
     if is_rank_zero():
-        print(f"{prog}: stopped by {signal.Signals(stop.signum).name}{_stop_state(stop)}; resume with the same command "
-              f"plus trainer.resume=auto hydra.run.dir={run_dir}", file=sys.stderr, flush=True)
+        again = ("run the same command again" if stop.checkpoint_dir is None else
+                 f"resume with the same command plus trainer.resume=auto hydra.run.dir={run_dir}")
+        print(f"{prog}: stopped by {signal.Signals(stop.signum).name}{_stop_state(stop)}; {again}", file=sys.stderr,
+              flush=True)
     sys.exit(128 + stop.signum)
 
 
 def _stop_state(stop: Interrupted) -> str:
+    if stop.checkpoint_dir is None:
+        return " before the first step; the run dir holds nothing of this run"
     done = "" if stop.completed is None else f" after {stop.completed} complete step(s)"
     dropped = "; the unfinished step was discarded" if stop.discarded else ""
     return f"{done}{dropped}; checkpoint {stop.checkpoint_dir}"
@@ -120,75 +116,91 @@ def _stop_state(stop: Interrupted) -> str:
 
 def _train_task(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
 
-    from grpo_cli import rundir
     from grpo_cli.stopping import StopRequest
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     stop = StopRequest("grpo-train")
-    claim = None
     with one_line("grpo-train", in_sweep=_is_multirun()):
         try:
             with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
-                with rundir.restoring_hydra(run_dir, _hydra_before):
-                    warnings = _validated(cfg)
-                    plan = _plan_sweep_job(cfg) if _is_multirun() else None
-                    if plan is not None and plan.action == "skip":
-                        return plan.result
-                    claim = rundir.claim(cfg, run_dir, main=is_rank_zero())  # refusals before anything is written
-                with open_dict(cfg):
-                    cfg.trainer.resume = None if claim.checkpoint is None else str(claim.checkpoint)
-                warnings += claim.warnings
-                _quiet_libraries()  # heavy imports only after the config is known good
-                from grpo_cli.evaluate import Evaluator, final_eval_on
-                from grpo_cli.trainer import GRPOTrainer
-                if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
-                    clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
-                    warnings += [clip] if clip else []
-                for text in warnings if is_rank_zero() else []:
-                    warn(text)
-
-                trainer = GRPOTrainer(cfg, run_dir, stop=stop, make_evaluator=partial(Evaluator.for_training, cfg),
-                                      final_eval=final_eval_on(cfg, multirun=_is_multirun()))
-                try:
-                    summary = trainer.fit()
-                finally:
-                    from grpo_cli.distributed import teardown
-
-                    teardown(trainer.dist)
+                warnings, plan = _validated_job(cfg)
+                if plan is not None and plan.action == "skip":
+                    return plan.result
+                run = _claimed(cfg, run_dir, plan, warnings)
+                with run:
+                    summary = run.train(stop=stop, make_evaluator=_evaluator_factory(cfg),
+                                        final_eval=_final_eval(cfg))
         except Interrupted as stopped:
-            if _is_multirun():
-                from grpo_cli.sweep import JobStopped, job_name
-
-                raise JobStopped(f"stopped by {signal.Signals(stopped.signum).name} in {job_name(HydraConfig.instance().cfg)}"
-                                 f"{_stop_state(stopped)}; the sweep stops here; run the same command again to skip "
-                                 "its finished jobs and resume this one", stopped.signum) from None
-            _stopped("grpo-train", stopped, run_dir)
-        finally:
-            if claim is not None and claim.lock is not None:
-                claim.lock.release()
+            _on_stop(stopped, run_dir)
     return float(summary["final_reward"])
 
 
-def _plan_sweep_job(cfg):
-    """A sweep run again: this job is skipped (finished with the same config), resumed or started over, and a
-    line says which (grpo_cli.sweep.plan_job). trainer.overwrite=true or a trainer.resume path on the command
-    decide alone; trainer.resume=auto is what this does anyway."""
+def _validated_job(cfg):
+    """The config checked (and its warnings), and in a sweep what this job does (sweep.plan_job)."""
+    with _restoring_hydra():
+        warnings = _validated(cfg)
+        if not _is_multirun():
+            return warnings, None
+        from hydra.core.hydra_config import HydraConfig
+
+        from grpo_cli.sweep import plan_job
+
+        plan = plan_job(cfg, HydraConfig.instance().cfg)
+        if plan.line and is_rank_zero():
+            print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
+        return warnings, plan
+
+
+def _restoring_hydra():
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
 
-    from grpo_cli.sweep import plan_job
+    from grpo_cli import rundir
 
-    if cfg.trainer.get("overwrite") or cfg.trainer.get("resume") not in (None, "auto"):
-        return None
-    plan = plan_job(cfg, HydraConfig.instance().cfg)
-    if plan.line and is_rank_zero():
-        print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
-    with open_dict(cfg):
-        cfg.trainer.resume = "auto" if plan.action == "resume" else None
-        cfg.trainer.overwrite = plan.action == "restart"
-    return plan
+    return rundir.restoring_hydra(Path(HydraConfig.get().runtime.output_dir), _hydra_before)
+
+
+def _claimed(cfg, run_dir: Path, plan, warnings: list[str]):
+    """The run dir claimed (grpo_cli.run.Run: refusals before anything is written), then every warning said."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from grpo_cli.run import Run
+
+    with _restoring_hydra():
+        run = Run(cfg, run_dir, decision=None if plan is None else plan.decision)
+    _quiet_libraries()  # heavy imports only after the config is known good
+    warnings = [*warnings, *run.warnings]
+    if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
+        clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
+        warnings += [clip] if clip else []
+    for text in warnings if is_rank_zero() else []:
+        warn(text)
+    return run
+
+
+def _evaluator_factory(cfg):
+    from grpo_cli.evaluate import Evaluator
+
+    return partial(Evaluator.for_training, cfg)
+
+
+def _final_eval(cfg) -> bool:
+    from grpo_cli.evaluate import final_eval_on
+
+    return final_eval_on(cfg, multirun=_is_multirun())
+
+
+def _on_stop(stopped: Interrupted, run_dir: Path) -> None:
+    """A stopped single run exits with its line; a stopped sweep job ends the sweep (sweep.JobStopped)."""
+    if _is_multirun():
+        from hydra.core.hydra_config import HydraConfig
+
+        from grpo_cli.sweep import JobStopped, job_name
+
+        raise JobStopped(f"stopped by {signal.Signals(stopped.signum).name} in {job_name(HydraConfig.instance().cfg)}"
+                         f"{_stop_state(stopped)}; the sweep stops here; run the same command again to skip "
+                         "its finished jobs and resume this one", stopped.signum) from None
+    _stopped("grpo-train", stopped, run_dir)
 
 
 def train() -> None:

@@ -14,7 +14,15 @@ from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.overrides import override_key
-from grpo_cli.schema import check_options, fail, options_help, options_markdown, raw_value, root_defaults
+from grpo_cli.schema import (
+    check_options,
+    fail,
+    options_help,
+    options_markdown,
+    raw_value,
+    root_defaults,
+    view,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR / "conf"
@@ -204,9 +212,11 @@ def check_mini_batches(cfg: DictConfig, world_size: int = 1) -> None:
                                               f"algo.num_generations = {completions}) or be at least that many")
 
 
-def is_on_policy(cfg: DictConfig) -> bool:
-    """One optimizer update per rollout batch: the ratio is exactly 1, so clipping never acts."""
-    return cfg.algo.get("mini_batches", 1) == 1 and cfg.algo.num_iterations == 1
+def is_on_policy(algo) -> bool:
+    """One optimizer update per rollout batch (of the `algo` section, or the whole config): the ratio is exactly
+    1, so clipping never acts; with more, old log-probs are needed and clipping acts."""
+    algo = view(algo.algo if isinstance(algo, DictConfig) and "algo" in algo else algo, "algo")
+    return algo.mini_batches == 1 and algo.num_iterations == 1
 
 
 def sampling_reshapes(rollout: DictConfig) -> list[str]:
@@ -217,7 +227,7 @@ def sampling_reshapes(rollout: DictConfig) -> list[str]:
     return [f"rollout.{key}={rollout[key]}" for key, on in reshaping.items() if on]
 
 
-CLIP_KEYS = ("algo.clip_eps", "algo.clip_eps_high")
+CLIP_EPS_KEYS = ("algo.clip_eps", "algo.clip_eps_high")  # the config keys of the clipped ratio
 
 
 def on_policy_clip_warning(keys: list[str], sweep: bool = False) -> str:
@@ -233,7 +243,7 @@ def explicit_clip_warning(cfg: DictConfig, task_overrides: list[str]) -> str | N
     cannot act; None otherwise. A recipe's own clip_eps is not the user's choice and gets no warning."""
     if not is_on_policy(cfg):
         return None
-    keys = [k for k in CLIP_KEYS if any(override_key(line) == k for line in task_overrides)]
+    keys = [k for k in CLIP_EPS_KEYS if any(override_key(line) == k for line in task_overrides)]
     return on_policy_clip_warning(keys) if keys else None
 
 

@@ -21,6 +21,7 @@ from grpo_cli.errors import ConfigError, Interrupted
 from grpo_cli.rewards import resolve_callable, to_scores
 from grpo_cli.rewards.parsing import extract_final_answer, parse_number
 from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine, sampling_options
+from grpo_cli.schema import view
 
 EVAL_BATCH_PROMPTS = 16
 
@@ -51,7 +52,7 @@ def has_held_out_split(cfg_data) -> bool:
 
 def final_eval_on(cfg, multirun: bool) -> bool:
     """eval.final resolved: auto = in a sweep, when the data has a held-out split and reward.accuracy judges it."""
-    setting = cfg.eval.get("final", "auto")
+    setting = view(cfg.eval, "eval").final
     if setting == "auto":
         return multirun and has_held_out_split(cfg.data) and cfg.reward.get("accuracy") is not None
     return bool(setting)

@@ -182,9 +182,9 @@ def _finish_out(tmp: Path, out_dir: Path) -> None:
 
 
 def _final_reward(run_dir: Path) -> float | None:
-    from grpo_cli.metrics import final_mean, read_metrics
+    from grpo_cli.metrics import METRICS, final_mean, read_metrics
 
-    rewards = [r["reward"] for r in read_metrics(run_dir / "metrics.jsonl") if isinstance(r.get("reward"), (int, float))]
+    rewards = [r["reward"] for r in read_metrics(run_dir / METRICS) if isinstance(r.get("reward"), (int, float))]
     return final_mean(rewards) if rewards else None
 
 

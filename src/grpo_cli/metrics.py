@@ -1,6 +1,7 @@
-"""Reading `metrics.jsonl` (one JSON object per step, appended by tracking.JsonlSink) and the one rule for a
-run's "final" value. The trainer's summary, the sweep summary and grpo-report all use these two.
-`final_eval.json` (FINAL_EVAL) holds eval.final's result: the trainer writes it, the sweep summary reads it."""
+"""The names of a run dir's records, reading `metrics.jsonl` (one JSON object per step, appended by
+tracking.JsonlSink), and the one rule for a run's "final" value. The run's summary, the sweep summary and
+grpo-report all use these. `final_eval.json` (FINAL_EVAL) holds eval.final's result: the run writes it, the
+sweep summary reads it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from pathlib import Path
 
 from grpo_cli.errors import MetricsError
 
+METRICS = "metrics.jsonl"  # one row per step: the source of truth
+SAMPLES = "samples.jsonl"  # sample completions every trainer.log_samples_every steps
 FINAL_EVAL = "final_eval.json"
+ADAPTER_DIR = "adapter"  # the trained LoRA weights
+CHECKPOINTS_DIR = "checkpoints"  # checkpoint.step_dir: one folder per checkpoint
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -262,13 +262,9 @@ def load_quantized(source: str, quantization: str, dtype: torch.dtype, device: t
     """The model saved at `source` (a hub id or a saved model dir) with its linear layers quantized by
     bitsandbytes (`quantization`: nf4 | fp4 | int8) on `device`, computing in `dtype`; `name` is the base's name
     the adapter records (default `source`)."""
-    import logging
-
     from transformers import AutoModelForCausalLM
 
     name = name or source
-    # at import bitsandbytes says its optional CPU kernels (a hub download) are missing; it falls back to its own
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, trust_remote_code=trust_remote_code, quantization_config=bnb_config(quantization, dtype),
@@ -366,59 +362,3 @@ def enable_activation_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-class InferenceCopy:
-    """A plain transformers model for generation that computes what the peft policy computes, without the
-    per-layer LoRA detour: each LoRA-wrapped linear layer becomes an ordinary linear layer whose weight is
-    `base + scaling * B @ A` (in float32, then rounded once to the base dtype).
-
-    Only those merged weights are new memory; embeddings, norms, the LM head and every other frozen tensor
-    are shared with the policy, and nothing of the policy is ever written: its frozen base is the reference
-    policy and stays bit-exact. `refresh()` recomputes the merged weights in place (same storage, so a
-    captured CUDA graph stays valid) and must run after each optimizer step that changed the adapter.
-    """
-
-    def __init__(self, peft_model):
-        import copy
-
-        from peft.tuners.lora import Linear as LoraLinear
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        inner = peft_model.get_base_model()
-        self.layers: dict[str, LoraLinear] = {}
-        for name, module in inner.named_modules():
-            if isinstance(module, BaseTunerLayer):
-                if type(module) is not LoraLinear or any(module.lora_variant.get(a) for a in module.active_adapters):
-                    raise ModelLoadError(
-                        f"rollout.engine=compiled merges plain LoRA on linear layers only; {name} is a "
-                        f"{type(module).__name__}; use rollout.engine=hf")
-                self.layers[name] = module
-            elif name and type(module).__name__ == "ModulesToSaveWrapper":
-                raise ModelLoadError(f"rollout.engine=compiled cannot merge the trainable copy of {name} "
-                                     "(modules_to_save); use rollout.engine=hf")
-        memo = {id(t): t for t in (*inner.parameters(), *inner.buffers())}  # share everything ...
-        for layer in self.layers.values():
-            del memo[id(layer.get_base_layer().weight)]                    # ... but the weights that get merged
-        model = copy.deepcopy(inner, memo)
-        self.targets: dict[str, torch.Tensor] = {}
-        for name in self.layers:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            plain = getattr(parent, child).get_base_layer()
-            plain.weight.requires_grad_(False)
-            setattr(parent, child, plain)
-            self.targets[name] = plain.weight
-        self.model = model.eval()
-        self.refresh()
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        for name, layer in self.layers.items():
-            if layer.merged:
-                raise ModelLoadError(f"{name} has its adapter merged in place; the reference policy is lost")
-            merged = layer.get_base_layer().weight.float()
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    merged = merged + layer.get_delta_weight(adapter).float()
-            self.targets[name].copy_(merged)

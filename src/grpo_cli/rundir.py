@@ -31,13 +31,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.errors import CheckpointError, UserError
+from grpo_cli.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES
 from grpo_cli.schema import default_of
 
 LOCK_FILE = ".lock"
 # append-only, one JSON row per line with its "step"; cut back to the checkpoint's step on resume
-RECORDS = ("metrics.jsonl", "samples.jsonl")
+RECORDS = (METRICS, SAMPLES)
 # what a training run leaves in its dir; any of the first four means the dir holds a run
-RUN_OUTPUTS = (*RECORDS, "checkpoints", "adapter", "wandb_run_id", "wandb")
+RUN_OUTPUTS = (*RECORDS, CHECKPOINTS_DIR, ADAPTER_DIR, "wandb_run_id", "wandb")
 RUN_MARKERS = RUN_OUTPUTS[:4]
 
 # the keys (or whole sections) that decide what a step computes
@@ -175,17 +176,14 @@ def _shown(value) -> str:
     return "unset" if value == "<unset>" else json.dumps(value)
 
 
-def saved_fingerprint(found: Path) -> dict | None:
-    """The fingerprint a checkpoint was written with (None: an older grpo-cli wrote none)."""
-    return json.loads((found / "state.json").read_text()).get("fingerprint")
+def saved_fingerprint(found: Path) -> dict:
+    """The fingerprint a checkpoint was written with (checkpoint.damage checks that it has one)."""
+    return json.loads((found / "state.json").read_text())["fingerprint"]
 
 
 def check_fingerprint(cfg: DictConfig, found: Path) -> None:
     """Refuse a resume whose config differs from the checkpoint's in a key that is not allowed to change."""
     saved = saved_fingerprint(found)
-    if saved is None:
-        raise CheckpointError(f"{found} holds no config fingerprint (an older grpo-cli wrote it); it cannot be checked "
-                              "for an exact resume: start a new run")
     allowed = [str(k) for k in (cfg.trainer.get("resume_allow_changes") or [])]
     current = fingerprint(cfg)
     for key in allowed:
@@ -245,15 +243,114 @@ def roll_back_records(run_dir: Path, step: int, found: Path) -> None:
         replace_text(run_dir / name, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
 
 
+# ---- the resume decision -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResumeDecision:
+    """What an attempt does with its run dir: resume from `checkpoint` (None: start at step 0), `overwrite` the
+    old run's records first, the lines to show at startup (`warnings`), and for a sweep job the line that says
+    which it does (`line`, without the job's name)."""
+
+    checkpoint: Path | None = None
+    overwrite: bool = False
+    warnings: tuple[str, ...] = ()
+    line: str = ""
+
+    @property
+    def action(self) -> str:
+        return "resume" if self.checkpoint is not None else "restart" if self.overwrite else "fresh"
+
+
+def commanded(cfg: DictConfig) -> bool:
+    """trainer.overwrite=true or a trainer.resume path decides alone, in a sweep job too; trainer.resume=auto is
+    what a sweep job does anyway."""
+    return bool(cfg.trainer.get("overwrite")) or cfg.trainer.get("resume") not in (None, "auto")
+
+
+def decide_resume(cfg: DictConfig, run_dir: Path, *, sweep_job: bool = False) -> ResumeDecision:
+    """The one decision of what to resume (raises RunDirError or CheckpointError, nothing written, when the dir
+    cannot take this attempt). A sweep job run again resumes its newest intact checkpoint when it was written
+    with the same config, and else starts over; a single run does what trainer.resume and trainer.overwrite say."""
+    if sweep_job and not commanded(cfg):
+        return _sweep_job_decision(cfg, run_dir)
+    resume, overwrite = cfg.trainer.get("resume"), bool(cfg.trainer.get("overwrite"))
+    records = holds_run(run_dir)
+    if resume and overwrite:
+        raise RunDirError(f"trainer.overwrite=true starts over and trainer.resume={resume} goes on; pick one")
+    if resume is None:
+        if records and not overwrite:
+            raise RunDirError(f"run dir {run_dir} holds a run already ({', '.join(records)}); go on with "
+                              "trainer.resume=auto, start over with trainer.overwrite=true (deletes its records and "
+                              "checkpoints), or pick another hydra.run.dir")
+        return ResumeDecision(overwrite=overwrite)
+    found, warnings = (_newest_to_resume(run_dir, records) if str(resume) == "auto"
+                       else (_named_checkpoint(run_dir, str(resume), records), ()))
+    if found is not None:
+        check_fingerprint(cfg, found)
+    return ResumeDecision(found, warnings=warnings)
+
+
+def _newest_to_resume(run_dir: Path, records: list[str]) -> tuple[Path | None, tuple[str, ...]]:
+    """trainer.resume=auto: the newest intact checkpoint, and a line per damaged one skipped."""
+    from grpo_cli import checkpoint  # torch: only once the config is known good
+
+    found, skipped = checkpoint.newest_intact(run_dir)
+    warnings = tuple(f"checkpoint {path} is damaged ({why}); skipped" for path, why in skipped)
+    if found is not None:
+        return found, warnings
+    nothing = f"trainer.resume=auto: nothing to resume in {run_dir}" + (
+        f" (no intact checkpoint: {'; '.join(f'{p.name}: {why}' for p, why in skipped)})" if skipped else "")
+    if records:
+        raise RunDirError(f"{nothing}, and it holds a run already ({', '.join(records)}); start over with "
+                          "trainer.overwrite=true instead of trainer.resume, or pick another hydra.run.dir")
+    return None, (*warnings, f"{nothing}; starting a new run")
+
+
+def _named_checkpoint(run_dir: Path, resume: str, records: list[str]) -> Path:
+    """trainer.resume=PATH: that checkpoint (or a run dir's newest), intact, and the dir's own when it holds a run."""
+    from grpo_cli import checkpoint
+
+    found = checkpoint.find(run_dir, resume)
+    why = checkpoint.damage(found)
+    if why is not None:
+        raise CheckpointError(f"trainer.resume={resume}: checkpoint {found} is damaged ({why}); resume from an "
+                              "intact one, e.g. trainer.resume=auto for the newest")
+    if records and found.resolve().parent != checkpoint.checkpoint_root(run_dir).resolve():
+        raise RunDirError(f"run dir {run_dir} holds a run already ({', '.join(records)}), and trainer.resume={resume} "
+                          "is another run's checkpoint; resume it into a new hydra.run.dir")
+    return found
+
+
+def _sweep_job_decision(cfg: DictConfig, job_dir: Path) -> ResumeDecision:
+    """A sweep job whose dir holds an unfinished attempt: resumed when its newest intact checkpoint has this
+    config's fingerprint, else started over."""
+    if not holds_run(job_dir):
+        return ResumeDecision()
+    from grpo_cli import checkpoint
+
+    found, skipped = checkpoint.newest_intact(job_dir)
+    warnings = tuple(f"checkpoint {path} is damaged ({why}); skipped" for path, why in skipped)
+    if found is None:
+        return ResumeDecision(overwrite=True, line="did not finish and has no intact checkpoint; starting it over")
+    saved, current = saved_fingerprint(found), fingerprint(cfg)
+    changes = changed_keys(saved, current)
+    if changes:
+        return ResumeDecision(overwrite=True, line=f"did not finish, and its checkpoint {found} was written with "
+                                                   f"another config ({describe_changes(changes, saved, current)}); "
+                                                   "starting it over")
+    return ResumeDecision(found, warnings=warnings, line=f"did not finish; resuming it from {found}")
+
+
 # ---- the claim ----------------------------------------------------------------------------------
 @dataclass
 class Claim:
-    """What `claim` decided: the checkpoint to resume from (None: a fresh start), the lock (rank 0 only)
-    and the lines to show at startup (skipped checkpoints, nothing to resume)."""
+    """An attempt's hold on its run dir: what it resumes (`decision`) and the lock (rank 0 only)."""
 
-    checkpoint: Path | None
+    decision: ResumeDecision
     lock: RunLock | None
-    warnings: list[str]
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 def holds_run(run_dir: Path) -> list[str]:
@@ -261,63 +358,31 @@ def holds_run(run_dir: Path) -> list[str]:
     return [name for name in RUN_MARKERS if (run_dir / name).exists()]
 
 
-def claim(cfg: DictConfig, run_dir: Path, main: bool = True) -> Claim:
-    """Decide whether this attempt may use `run_dir`, and how: raise RunDirError (nothing written) when not.
-    Rank 0 (`main`) takes the lock first, and alone writes: removes orphaned checkpoint writes, and with
-    trainer.overwrite=true the old run's records. The other ranks only read the same decision."""
+def claim(cfg: DictConfig, run_dir: Path, main: bool = True, decision: ResumeDecision | None = None) -> Claim:
+    """Take `run_dir` for this attempt and act on `decision` (decide_resume's, made here when not given): raise
+    RunDirError (nothing written) when the dir cannot take it. Rank 0 (`main`) takes the lock first, and alone
+    writes: removes orphaned checkpoint writes, and when the decision starts over, the old run's records. The
+    other ranks only read the same decision."""
     from grpo_cli import checkpoint  # torch: only once the config is known good
 
     lock = RunLock.acquire(run_dir) if main else None
     try:
-        found, warnings = _decide(cfg, run_dir)
+        decision = decide_resume(cfg, run_dir) if decision is None else decision
         if main:
             checkpoint.remove_orphans(run_dir)
-            if cfg.trainer.get("overwrite") and holds_run(run_dir):
-                for path in (run_dir / name for name in RUN_OUTPUTS):
-                    if path.is_dir():
-                        shutil.rmtree(path)
-                    else:
-                        path.unlink(missing_ok=True)
+            if decision.overwrite and holds_run(run_dir):
+                remove_run(run_dir)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-    return Claim(found, lock, warnings)
+    return Claim(decision, lock)
 
 
-def _decide(cfg: DictConfig, run_dir: Path) -> tuple[Path | None, list[str]]:
-    from grpo_cli import checkpoint
-
-    resume, overwrite = cfg.trainer.get("resume"), bool(cfg.trainer.get("overwrite"))
-    records = holds_run(run_dir)
-    used = f"run dir {run_dir} holds a run already ({', '.join(records)})"
-    choices = ("go on with trainer.resume=auto, start over with trainer.overwrite=true (deletes its records and "
-               "checkpoints), or pick another hydra.run.dir")
-    if resume and overwrite:
-        raise RunDirError(f"trainer.overwrite=true starts over and trainer.resume={resume} goes on; pick one")
-    if resume is None:
-        if records and not overwrite:
-            raise RunDirError(f"{used}; {choices}")
-        return None, []
-    if str(resume) == "auto":
-        found, skipped = checkpoint.newest_intact(run_dir)
-        warnings = [f"checkpoint {path} is damaged ({why}); skipped" for path, why in skipped]
-        if found is None:
-            nothing = f"trainer.resume=auto: nothing to resume in {run_dir}" + (
-                f" (no intact checkpoint: {'; '.join(f'{p.name}: {why}' for p, why in skipped)})" if skipped else "")
-            if records:
-                raise RunDirError(f"{nothing}, and it holds a run already ({', '.join(records)}); start over with "
-                                  "trainer.overwrite=true instead of trainer.resume, or pick another hydra.run.dir")
-            return None, [*warnings, f"{nothing}; starting a new run"]
-    else:
-        found = checkpoint.find(run_dir, str(resume))
-        why = checkpoint.damage(found)
-        if why is not None:
-            raise CheckpointError(f"trainer.resume={resume}: checkpoint {found} is damaged ({why}); resume from an "
-                                  "intact one, e.g. trainer.resume=auto for the newest")
-        warnings = []
-        if records and found.resolve().parent != checkpoint.checkpoint_root(run_dir).resolve():
-            raise RunDirError(f"{used}, and trainer.resume={resume} is another run's checkpoint; resume it into a new "
-                              "hydra.run.dir")
-    check_fingerprint(cfg, found)
-    return found, warnings
+def remove_run(run_dir: Path) -> None:
+    """Delete what a training run left in `run_dir` (its records, checkpoints, adapter, logger state)."""
+    for path in (run_dir / name for name in RUN_OUTPUTS):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)

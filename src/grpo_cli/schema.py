@@ -13,6 +13,8 @@ nothing heavy and lists no engine, optimizer, logger or loss type itself.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import glob
 import importlib
 import math
@@ -342,6 +344,46 @@ OPTIONS: tuple[Option, ...] = (
     Option("reward.functions.*.weight", number(), "its weight in the summed reward (1 when left out)", optional=True),
     # ---- sweep: resuming a sweep, averaging an Optuna trial over seeds
 )
+
+
+# ---- typed views: what a component reads of a section, one field per option --------------------------
+def section_options(section: str) -> tuple[Option, ...]:
+    """The options directly under `section` (algo, rollout, trainer, eval, ...)."""
+    return tuple(o for o in OPTIONS if o.key.rpartition(".")[0] == section and "*" not in o.key)
+
+
+def _annotation(option: Option) -> object:
+    default = option.default
+    if default is FROM_GROUP or default is None or isinstance(default, str) and default.startswith("${"):
+        return object
+    return tuple if isinstance(default, list) else type(default)
+
+
+@functools.cache
+def view_type(section: str) -> type:
+    """The dataclass of `section`'s options (AlgoOptions, ...), generated from OPTIONS: a field per option."""
+    fields = [(o.key.rpartition(".")[2], _annotation(o)) for o in section_options(section)]
+    return dataclasses.make_dataclass(f"{section.title()}Options", fields)
+
+
+def view(cfg_section, section: str):
+    """`cfg_section` (a config section, validated) as the typed view of `section`: each option's value there,
+    else its declared default (an optional group key it lacks: None); lists as tuples. A view is returned as it
+    is."""
+    kind = view_type(section)
+    if isinstance(cfg_section, kind):
+        return cfg_section
+    values = {}
+    for option in section_options(section):
+        name = option.key.rpartition(".")[2]
+        value = OmegaConf.select(cfg_section, name, default=ABSENT) if isinstance(cfg_section, DictConfig) else \
+            cfg_section.get(name, ABSENT)
+        if value is ABSENT:
+            value = None if option.default is FROM_GROUP else option.default
+        if isinstance(value, (ListConfig, DictConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        values[name] = tuple(value) if isinstance(value, list) else value
+    return kind(**values)
 
 
 def default_of(key: str) -> object:

@@ -181,11 +181,11 @@ def swept_in_command(lines: list[str]) -> list[str]:
 
 def on_policy_clip_sweep(config: DictConfig) -> str | None:
     """The warning for a sweep that varies a clip epsilon while every job is fully on-policy; else None."""
-    from grpo_cli.config import CLIP_KEYS, is_on_policy, on_policy_clip_warning
+    from grpo_cli.config import CLIP_EPS_KEYS, is_on_policy, on_policy_clip_warning
 
     swept = set(swept_in_command([str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]))
     swept |= {override_key(str(k)) for k in (OmegaConf.select(config, "hydra.sweeper.params") or {})}
-    clip = [k for k in CLIP_KEYS if k in swept]
+    clip = [k for k in CLIP_EPS_KEYS if k in swept]
     policy_swept = {"algo.mini_batches", "algo.num_iterations", "recipe"} & swept  # jobs may differ: say nothing
     if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config):
         return None
@@ -412,11 +412,13 @@ def job_config(config: DictConfig) -> dict:
 class JobPlan:
     """What a sweep job does with what an earlier attempt of its sweep left in its dir: `fresh` (nothing
     there), `skip` (finished with the same config: `result` is what it returned), `resume` (from its newest
-    checkpoint) or `restart` (the dir's run is deleted first); `line` says which and why."""
+    checkpoint) or `restart` (the dir's run is deleted first); `line` says which and why; `decision` is what
+    rundir.claim acts on (None for a skipped job)."""
 
     action: str
     line: str | None = None
     result: Any = None
+    decision: Any = None
 
 
 def job_name(config: DictConfig) -> str:
@@ -431,35 +433,25 @@ def job_name(config: DictConfig) -> str:
 def plan_job(cfg: DictConfig, config: DictConfig) -> JobPlan:
     """Decide what a sweep job does with `cfg` (its composed config), given `config` (a config holding its
     `hydra` part), from the record of its previous attempt that `SweepSummary.on_job_start` kept in
-    job_status.json (Hydra has rewritten `.hydra/` by then)."""
+    job_status.json (Hydra has rewritten `.hydra/` by then). A job that did not finish is left to
+    rundir.decide_resume, the one resume decision; trainer.overwrite=true or a trainer.resume path decide alone."""
     from grpo_cli import rundir
+    from grpo_cli.metrics import ADAPTER_DIR
 
     job_dir = _job_dir(config)
     previous = _read_json(job_dir / JOB_STATUS).get("previous") or {}
     name = job_name(config)
-    if previous.get("status") == "ok" and "config" in previous and (job_dir / "adapter").is_dir():
+    finished = previous.get("status") == "ok" and "config" in previous and (job_dir / ADAPTER_DIR).is_dir()
+    if finished and not rundir.commanded(cfg):
         current = job_config(cfg)
         changes = rundir.changed_keys(previous["config"], current)
         if not changes:
             return JobPlan("skip", f"{name} finished before with the same config; skipped", previous.get("result"))
         return JobPlan("restart", f"{name} finished before with another config "
-                                  f"({rundir.describe_changes(changes, previous['config'], current)}); starting it over")
-    if not rundir.holds_run(job_dir):
-        return JobPlan("fresh")
-    from grpo_cli import checkpoint  # torch: not for a skipped job
-
-    found, _damaged = checkpoint.newest_intact(job_dir)
-    if found is None:
-        return JobPlan("restart", f"{name} did not finish and has no intact checkpoint; starting it over")
-    saved, current = rundir.saved_fingerprint(found), rundir.fingerprint(cfg)
-    if saved is None:
-        return JobPlan("restart", f"{name} did not finish and its checkpoint {found} holds no config fingerprint; "
-                                  "starting it over")
-    changes = rundir.changed_keys(saved, current)
-    if changes:
-        return JobPlan("restart", f"{name} did not finish, and its checkpoint {found} was written with another config "
-                                  f"({rundir.describe_changes(changes, saved, current)}); starting it over")
-    return JobPlan("resume", f"{name} did not finish; resuming it from {found}")
+                                  f"({rundir.describe_changes(changes, previous['config'], current)}); starting it over",
+                       decision=rundir.ResumeDecision(overwrite=True))
+    decision = rundir.decide_resume(cfg, job_dir, sweep_job=True)
+    return JobPlan(decision.action, f"{name} {decision.line}" if decision.line else None, decision=decision)
 
 
 class JobStopped(Exception):

@@ -35,6 +35,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from grpo_cli.errors import error_line, send_warnings_to, warn, warnings_listener
+from grpo_cli.metrics import METRICS, SAMPLES
 from grpo_cli.overrides import override_key
 from grpo_cli.registry import Registry
 
@@ -139,8 +140,8 @@ class JsonlSink(NullSink):
     """The run dir's records: one metrics.jsonl row per step (fsynced: the source of truth), samples.jsonl."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.samples_path = Path(run_dir) / "samples.jsonl"
+        self.path = Path(run_dir) / METRICS
+        self.samples_path = Path(run_dir) / SAMPLES
 
     def log(self, row: dict) -> None:
         with self.path.open("a", encoding="utf-8") as f:
@@ -516,6 +517,8 @@ def open_tracker(run_dir: Path, cfg_logger, config: dict, total_steps: int, star
     logger = LOGGERS.lookup(str(cfg_logger.get("backend") or "none"))(cfg_logger, run)
     if logger is not None:
         tracker.sinks.insert(1, logger)
-    where = f"resuming at step {start_step + 1} of {total_steps}" if start_step else f"training {total_steps} steps"
+    where = (f"training {total_steps} steps" if not start_step else
+             f"resuming at step {start_step + 1} of {total_steps}" if start_step < total_steps else
+             f"resuming after the last of {total_steps} steps")
     console.say(f"{where}; Ctrl-C stops and keeps a checkpoint (twice: exits at once)")
     return tracker

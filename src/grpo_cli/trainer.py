@@ -15,31 +15,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import random
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from grpo_cli import algorithm, checkpoint, distributed, rundir
-from grpo_cli.checkpoint import restore_rng, rng_snapshot
+from grpo_cli import algorithm, distributed
+from grpo_cli.config import is_on_policy
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.evaluate import final_eval_on
-from grpo_cli.metrics import FINAL_EVAL, final_mean, read_metrics
 from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine, sampling_options
+from grpo_cli.schema import view
 from grpo_cli.stopping import StopRequest
-from grpo_cli.tracking import Tracker, open_tracker
 
 
 @dataclass
@@ -159,17 +155,19 @@ def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
 
 
 class GRPOTrainer:
-    """Owns the objects a run needs; `step()` is one GRPO step (its optimizer updates), `fit()` the whole run.
+    """Owns the objects a step needs; `step()` is one GRPO step (its optimizer updates). A run around the steps
+    (its dir, resume, records, checkpoints) is grpo_cli.run.Run's.
 
     The config is validated before (config.validate: under torchrun it knows the real number of ranks).
-    `make_evaluator(lm)` builds the evaluator of `eval.every` from the loaded model. Warnings go through
-    errors.warn (the run's console while it logs)."""
+    `make_evaluator(lm)` builds the evaluator of `eval.every` and `eval.final` from the loaded model. Warnings go
+    through errors.warn (the run's console while it logs)."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, lm: LoadedModel | None = None, rows: list[dict] | None = None,
-                 stop: StopRequest | None = None, *, make_evaluator: Callable[[LoadedModel], Callable] | None = None,
+    def __init__(self, cfg: DictConfig, *, lm: LoadedModel | None = None, rows: list[dict] | None = None,
+                 stop: StopRequest | None = None, make_evaluator: Callable[[LoadedModel], Callable] | None = None,
                  final_eval: bool | None = None):
-        self.cfg, self.run_dir = cfg, run_dir
-        self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
+        self.cfg = cfg
+        # typed views of the sections (schema.view): the defaults are the schema's
+        self.algo, self.roll, self.tcfg = view(cfg.algo, "algo"), view(cfg.rollout, "rollout"), view(cfg.trainer, "trainer")
         # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
         self.dist, device = distributed.setup(self.tcfg.device if lm is None else str(lm.device))
         self.stop = stop or StopRequest()
@@ -182,7 +180,7 @@ class GRPOTrainer:
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
         self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
-        if self.tcfg.get("gradient_checkpointing"):
+        if self.tcfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
         self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype, stop=self.stop)
@@ -193,12 +191,9 @@ class GRPOTrainer:
                                       updates_per_step=self.algo.mini_batches * self.algo.num_iterations)
         self.eps_high = self.algo.clip_eps_high if self.algo.clip_eps_high is not None else self.algo.clip_eps
         self.fresh_adapter = True
-        self.zero_std_streak, self.warned_zero_std = 0, False
         self.skipped_in_a_row = 0
         self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
-        self.last_eval: tuple[int, dict] | None = None  # (complete steps, result) of the newest eval.every eval
-        self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
 
     # ---- one step -------------------------------------------------------------------------------
     def generate(self, step: int) -> Generation | None:
@@ -209,7 +204,7 @@ class GRPOTrainer:
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
             share = len(rows) // self.dist.world_size
             rows = rows[self.dist.rank * share:(self.dist.rank + 1) * share]
-        enc = encode_prompts(self.tokenizer, rows, self.cfg.data.max_prompt_tokens, self.cfg.data.get("overlong", "truncate"))
+        enc = encode_prompts(self.tokenizer, rows, self.cfg.data.max_prompt_tokens, self.cfg.data.overlong)
         if not enc.ids:
             raise InvariantError(f"every prompt of step {step} is over data.max_prompt_tokens={self.cfg.data.max_prompt_tokens} "
                                  "and was dropped; raise it or use data.overlong=truncate")
@@ -241,8 +236,8 @@ class GRPOTrainer:
             return None
         return Scores(torch.tensor(totals, dtype=torch.float32), per_function, errors)
 
-    def advantages(self, generation: Generation, scores: Scores) -> Batch:
-        """Group advantages of the rewards, and the completion tokens that count in the loss."""
+    def make_batch(self, generation: Generation, scores: Scores) -> Batch:
+        """The step's Batch: the group advantages of its rewards, and the completion tokens that count in the loss."""
         roll = generation.rollout
         advantages = algorithm.group_advantages(scores.totals, self.algo.num_generations, eps=self.algo.adv_eps,
                                                 scale=self.algo.scale_rewards)
@@ -253,9 +248,8 @@ class GRPOTrainer:
                      scores.errors, stats=generation.stats)
 
     @property
-    def off_policy(self) -> bool:
-        """More than one optimizer update per rollout batch: old log-probs are needed and clipping acts."""
-        return self.algo.mini_batches > 1 or self.algo.num_iterations > 1
+    def on_policy(self) -> bool:
+        return is_on_policy(self.algo)
 
     def micro_batches(self, rows: slice) -> list[slice]:
         size = self.tcfg.micro_batch_size or (rows.stop - rows.start)
@@ -272,7 +266,7 @@ class GRPOTrainer:
         with contextlib.nullcontext() if adapter else self.model.disable_adapter():
             return torch.cat([self._logprobs(batch, s, grad=False)[0] for s in parts])
 
-    def plan(self, batch: Batch) -> tuple[Batch, list[MiniBatch]]:
+    def mini_batch_layout(self, batch: Batch) -> tuple[Batch, list[MiniBatch]]:
         """The batch reordered so that each mini-batch is a run of rows, and the mini-batches with their
         micro-batches and sizes over all ranks (one all-reduce)."""
         G, mini = self.algo.num_generations, self.algo.mini_batches
@@ -341,13 +335,13 @@ class GRPOTrainer:
     def update(self, step: int, batch: Batch) -> StepStats:
         """Every optimizer update of one step: `num_iterations` passes over the mini-batches."""
         self.model.train()
-        ordered, plan = self.plan(batch)
-        parts = [rows for mini in plan for rows in mini.micro]
+        ordered, minis = self.mini_batch_layout(batch)
+        parts = [rows for mini in minis for rows in mini.micro]
         ref = self._no_grad_logprobs(ordered, parts, adapter=False) if self.algo.beta > 0 else None
-        old = self._no_grad_logprobs(ordered, parts, adapter=True) if self.off_policy else None
+        old = self._no_grad_logprobs(ordered, parts, adapter=True) if not self.on_policy else None
         totals, first, max_logp, losses, grad_norms = UpdateSums(), None, -math.inf, [], []
         for iteration in range(self.algo.num_iterations):
-            for mini in plan:
+            for mini in minis:
                 if not mini.rows_total:  # all its groups were dropped (data.overlong=drop): nothing to learn
                     self.lr_schedule.step()
                     continue
@@ -364,7 +358,7 @@ class GRPOTrainer:
                 totals, max_logp = totals + sums, max(max_logp, local_max_logp)
         first = first or UpdateSums()
         self.fresh_adapter = False  # updated now: the policy has left the reference
-        first_pass_tokens = max(1.0, sum(mini.tokens_total for mini in plan))  # kl, entropy: first pass only
+        first_pass_tokens = max(1.0, sum(mini.tokens_total for mini in minis))  # kl, entropy: first pass only
         return StepStats(
             loss=sum(losses) / max(1, len(losses)), grad_norm=sum(grad_norms) / max(1, len(grad_norms)),
             kl=totals.kl / first_pass_tokens, entropy=totals.entropy / first_pass_tokens,
@@ -382,7 +376,7 @@ class GRPOTrainer:
         generation, batch = self.generate(step), None
         scores = None if generation is None else self.score(generation)  # None: a stop request came first
         if scores is not None:
-            batch = self.advantages(generation, scores)
+            batch = self.make_batch(generation, scores)
         if self.stop_agreed(batch is None or self.stop()):
             return None
         stats = self.update(step, batch)
@@ -449,168 +443,3 @@ class GRPOTrainer:
         group_sums = batch.advantages.detach().float().view(-1, G).sum(dim=1).abs().max()
         if float(group_sums) > 1e-3:
             raise InvariantError(f"invariant 'advantages sum to 0 per group' failed at step {step}: max |sum| {float(group_sums):.2e}")
-
-    def save_samples(self, tracker: Tracker, step: int, batch: Batch) -> None:
-        every = self.tcfg.log_samples_every
-        if not every or step % every:
-            return
-        rows = []
-        for i, text in enumerate(batch.rollout.texts):
-            rows.append({"prompt": batch.prompts[i], "completion": text, "reward": float(batch.rewards[i]),
-                         "advantage": float(batch.advantages[i]),
-                         **{f"reward/{k}": v[i] for k, v in batch.per_function.items()}})
-        tracker.samples(step, rows)
-
-    # ---- the run --------------------------------------------------------------------------------
-    def fit(self) -> dict:
-        """The whole run: resume, the steps (each evaluated, logged, checkpointed on schedule), the adapter, the
-        summary. A stop request (SIGINT/SIGTERM) during generation discards the step in progress; during the
-        update the step finishes; either way the state after the last complete step is checkpointed."""
-        start = self.resume()
-        if self.dist.is_main:  # a final eval of an earlier attempt does not describe this one's weights
-            (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
-        tracker = self.open_tracker(start)
-        t_start = time.time()
-        # the CLI installs the handlers for the whole run (model load included); a bare fit() does it here
-        with contextlib.nullcontext() if self.stop.installed_now else self.stop.installed():
-            last_complete = rng_snapshot()
-            for step in range(start, self.tcfg.max_steps):
-                result = self.step(step)
-                if result is None:  # stopped before the update: checkpoint the state after `step` complete steps
-                    restore_rng(last_complete)
-                    raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(step),
-                                      completed=step, discarded=True)
-                self.record(tracker, step, *result)
-                last_complete = rng_snapshot()
-                self.checkpoint_if_due(step + 1)
-            adapter_dir = self.save_adapter()
-            final_eval = self.final_evaluation(tracker)  # polls the stop request too
-        return self.finish(tracker, adapter_dir, time.time() - t_start, final_eval)
-
-    def resume(self) -> int:
-        """Restore the newest checkpoint when trainer.resume asks for one; returns the step to start at."""
-        if not self.tcfg.get("resume"):
-            return 0
-        found = checkpoint.find(self.run_dir, str(self.tcfg.resume))
-        if found is None:
-            return 0
-        state = checkpoint.load(found, self.model, self.optimizer, self.lr_schedule)
-        start = state["step"]
-        self.last_checkpoint = (start, found)
-        self.skipped_updates = state.get("skipped_updates", 0)
-        self.fresh_adapter = start == 0
-        if self.dist.is_main:
-            rundir.roll_back_records(self.run_dir, start, found)
-        return start
-
-    def open_tracker(self, start: int) -> Tracker:
-        """Rank 0 logs (metrics.jsonl, the logger's sink, the console); the other ranks' tracker has no sinks."""
-        if not self.dist.is_main:
-            return Tracker([])
-        return open_tracker(self.run_dir, self.cfg.logger, OmegaConf.to_container(self.cfg, resolve=True),
-                            self.tcfg.max_steps, start, resume=bool(self.tcfg.get("resume")))
-
-    def record(self, tracker: Tracker, step: int, metrics: dict, batch: Batch) -> None:
-        """Everything a finished step leaves behind but the checkpoint: warnings, eval, metrics, samples."""
-        self.track_zero_std(metrics, tracker)
-        every = self.cfg.eval.every
-        if self.evaluator is not None and every and (step + 1) % every == 0:
-            if self.dist.is_main:
-                tracker.say(f"evaluating after step {step + 1} on the held-out prompts")
-                try:
-                    result = self.evaluator(self.engine, stop=self.stop)
-                    metrics.update(result)
-                    self.last_eval = (step + 1, result)
-                except Interrupted:
-                    tracker.warn(f"evaluation after step {step + 1} was stopped; its metrics are left out")
-            distributed.barrier(self.dist)
-        tracker.log(metrics)
-        self.save_samples(tracker, step, batch)
-
-    def checkpoint_if_due(self, done: int) -> None:
-        """Checkpoint every trainer.save_every steps, and on a stop request that came during the update (the
-        step was finished; then raise Interrupted). Every rank stops at the same step."""
-        stopping = self.stop_agreed(self.stop())
-        every = self.tcfg.save_every
-        if (every and done % every == 0) or stopping:
-            ckpt = self.save_checkpoint(done)
-            if stopping:
-                raise Interrupted(self.stop.signum or signal.SIGTERM, ckpt, completed=done)
-
-    def final_evaluation(self, tracker: Tracker) -> dict | None:
-        """eval.final: the greedy eval of the trained policy on the held-out prompts, written to final_eval.json
-        (rank 0; None elsewhere or when off). An eval.every eval after the last step is reused: same prompts, same
-        weights, greedy. A stop request here raises Interrupted with a checkpoint after the last step, whose
-        resume runs only this eval."""
-        if not self.final_eval or self.evaluator is None:
-            return None
-        steps = self.tcfg.max_steps
-        result = None
-        if self.dist.is_main:
-            if self.last_eval is not None and self.last_eval[0] == steps:
-                result = self.last_eval[1]
-            else:
-                tracker.say("final evaluation on the held-out prompts (eval.final)")
-                try:
-                    result = self.evaluator(self.engine, stop=self.stop)
-                except Interrupted:
-                    raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(steps),
-                                      completed=steps) from None
-            result = {"step": steps, **result}
-            rundir.replace_text(self.run_dir / FINAL_EVAL, json.dumps(result, indent=2) + "\n")
-        distributed.barrier(self.dist)
-        return result
-
-    def finish(self, tracker: Tracker, adapter_dir: Path, seconds: float, final_eval: dict | None = None) -> dict:
-        """The run's summary (rank 0: from metrics.jsonl, so a resumed run counts every step once)."""
-        if not self.dist.is_main:
-            return {"final_reward": float("nan"), "adapter": str(adapter_dir)}
-        rewards = [row["reward"] for row in read_metrics(self.run_dir / "metrics.jsonl")]
-        summary = {
-            "steps": len(rewards),
-            "first_reward": sum(rewards[:10]) / max(1, len(rewards[:10])),
-            "last_reward": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
-            "final_reward": final_mean(rewards),
-            **({"final_eval_accuracy": final_eval["eval/accuracy"]} if final_eval else {}),
-            "time_s": seconds,
-            "adapter": str(adapter_dir),
-        }
-        tracker.close(summary)
-        return summary
-
-    def track_zero_std(self, metrics: dict, tracker: Tracker) -> None:
-        self.zero_std_streak = self.zero_std_streak + 1 if metrics["frac_reward_zero_std"] > 0.9 else 0
-        if self.zero_std_streak >= 10 and not self.warned_zero_std:
-            self.warned_zero_std = True
-            text = ("frac_reward_zero_std > 0.9 for 10 steps in a row: almost every group has equal rewards, so there "
-                    "is no learning signal; make the task easier, raise algo.num_generations or rollout.temperature")
-            metrics["warning"] = text
-            tracker.warn(text)
-
-    def checkpoint_at(self, done: int) -> Path:
-        """A checkpoint of the state after `done` complete steps: the one this run last wrote or resumed from
-        when it is that state, else a new one (weights, optimiser and RNG are still those after `done`)."""
-        if self.last_checkpoint is not None and self.last_checkpoint[0] == done \
-                and self.last_checkpoint[1].parent == checkpoint.checkpoint_root(self.run_dir):
-            return self.last_checkpoint[1]
-        return self.save_checkpoint(done)
-
-    def save_checkpoint(self, done: int) -> Path:
-        path = checkpoint.step_dir(self.run_dir, done)
-        if self.dist.is_main:
-            path = checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.lr_schedule,
-                                   {"skipped_updates": self.skipped_updates, "fingerprint": rundir.fingerprint(self.cfg)},
-                                   self.tcfg.keep_last)
-        distributed.barrier(self.dist)
-        self.last_checkpoint = (done, path)
-        return path
-
-    def save_adapter(self) -> Path:
-        for p in self.params:
-            if not torch.isfinite(p).all():
-                raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
-        out = self.run_dir / "adapter"
-        if self.dist.is_main:
-            self.model.save_pretrained(out, save_embedding_layers=False)  # LoRA weights only; the base is not resized
-        distributed.barrier(self.dist)
-        return out

@@ -30,6 +30,7 @@ from grpo_cli.rollout.common import (
 from grpo_cli.rollout.compiled import CompiledEngine
 from grpo_cli.rollout.hf import HFEngine, generate
 from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, completion_logprobs
+from grpo_cli.schema import view
 
 __all__ = [
     "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "HFEngine", "Rollout", "StopFn", "as_engine",
@@ -41,7 +42,8 @@ __all__ = [
 def make_engine(cfg_rollout, lm, *, max_prompt_tokens: int | None = None) -> Engine:
     """The engine `rollout.engine` names (default auto), for `lm` (a models.LoadedModel or anything with model,
     tokenizer, device)."""
-    return ENGINES.lookup(str(cfg_rollout.get("engine", "auto"))).from_config(cfg_rollout, lm, max_prompt_tokens)
+    cfg_rollout = view(cfg_rollout, "rollout")
+    return ENGINES.lookup(str(cfg_rollout.engine)).from_config(cfg_rollout, lm, max_prompt_tokens)
 
 
 def as_engine(engine_or_model, tokenizer, device=None) -> Engine:

@@ -125,8 +125,8 @@ def hf_model(model) -> torch.nn.Module:
 
 
 def cache_kwarg(model) -> str:
-    """transformers renamed the cache argument of forward/generate from `past_key_values` to `cache`
-    (5.2x); the GPU machine's 5.17 knows only the old name, 5.24 warns on it."""
+    """The cache argument of the model's forward/generate: `cache` in the transformers versions that have it
+    (older ones know only `past_key_values`, newer ones warn on it)."""
     params = inspect.signature(type(hf_model(model)).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -3,7 +3,7 @@ cache sized once and (on CUDA) the decode step compiled by transformers (torch.c
 
 What it changes against `hf`, and why (measured on an H200, see README "Speed"):
 - no per-layer LoRA detour: the adapter is merged into a separate copy of the LoRA-wrapped weights
-  (`models.InferenceCopy`), refreshed lazily before the first generation after `policy_changed()`;
+  (`InferenceCopy`), refreshed lazily before the first generation after `policy_changed()`;
 - a static cache of `rows x (longest prompt + max_new_tokens)`, allocated once per shape and reset between
   calls, so every decode step has the same shapes and the compiled step is captured once;
 - the prompts are prefilled per completion row (the static cache has one row per completion), not once per
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from grpo_cli.errors import error_line, warn
+from grpo_cli.errors import ModelLoadError, error_line, warn
 from grpo_cli.rollout.common import (
     ENGINES,
     Engine,
@@ -34,10 +34,67 @@ from grpo_cli.rollout.common import (
     sampling_kwargs,
     stop_criteria,
 )
+from grpo_cli.schema import view
 
 log = logging.getLogger(__name__)
 WARMUP_TOKENS = 4   # decode steps of the timed first call: compile, CUDA-graph warm-up, record, replay
 MAX_CACHES = 2      # static caches kept (training rows, evaluation rows); the least recently used goes
+
+
+class InferenceCopy:
+    """A plain transformers model for generation that computes what the peft policy computes, without the
+    per-layer LoRA detour: each LoRA-wrapped linear layer becomes an ordinary linear layer whose weight is
+    `base + scaling * B @ A` (in float32, then rounded once to the base dtype).
+
+    Only those merged weights are new memory; embeddings, norms, the LM head and every other frozen tensor
+    are shared with the policy, and nothing of the policy is ever written: its frozen base is the reference
+    policy and stays bit-exact. `refresh()` recomputes the merged weights in place (same storage, so a
+    captured CUDA graph stays valid) and must run after each optimizer step that changed the adapter.
+    """
+
+    def __init__(self, peft_model):
+        import copy
+
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        inner = peft_model.get_base_model()
+        self.layers: dict[str, LoraLinear] = {}
+        for name, module in inner.named_modules():
+            if isinstance(module, BaseTunerLayer):
+                if type(module) is not LoraLinear or any(module.lora_variant.get(a) for a in module.active_adapters):
+                    raise ModelLoadError(
+                        f"rollout.engine=compiled merges plain LoRA on linear layers only; {name} is a "
+                        f"{type(module).__name__}; use rollout.engine=hf")
+                self.layers[name] = module
+            elif name and type(module).__name__ == "ModulesToSaveWrapper":
+                raise ModelLoadError(f"rollout.engine=compiled cannot merge the trainable copy of {name} "
+                                     "(modules_to_save); use rollout.engine=hf")
+        memo = {id(t): t for t in (*inner.parameters(), *inner.buffers())}  # share everything ...
+        for layer in self.layers.values():
+            del memo[id(layer.get_base_layer().weight)]                    # ... but the weights that get merged
+        model = copy.deepcopy(inner, memo)
+        self.targets: dict[str, torch.Tensor] = {}
+        for name in self.layers:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            plain = getattr(parent, child).get_base_layer()
+            plain.weight.requires_grad_(False)
+            setattr(parent, child, plain)
+            self.targets[name] = plain.weight
+        self.model = model.eval()
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for name, layer in self.layers.items():
+            if layer.merged:
+                raise ModelLoadError(f"{name} has its adapter merged in place; the reference policy is lost")
+            merged = layer.get_base_layer().weight.float()
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    merged = merged + layer.get_delta_weight(adapter).float()
+            self.targets[name].copy_(merged)
 
 
 @ENGINES.register("compiled")
@@ -46,8 +103,6 @@ class CompiledEngine(Engine):
 
     def __init__(self, model, tokenizer, device: torch.device, *, compile: bool, max_prompt_tokens: int | None = None,
                  compile_fallback: bool = False, compile_backend: str = "inductor"):
-        from grpo_cli.models import InferenceCopy
-
         self.policy, self.tokenizer, self.device = model, tokenizer, device
         self.compile = compile
         # rollout.compile=auto: a decode step that fails to compile (no Triton, an unsupported op) costs the speed-up,
@@ -62,7 +117,7 @@ class CompiledEngine(Engine):
     @classmethod
     def from_config(cls, cfg_rollout, lm, max_prompt_tokens: int | None = None) -> CompiledEngine:
         """`rollout.compile` (auto | true | false; auto = on CUDA only, and a failed compile only warns)."""
-        setting = cfg_rollout.get("compile", "auto")
+        setting = view(cfg_rollout, "rollout").compile
         compile_ = lm.device.type == "cuda" if setting == "auto" else bool(setting)
         return cls(lm.model, lm.tokenizer, lm.device, compile=compile_, max_prompt_tokens=max_prompt_tokens,
                    compile_fallback=setting == "auto")

@@ -56,7 +56,7 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: 
 
 @ENGINES.register("hf")
 class HFEngine(Engine):
-    """Today's path, unchanged numerics: generate through the peft model, nothing to refresh."""
+    """Generation through the peft model itself (LoRA applied per layer): nothing to refresh after an update."""
 
     name = "hf"
 

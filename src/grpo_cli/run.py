@@ -1,0 +1,266 @@
+"""A training run in its run dir, from the claim to the summary; `GRPOTrainer` only steps.
+
+    Run(cfg, run_dir)        claims the dir: the lock, and the one resume decision (rundir.claim)
+    run.train(...)           builds the trainer, restores the checkpoint, opens the sinks, runs the steps (each
+                             recorded, checkpointed on schedule), saves the adapter, the final eval, the summary
+    run.close()              releases the lock and leaves the process group (a `with` block does it)
+
+`train(cfg, run_dir)` is all three for a program: it keeps the run-dir promises grpo-train keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_cli import checkpoint, distributed, rundir
+from grpo_cli.checkpoint import restore_rng, rng_snapshot
+from grpo_cli.errors import Interrupted, InvariantError
+from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
+from grpo_cli.models import LoadedModel
+from grpo_cli.ranks import is_rank_zero
+from grpo_cli.stopping import StopRequest
+from grpo_cli.tracking import Tracker, open_tracker
+from grpo_cli.trainer import Batch, GRPOTrainer
+
+ZERO_STD_SHARE, ZERO_STD_STEPS = 0.9, 10  # frac_reward_zero_std above the share for this many steps: a warning
+
+
+class Run:
+    """One attempt of a training run in `run_dir`. Constructing it claims the dir (raises rundir.RunDirError,
+    nothing written, when the dir cannot take this attempt); `decision` is a sweep job's, already made by
+    sweep.plan_job. `warnings` are the claim's lines for the start (skipped checkpoints, nothing to resume)."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, *, decision: rundir.ResumeDecision | None = None):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.claim = rundir.claim(cfg, self.run_dir, main=is_rank_zero(), decision=decision)
+        self.warnings = list(self.claim.decision.warnings)
+        self.trainer: GRPOTrainer | None = None
+        self.built_trainer = False
+        self.last_eval: tuple[int, dict] | None = None  # (complete steps, result) of the newest eval.every eval
+        self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
+        self.zero_std_streak, self.warned_zero_std = 0, False
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leave the process group (of a trainer this run built) and release the run dir."""
+        try:
+            if self.built_trainer and self.trainer is not None:
+                distributed.teardown(self.trainer.dist)
+        finally:
+            self.claim.release()
+
+    @property
+    def main(self) -> bool:
+        return self.trainer.dist.is_main
+
+    # ---- the run --------------------------------------------------------------------------------
+    def train(self, trainer: GRPOTrainer | None = None, *, lm: LoadedModel | None = None, rows: list[dict] | None = None,
+              stop: StopRequest | None = None, make_evaluator: Callable[[LoadedModel], Callable] | None = None,
+              final_eval: bool | None = None) -> dict:
+        """The whole run with `trainer`, or one built here from the config and the other arguments (see
+        GRPOTrainer). A stop request (SIGINT/SIGTERM) before the first step leaves the dir as if the run never
+        started; during generation it discards the step in progress; during the update the step finishes;
+        either way the state after the last complete step is checkpointed."""
+        stop = trainer.stop if trainer is not None else stop or StopRequest()
+        # the CLI installs the handlers for the whole run (model load included); a program's run does it here
+        with contextlib.nullcontext() if stop.installed_now else stop.installed():
+            if trainer is None:
+                self.built_trainer = True
+                trainer = GRPOTrainer(self.cfg, lm=lm, rows=rows, stop=stop, make_evaluator=make_evaluator,
+                                      final_eval=final_eval)
+            self.trainer = trainer
+            start = self.resume()
+            if start == 0 and trainer.stop_agreed(stop()):  # before anything of the run was written
+                raise Interrupted(stop.signum or signal.SIGTERM, None, completed=0)
+            if self.main:  # a final eval of an earlier attempt does not describe this one's weights
+                (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
+            tracker = self.open_tracker(start)
+            t_start = time.time()
+            self.run_steps(tracker, start)
+            adapter_dir = self.save_adapter()
+            final_eval = self.final_evaluation(tracker)  # polls the stop request too
+        return self.finish(tracker, adapter_dir, time.time() - t_start, final_eval)
+
+    def run_steps(self, tracker: Tracker, start: int) -> None:
+        trainer = self.trainer
+        last_complete = rng_snapshot()
+        for step in range(start, self.cfg.trainer.max_steps):
+            result = trainer.step(step)
+            if result is None:  # stopped before the update: checkpoint the state after `step` complete steps
+                restore_rng(last_complete)
+                raise Interrupted(trainer.stop.signum or signal.SIGTERM, self.checkpoint_at(step),
+                                  completed=step, discarded=True)
+            self.record(tracker, step, *result)
+            last_complete = rng_snapshot()
+            self.checkpoint_if_due(step + 1)
+
+    def resume(self) -> int:
+        """Restore the checkpoint the claim decided on; returns the step to start at."""
+        found = self.claim.decision.checkpoint
+        if found is None:
+            return 0
+        trainer = self.trainer
+        state = checkpoint.load(found, trainer.model, trainer.optimizer, trainer.lr_schedule)
+        start = state["step"]
+        self.last_checkpoint = (start, found)
+        trainer.skipped_updates = state.get("skipped_updates", 0)
+        trainer.fresh_adapter = start == 0
+        if self.main:
+            rundir.roll_back_records(self.run_dir, start, found)
+        return start
+
+    def open_tracker(self, start: int) -> Tracker:
+        """Rank 0 logs (metrics.jsonl, the logger's sink, the console); the other ranks' tracker has no sinks."""
+        if not self.main:
+            return Tracker([])
+        return open_tracker(self.run_dir, self.cfg.logger, OmegaConf.to_container(self.cfg, resolve=True),
+                            self.cfg.trainer.max_steps, start, resume=self.claim.decision.checkpoint is not None)
+
+    # ---- what a step leaves behind --------------------------------------------------------------
+    def record(self, tracker: Tracker, step: int, metrics: dict, batch: Batch) -> None:
+        """Everything a finished step leaves behind but the checkpoint: warnings, eval, metrics, samples."""
+        self.track_zero_std(metrics, tracker)
+        trainer, every = self.trainer, self.cfg.eval.every
+        if trainer.evaluator is not None and every and (step + 1) % every == 0:
+            if self.main:
+                tracker.say(f"evaluating after step {step + 1} on the held-out prompts")
+                try:
+                    result = trainer.evaluator(trainer.engine, stop=trainer.stop)
+                    metrics.update(result)
+                    self.last_eval = (step + 1, result)
+                except Interrupted:
+                    tracker.warn(f"evaluation after step {step + 1} was stopped; its metrics are left out")
+            distributed.barrier(trainer.dist)
+        tracker.log(metrics)
+        self.save_samples(tracker, step, batch)
+
+    def save_samples(self, tracker: Tracker, step: int, batch: Batch) -> None:
+        every = self.cfg.trainer.log_samples_every
+        if not every or step % every:
+            return
+        rows = []
+        for i, text in enumerate(batch.rollout.texts):
+            rows.append({"prompt": batch.prompts[i], "completion": text, "reward": float(batch.rewards[i]),
+                         "advantage": float(batch.advantages[i]),
+                         **{f"reward/{k}": v[i] for k, v in batch.per_function.items()}})
+        tracker.samples(step, rows)
+
+    def track_zero_std(self, metrics: dict, tracker: Tracker) -> None:
+        self.zero_std_streak = self.zero_std_streak + 1 if metrics["frac_reward_zero_std"] > ZERO_STD_SHARE else 0
+        if self.zero_std_streak >= ZERO_STD_STEPS and not self.warned_zero_std:
+            self.warned_zero_std = True
+            text = (f"frac_reward_zero_std > {ZERO_STD_SHARE} for {ZERO_STD_STEPS} steps in a row: almost every group "
+                    "has equal rewards, so there is no learning signal; make the task easier, raise "
+                    "algo.num_generations or rollout.temperature")
+            metrics["warning"] = text
+            tracker.warn(text)
+
+    # ---- checkpoints and the adapter ------------------------------------------------------------
+    def checkpoint_if_due(self, done: int) -> None:
+        """Checkpoint every trainer.save_every steps, and on a stop request that came during the update (the
+        step was finished; then raise Interrupted). Every rank stops at the same step."""
+        stop = self.trainer.stop
+        stopping = self.trainer.stop_agreed(stop())
+        every = self.cfg.trainer.save_every
+        if (every and done % every == 0) or stopping:
+            ckpt = self.save_checkpoint(done)
+            if stopping:
+                raise Interrupted(stop.signum or signal.SIGTERM, ckpt, completed=done)
+
+    def checkpoint_at(self, done: int) -> Path:
+        """A checkpoint of the state after `done` complete steps: the one this run last wrote or resumed from
+        when it is that state, else a new one (weights, optimiser and RNG are still those after `done`)."""
+        if self.last_checkpoint is not None and self.last_checkpoint[0] == done \
+                and self.last_checkpoint[1].parent == checkpoint.checkpoint_root(self.run_dir):
+            return self.last_checkpoint[1]
+        return self.save_checkpoint(done)
+
+    def save_checkpoint(self, done: int) -> Path:
+        trainer = self.trainer
+        path = checkpoint.step_dir(self.run_dir, done)
+        if self.main:
+            path = checkpoint.save(self.run_dir, done, trainer.model, trainer.optimizer, trainer.lr_schedule,
+                                   {"skipped_updates": trainer.skipped_updates,
+                                    "fingerprint": rundir.fingerprint(self.cfg)},
+                                   self.cfg.trainer.keep_last)
+        distributed.barrier(trainer.dist)
+        self.last_checkpoint = (done, path)
+        return path
+
+    def save_adapter(self) -> Path:
+        return save_adapter(self.trainer, self.run_dir)
+
+    # ---- the end --------------------------------------------------------------------------------
+    def final_evaluation(self, tracker: Tracker) -> dict | None:
+        """eval.final: the greedy eval of the trained policy on the held-out prompts, written to final_eval.json
+        (rank 0; None elsewhere or when off). An eval.every eval after the last step is reused: same prompts, same
+        weights, greedy. A stop request here raises Interrupted with a checkpoint after the last step, whose
+        resume runs only this eval."""
+        trainer = self.trainer
+        if not trainer.final_eval or trainer.evaluator is None:
+            return None
+        steps = self.cfg.trainer.max_steps
+        result = None
+        if self.main:
+            if self.last_eval is not None and self.last_eval[0] == steps:
+                result = self.last_eval[1]
+            else:
+                tracker.say("final evaluation on the held-out prompts (eval.final)")
+                try:
+                    result = trainer.evaluator(trainer.engine, stop=trainer.stop)
+                except Interrupted:
+                    raise Interrupted(trainer.stop.signum or signal.SIGTERM, self.checkpoint_at(steps),
+                                      completed=steps) from None
+            result = {"step": steps, **result}
+            rundir.replace_text(self.run_dir / FINAL_EVAL, json.dumps(result, indent=2) + "\n")
+        distributed.barrier(trainer.dist)
+        return result
+
+    def finish(self, tracker: Tracker, adapter_dir: Path, seconds: float, final_eval: dict | None = None) -> dict:
+        """The run's summary (rank 0: from metrics.jsonl, so a resumed run counts every step once)."""
+        if not self.main:
+            return {"final_reward": float("nan"), "adapter": str(adapter_dir)}
+        rewards = [row["reward"] for row in read_metrics(self.run_dir / METRICS)]
+        summary = {
+            "steps": len(rewards),
+            "first_reward": sum(rewards[:10]) / max(1, len(rewards[:10])),
+            "last_reward": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
+            "final_reward": final_mean(rewards),
+            **({"final_eval_accuracy": final_eval["eval/accuracy"]} if final_eval else {}),
+            "time_s": seconds,
+            "adapter": str(adapter_dir),
+        }
+        tracker.close(summary)
+        return summary
+
+
+def save_adapter(trainer: GRPOTrainer, run_dir: Path) -> Path:
+    """The trained LoRA weights into RUN_DIR/adapter (rank 0 writes); refused when any is not finite."""
+    for p in trainer.params:
+        if not torch.isfinite(p).all():
+            raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
+    out = Path(run_dir) / ADAPTER_DIR
+    if trainer.dist.is_main:
+        trainer.model.save_pretrained(out, save_embedding_layers=False)  # LoRA weights only; the base is not resized
+    distributed.barrier(trainer.dist)
+    return out
+
+
+def train(cfg: DictConfig, run_dir: Path, trainer: GRPOTrainer | None = None, **collaborators) -> dict:
+    """One training run for a program, with grpo-train's run-dir promises: claim `run_dir`, train (with
+    `trainer`, or one built from the config and `collaborators`, see Run.train), release the dir."""
+    with Run(cfg, run_dir) as run:
+        return run.train(trainer, **collaborators)

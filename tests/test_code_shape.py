@@ -1,0 +1,36 @@
+"""The shape of the source: no function or method with a body over 60 lines (the signature and the docstring
+not counted), and the trainer only steps (trainer.py and GRPOTrainer within their sizes)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "grpo_cli"
+MAX_FUNCTION_LINES = 60
+
+
+def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of the body after the docstring (a signature spread over several lines is not counted)."""
+    body = node.body
+    first = body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        body = body[1:] or body
+    return node.end_lineno - body[0].lineno + 1
+
+
+def test_no_function_is_over_60_lines():
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body_lines(node) > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({body_lines(node)} lines)")
+    assert not long, long
+
+
+def test_the_trainer_only_steps():
+    source = (SRC / "trainer.py").read_text()
+    [trainer] = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer"]
+    assert len(source.splitlines()) <= 480
+    assert trainer.end_lineno - trainer.lineno + 1 <= 300
+    assert not any(word in source for word in ("run_dir", "trainer.resume", "checkpoint."))

@@ -1,0 +1,66 @@
+"""The run object (grpo_cli.run): a stop before the first step leaves the dir unused, a resume after the last
+step says so, and the one resume decision is a value that leaves the config as composed."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from conftest import TINY_TRAINER
+from omegaconf import OmegaConf
+
+from grpo_cli import rundir
+from grpo_cli.errors import Interrupted
+
+
+@pytest.mark.slow  # the tiny model loads, then one training step
+def test_a_stop_while_the_model_loads_leaves_the_dir_as_if_the_run_never_started(compose, tmp_path):
+    from grpo_cli.evaluate import Evaluator
+    from grpo_cli.run import train
+    from grpo_cli.stopping import StopRequest
+
+    cfg = compose([*TINY_TRAINER, "trainer.max_steps=1", "trainer.log_samples_every=0", "eval.num_prompts=2",
+                   "eval.max_new_tokens=4"])
+    stop = StopRequest(announce=False)
+
+    def make_evaluator(lm):  # called once the model has loaded, while the run builds its trainer
+        stop.request(signal.SIGTERM)
+        return Evaluator.for_training(cfg, lm)
+
+    with pytest.raises(Interrupted) as stopped:
+        train(cfg, tmp_path, stop=stop, make_evaluator=make_evaluator, final_eval=True)
+    assert stopped.value.checkpoint_dir is None and stopped.value.completed == 0
+    assert rundir.holds_run(tmp_path) == [] and not (tmp_path / "checkpoints").exists()
+    summary = train(cfg, tmp_path)  # the same command again is not refused as a used dir
+    assert summary["steps"] == 1
+
+
+def test_the_stop_line_before_the_first_step_says_to_run_the_same_command(tmp_path, capsys):
+    from grpo_cli.cli import _stopped
+
+    with pytest.raises(SystemExit) as exited:
+        _stopped("grpo-train", Interrupted(signal.SIGTERM, None, completed=0), tmp_path)
+    assert exited.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == ("grpo-train: stopped by SIGTERM before the first step; the run dir holds "
+                                       "nothing of this run; run the same command again\n")
+
+
+def test_resuming_after_the_last_step_names_no_step_beyond_it(tmp_path, capsys):
+    """A stop during the final eval of a 2-step run checkpoints after step 2; its resume runs only the eval."""
+    from grpo_cli.tracking import open_tracker
+
+    tracker = open_tracker(tmp_path, {"backend": "none"}, {}, total_steps=2, start_step=2, resume=True)
+    tracker.close({"steps": 2})
+    out = capsys.readouterr().out
+    assert "resuming after the last of 2 steps" in out and "step 3 of 2" not in out
+
+
+def test_the_resume_decision_is_a_value_and_the_config_stays_as_composed(compose, tmp_path):
+    cfg = compose([*TINY_TRAINER, "trainer.resume=auto"])
+    before = OmegaConf.to_container(cfg)
+    decision = rundir.decide_resume(cfg, tmp_path)
+    assert decision.checkpoint is None and not decision.overwrite and decision.action == "fresh"
+    assert decision.warnings == (f"trainer.resume=auto: nothing to resume in {tmp_path}; starting a new run",)
+    claim = rundir.claim(cfg, tmp_path)
+    claim.release()
+    assert claim.decision == decision and OmegaConf.to_container(cfg) == before
