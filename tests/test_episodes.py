@@ -81,7 +81,8 @@ class ScriptedPolicy(Engine):
         for ids in prompt_ids:
             text = tok.decode(ids)
             script = text.split("SCRIPT:", 1)[1].split(tok.eos_token, 1)[0].split("|||")
-            line = script[min(text.count("<|im_start|>tool"), len(script) - 1)]
+            turn = text.count("<|im_start|>tool") + text.count("<tool_response>")  # fallback, native template
+            line = script[min(turn, len(script) - 1)]
             rows += [(tok(line, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[:max_new_tokens]] * num_generations
         self.calls.append(len(rows))
         width = max(len(r) for r in rows)
@@ -135,6 +136,62 @@ def test_the_embedded_template_has_no_tool_support_so_the_fallback_describes_the
     text = fmt.render_prompt([{"role": "user", "content": "What is 3 * 4?"}], make_tools([multiply]))
     assert '"name": "multiply"' in text and "<tool_call>" in text and text.endswith("<|im_start|>assistant\n")
     assert text.index('"name": "multiply"') < text.index("What is 3 * 4?")  # in the system turn, before the user
+
+
+# a ChatML template with tool support in the style of Qwen2.5's (tools in the system turn, calls as tool_calls,
+# results as <tool_response> in a user turn), and transformers' response template that parses its calls
+NATIVE_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}
+# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+For each function call, return a json object within <tool_call></tool_call> XML tags.<|im_end|>
+{% elif messages[0].role != 'system' %}<|im_start|>system
+You are a helpful assistant.<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' %}{% if not tools %}<|im_start|>system
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content }}
+{%- for tc in m.tool_calls or [] %}<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+NATIVE_RESPONSE = {"defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n", "fields": {
+    "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                   "transform": {"type": "function", "function": "{content}"}},
+    "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}}}
+
+
+def test_a_template_with_tool_support_gets_them_natively_and_its_parser_reads_the_calls():
+    native = load_tokenizer("tiny-random")
+    native.chat_template, native.response_template = NATIVE_TEMPLATE, NATIVE_RESPONSE
+    assert supports_tools(native)
+    fmt = ToolFormat(native)
+    assert fmt.native and fmt.parser is NATIVE_RESPONSE
+    written = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": "4"}}\n</tool_call>'
+    roll = run_episodes(ScriptedPolicy(native), fmt, [script(written, "The answer is 12.")], 1, max_new_tokens=64,
+                        max_tool_calls=2, tools=TOOLS)
+    assert native.decode(roll.prompt_ids[0]).count("# Tools") == 1
+    assert roll.tool_calls.item() == 1 and roll.failed_calls.item() == 0  # "4" typed to 4 by the tool's schema
+    assert roll.messages[0][1]["tool_calls"] == [{"type": "function", "function": {
+        "name": "multiply", "arguments": {"a": 3, "b": 4}}}]
+    tool = (roll.completion_mask - roll.model_mask)[0].bool()
+    assert native.decode(roll.completion_ids[0][tool]) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n12\n"
+                                                           "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert decoded(native, roll, 0, roll.model_mask) == written + "The answer is 12.<|im_end|>"
 
 
 def test_hermes_calls_are_parsed_as_data_never_run():

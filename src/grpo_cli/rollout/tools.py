@@ -232,8 +232,11 @@ class ToolFormat:
         if self.parser is None:
             return parse_hermes(text)
         ended = text if text.endswith(self.eos) else text + self.eos
+        # transformers >= 5.15 types the arguments from the schemas ("7" -> 7 for an integer)
+        typed = {"tools": [t.schema for t in tools]} if "tools" in inspect.signature(
+            self.tokenizer.parse_response).parameters else {}
         try:
-            parsed = self.tokenizer.parse_response(ended, prefix=prefix, tools=[t.schema for t in tools])
+            parsed = self.tokenizer.parse_response(ended, prefix=prefix, **typed)
         except Exception as err:  # the parser rejects a malformed call
             return [ToolCall("", {}, f"the call could not be parsed ({error_line(err)})")] if CALL_OPEN in text else []
         return [call_from_json(c) for c in (parsed or {}).get("tool_calls") or []]
