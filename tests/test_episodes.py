@@ -369,6 +369,74 @@ def test_a_trl_style_environment_runs_unchanged_one_instance_per_episode(tokeniz
     assert [t.__name__ for t in environment_methods(CounterEnv())] == ["increment"]
 
 
+ENV_URL = "https://my-env.hf.space"
+
+
+class MyClient:
+    """The stand-in the docs' example leaves to the reader ("MyClient"): a local object, nothing remote."""
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url
+
+
+# ---- copied verbatim from TRL's docs/source/openenv.md, "Environment class requirements" -------------------------
+class MyEnv:
+    def __init__(self):
+        self.client = MyClient(base_url=ENV_URL)  # captured from enclosing scope
+        self.reward = 0.0
+
+    def reset(self, **kwargs) -> str | None:
+        self.reward = 0.0
+        return "Initial observation for the model"
+
+    def my_tool(self, arg1: str, arg2: int) -> str:
+        """
+        Description of what this tool does.
+
+        Args:
+            arg1: Description of arg1
+            arg2: Description of arg2
+
+        Returns:
+            The result message.
+        """
+        self.reward = 1.0
+        return "Tool result"
+# ---- end of the copy -------------------------------------------------------------------------------------------------
+
+
+def test_the_environment_of_trls_docs_runs_unchanged(tokenizer):
+    rows = [script(call("my_tool", arg1="x", arg2=3), "Thanks."), script("No tool.")]
+    roll = episodes(tokenizer, rows, G=2, tools=(), environment_factory=MyEnv)
+    assert [e.reward for e in roll.environments] == [1.0, 1.0, 0.0, 0.0]
+    assert roll.messages[0][2] == {"role": "tool", "name": "my_tool", "content": "Tool result"}
+    assert roll.messages[2][0]["content"].endswith("No tool.Initial observation for the model")
+    assert roll.environment_rewards() is None  # MyEnv keeps its reward for a reward function; no get_reward
+    assert '"name": "my_tool"' in roll.prompts[0]
+
+
+def test_get_reward_is_the_environments_reward_under_its_class_name(tokenizer):
+    rows = [{**script(call("increment", step=1), "Done."), "start": 1}]
+    roll = episodes(tokenizer, rows, G=2, tools=(), environment_factory=CounterEnv)
+    assert roll.environment_rewards() == ("CounterEnv", [2.0, 2.0])
+
+
+def test_async_tools_run_and_names_must_differ(tokenizer):
+    async def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return a + b
+
+    roll = episodes(tokenizer, [script(call("add", a=2, b=3), "5.")], tools=(add,))
+    assert roll.messages[0][2]["content"] == "5" and roll.failed_calls.item() == 0
+    with pytest.raises(ConfigError, match="two tools share a name"):
+        episodes(tokenizer, [script("Hi.")], tools=(multiply, multiply))
+
+
 def test_an_environment_can_own_the_prompt_and_vary_it_within_a_group(tokenizer):
     """With no messages, reset's string is the prompt; G instances that say different things get their own
     prompts: the group shares the common prefix, and each rest opens its row as non-model tokens."""

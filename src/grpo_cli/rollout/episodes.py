@@ -45,6 +45,7 @@ class Episodes(Rollout):
     """A Rollout whose rows are episodes; `texts` are the model's own turns, joined by newlines."""
 
     model_mask: torch.Tensor | None = None    # [N, T] 1 on tokens the model sampled (a subset of completion_mask)
+    prompts: list[str] = field(default_factory=list)  # each episode's rendered prompt text (with any opener)
     messages: list[list[dict]] = field(default_factory=list)  # each episode's conversation, tool calls and results
     tool_calls: torch.Tensor | None = None    # [N] calls the model made (run or failed)
     failed_calls: torch.Tensor | None = None  # [N] of those, the ones that failed
@@ -58,13 +59,20 @@ class Episodes(Rollout):
                 "failed_call_rate": float(self.failed_calls.sum()) / calls if calls else 0.0,
                 "turns_per_episode": float(self.turns.float().mean()), "cut_frac": float(self.cut.float().mean())}
 
+    def environment_rewards(self) -> tuple[str, list[float]] | None:
+        """The environment's own reward, `get_reward()` of each episode's instance, under its class name (TRL
+        weighs it 1, beside the reward functions); None without an environment or without `get_reward`."""
+        if not self.environments or not callable(getattr(self.environments[0], "get_reward", None)):
+            return None
+        return type(self.environments[0]).__name__, [float(env.get_reward()) for env in self.environments]
+
 
 @dataclass
 class Episode:
     """One episode while it runs."""
 
     prompt: list[int]
-    prompt_text: str
+    prompt_text: str  # the rendered prompt, opener included
     tools: dict[str, Tool]
     messages: list[dict]
     env: object | None = None
@@ -99,6 +107,8 @@ def start_episode(fmt: ToolFormat, row: dict, tools: Sequence[Tool], environment
             else:
                 messages = [{"role": "user", "content": observation}]
         tools += make_tools(environment_methods(env))
+    if len({t.name for t in tools}) != len(tools):
+        raise ConfigError(f"two tools share a name among {', '.join(t.name for t in tools)}; every tool needs its own")
     if not messages:
         raise ConfigError("a row without messages needs an environment whose reset(**row) returns the prompt")
     text = fmt.render_prompt(messages, tools)
@@ -116,6 +126,7 @@ def run_episodes(engine: Engine, fmt: ToolFormat, rows: list[dict], num_generati
     if max_tool_calls < 0 or max_new_tokens < 1:
         raise ConfigError(f"max_tool_calls={max_tool_calls} and max_new_tokens={max_new_tokens} must be >= 0 and >= 1")
     G, stops = num_generations, tuple(sampling.pop("stop_strings", ())) + fmt.stop_strings
+    min_new_tokens = sampling.pop("min_new_tokens", 0)  # per turn, never above the turn's room
     standalone = make_tools(tools)
     episodes = [start_episode(fmt, row, standalone, environment_factory) for row in rows for _ in range(G)]
     eos = end_ids(engine, fmt.tokenizer)
@@ -130,7 +141,7 @@ def run_episodes(engine: Engine, fmt: ToolFormat, rows: list[dict], num_generati
                                else ([e.sequence for e in running], 1))
         room = [remaining(e, max_new_tokens, context_length) for e in running]
         roll = engine.generate(prompts, per_prompt, max_new_tokens=max(room), stop_strings=stops, stop=stop,
-                               **sampling)
+                               **{**sampling, "min_new_tokens": min(min_new_tokens, max(room))})
         interrupted, first = roll.interrupted, False
         for i, e in enumerate(running):
             new = roll.completion_ids[i][roll.completion_mask[i].bool()].tolist()[:room[i]]
@@ -221,6 +232,7 @@ def finish_episodes(episodes: list[Episode], G: int, pad_id: int, device, interr
     count = lambda f: torch.tensor([f(e) for e in episodes], dtype=torch.long, device=device)  # noqa: E731
     cut = torch.tensor([e.cut for e in episodes], dtype=torch.bool, device=device)
     return Episodes(prompt_ids, prompt_mask, ids.to(device), real.to(device), cut, ["\n".join(e.texts) for e in episodes],
-                    G, interrupted, model_mask=model.to(device), messages=[e.messages for e in episodes],
+                    G, interrupted, model_mask=model.to(device), prompts=[e.prompt_text for e in episodes],
+                    messages=[e.messages for e in episodes],
                     tool_calls=count(lambda e: e.calls), failed_calls=count(lambda e: e.failed),
                     turns=count(lambda e: e.turns), cut=cut, environments=[e.env for e in episodes if e.env is not None])

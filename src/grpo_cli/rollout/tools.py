@@ -16,6 +16,7 @@ and an optional `get_reward() -> float`.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
@@ -170,7 +171,9 @@ def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float | None = 
 
     def target():
         try:
-            outcome["returned"] = tool.fn(**call.arguments)
+            returned = tool.fn(**call.arguments)
+            # an async tool (TRL allows them) runs to completion on its own event loop in this worker thread
+            outcome["returned"] = asyncio.run(returned) if inspect.iscoroutine(returned) else returned
         except Exception as err:  # handed to the waiting thread
             outcome["error"] = err
 
