@@ -526,12 +526,17 @@ def test_a_tool_token_never_receives_gradient(policy_and_episodes):
 
 
 # ---- real engines ---------------------------------------------------------------------------------------------------
-def test_the_hf_engine_runs_the_loop_and_cuts_at_the_budget(lm):
-    """A real engine through the same loop: the tiny random model never closes a call, so its episodes end at
-    the budget, every sampled token is the model's and in the loss."""
+@pytest.mark.parametrize("engine", ("hf", "compiled"))
+def test_real_engines_run_the_loop_and_cut_at_the_budget(lm, engine):
+    """Real engines through the same loop (`compiled` without compiling, on the CPU): the tiny random model never
+    closes a call, so its episodes end at the budget, every sampled token is the model's and in the loss."""
+    from grpo_cli.rollout import CompiledEngine
+
     torch.manual_seed(0)
     rows = [{"messages": [{"role": "user", "content": "What is 3 * 4?"}]}]
-    roll = run_episodes(HFEngine(lm.model, lm.tokenizer), ToolFormat(lm.tokenizer, opener='<tool_call>{"name": "'),
+    policy = (HFEngine(lm.model, lm.tokenizer) if engine == "hf" else
+              CompiledEngine(lm.model, lm.tokenizer, torch.device("cpu"), compile=False))
+    roll = run_episodes(policy, ToolFormat(lm.tokenizer, opener='<tool_call>{"name": "'),
                         rows, 3, max_new_tokens=6, max_tool_calls=2, tools=TOOLS, temperature=1.0)
     assert roll.cut.all() and roll.turns.tolist() == [1, 1, 1]
     assert torch.equal(roll.model_mask, roll.completion_mask) and (roll.model_mask.sum(1) == 6).all()
