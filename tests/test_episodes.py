@@ -88,7 +88,8 @@ class ScriptedPolicy(Engine):
         width = max(len(r) for r in rows)
         completion = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
         ids, mask = left_pad(prompt_ids, tok.pad_token_id, None)
-        return finish_rollout(tok, [tok.eos_token_id], ids, mask, completion, num_generations, False, stop_strings)
+        fired = stop is not None and stop()  # polled once per call: enough to stand for a stop mid-generation
+        return finish_rollout(tok, [tok.eos_token_id], ids, mask, completion, num_generations, fired, stop_strings)
 
 
 @pytest.fixture(scope="module")
@@ -291,9 +292,19 @@ def test_the_context_ends_an_episode(tokenizer):
     row = script(call("multiply", a=3, b=4), "The answer is 12.")
     prompt = len(tokenizer(ToolFormat(tokenizer).render_prompt(row["messages"], make_tools(TOOLS)),
                            add_special_tokens=False)["input_ids"])
-    roll = episodes(tokenizer, [row], context_length=prompt + 20)  # room for the call, not for the result
+    written = len(tokenizer(call("multiply", a=3, b=4), add_special_tokens=False)["input_ids"])
+    roll = episodes(tokenizer, [row], context_length=prompt + written + 5)  # room for the call, not the result
     assert roll.cut.item() and roll.turns.item() == 1
-    assert int(roll.completion_mask[0].sum()) <= 20
+    assert int(roll.completion_mask[0].sum()) == written
+    assert roll.tool_calls.item() == 1 and [m["role"] for m in roll.messages[0]] == ["user", "assistant"]  # ran, left out
+
+
+def test_a_stop_request_ends_the_loop_without_running_more_tools(tokenizer):
+    policy = ScriptedPolicy(tokenizer)
+    roll = run_episodes(policy, ToolFormat(tokenizer), [script(call("multiply", a=1, b=2), call("multiply", a=3, b=4),
+                                                               "End.")], 1, max_new_tokens=128, max_tool_calls=4,
+                        tools=TOOLS, stop=lambda: len(policy.calls) > 1)
+    assert roll.interrupted and policy.calls == [1, 1] and roll.tool_calls.item() == 1
 
 
 def test_the_loss_mask_excludes_tool_tokens_from_every_count(tokenizer):

@@ -143,6 +143,8 @@ def run_episodes(engine: Engine, fmt: ToolFormat, rows: list[dict], num_generati
         roll = engine.generate(prompts, per_prompt, max_new_tokens=max(room), stop_strings=stops, stop=stop,
                                **{**sampling, "min_new_tokens": min(min_new_tokens, max(room))})
         interrupted, first = roll.interrupted, False
+        if interrupted:  # the caller's stop(): a partial record it discards; no tool runs for it
+            break
         for i, e in enumerate(running):
             new = roll.completion_ids[i][roll.completion_mask[i].bool()].tolist()[:room[i]]
             take_turn(fmt, e, new, eos, room[i], max_tool_calls, tool_timeout_s, context_length, max_new_tokens)
@@ -191,11 +193,11 @@ def take_turn(fmt: ToolFormat, e: Episode, new: list[int], eos: set[int], room: 
     e.calls += len(calls)
     e.failed += sum(r.failed for r in results)
     delta = fmt.tokenizer(fmt.tool_delta(results, ended_turn), add_special_tokens=False)["input_ids"]
-    e.messages += fmt.tool_messages(results)
     if e.model_tokens >= max_new_tokens or (context_length is not None
                                             and len(e.sequence) + len(delta) >= context_length):
-        e.done = e.cut = True  # no room left for the model to read the result and answer
+        e.done = e.cut = True  # no room left to read the result and answer: it stays out, as in TRL
         return
+    e.messages += fmt.tool_messages(results)
     e.tokens += delta
     e.sampled += [0] * len(delta)
 

@@ -221,7 +221,9 @@ class ToolFormat:
             text = self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True,
                                                       tokenize=False)
         else:
-            described = FALLBACK_SYSTEM.format(schemas="\n".join(json.dumps(s) for s in schemas))
+            # the function part without its "return" entry: a small model copies it into its calls
+            shown = [{k: v for k, v in s["function"].items() if k != "return"} for s in schemas]
+            described = FALLBACK_SYSTEM.format(schemas="\n".join(json.dumps(s) for s in shown))
             if messages and messages[0]["role"] == "system":
                 messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{described}"}, *messages[1:]]
             else:
