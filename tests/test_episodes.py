@@ -202,6 +202,10 @@ def test_hermes_calls_are_parsed_as_data_never_run():
     assert "not valid JSON" in bad.problem
     (code,) = parse_hermes("<tool_call>__import__('os').system('touch /tmp/x')</tool_call>")
     assert code.problem is not None  # text that is not JSON is refused, not evaluated
+    # left open (as the small model does): a complete object after the opener is the call, an incomplete one none
+    assert parse_hermes('<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}, "output": 12 and so on') \
+        == [ToolCall("multiply", {"a": 3, "b": 4})]
+    assert parse_hermes('<tool_call>{"name": "multiply", "arguments": {"a": 3, "b"') == []
 
 
 def test_a_call_that_raises_hangs_or_does_not_fit_fails_with_a_message():
