@@ -571,12 +571,12 @@ def test_the_embedded_model_calls_a_tool_when_the_call_opener_is_prefilled():
     fmt = ToolFormat(lm.tokenizer, opener='<tool_call>{"name": "multiply", "arguments": {"a": ')
     torch.manual_seed(0)
     rows = [{"messages": [{"role": "user", "content": "What is 347 * 29? Use the multiply tool."}]}]
-    roll = run_episodes(HFEngine(lm.model, lm.tokenizer), fmt, rows, 4, max_new_tokens=48, max_tool_calls=1,
-                        tools=[multiply], temperature=1.0)
+    roll = run_episodes(HFEngine(lm.model, lm.tokenizer), fmt, rows, 4, max_new_tokens=40, max_tool_calls=1,
+                        tools=[multiply], temperature=1.0, stop_strings=("}}",))  # flat arguments end the call
     ran = [i for i in range(4) if roll.tool_calls[i] > roll.failed_calls[i]]
     assert ran, roll.messages
     i = ran[0]
     assert roll.turns[i] == 2 and roll.messages[i][2]["role"] == "tool"
     tool = (roll.completion_mask[i] - roll.model_mask[i]).bool()
     assert roll.messages[i][2]["content"] in lm.tokenizer.decode(roll.completion_ids[i][tool])
-    assert int(roll.model_mask[i].sum()) <= 48
+    assert int(roll.model_mask[i].sum()) <= 40
