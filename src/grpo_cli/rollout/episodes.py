@@ -1,0 +1,240 @@
+"""Episodes: rollouts in which the model calls tools over several turns.
+
+Design
+------
+An episode is one completion row that may span turns: the model writes until its end of turn (EOS) or until
+it closes a tool call (the stop string `</tool_call>`); the call is parsed as data (`tools.ToolFormat.parse`)
+and run under a deadline (`tools.call_tool`), and its result is appended as the tool message's tokens, rendered
+through the chat template as a delta (`ToolFormat.tool_delta`); then the model continues. The conversation is
+never re-rendered nor re-tokenized, so a row is `prompt + sampled + tool + sampled + ...` and the tokens the model
+sampled are, id for id, the tokens the loss sees (TRL calls this a prefix-preserving template).
+
+The loop is engine-agnostic: every turn is one `Engine.generate` call over the episodes still running (the first
+turn samples G per prompt, later turns one per episode, each from its own sequence), so `hf`, `compiled` and any
+later engine work unchanged. An episode stops at its end of turn without a call, at `max_tool_calls` executed
+calls (a further call is left unexecuted), when its model tokens reach `max_new_tokens` (the budget of the whole
+episode, not of a turn), or when its sequence reaches the model's context; the last two mark it `cut`.
+
+A tool that raises, hangs past its deadline, is unknown, or gets arguments that do not fit its signature gives
+the model an error message and counts as a failed call; it never ends the run. Environments follow TRL's
+`environment_factory` contract: one instance per episode (states never mix), `reset(**row) -> str | None` whose
+string is appended to the last user message (with no messages it is the prompt), public methods as tools, and an
+optional `get_reward()` that the caller reads from `Episodes.environments`.
+
+The record is a `Rollout` (so the log-prob pass runs on it as it is) with, beside `completion_mask` (every real
+token, for attention), `model_mask`: the tokens the model sampled, the only ones for the loss, the ratio, the KL,
+the entropy and every token count (`logprobs.loss_mask`). Where the G prompts of a group differ (an environment
+whose reset varies per instance), the group's common prefix is the prompt and each episode's remainder opens its
+completion as non-model tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo_cli.errors import ConfigError
+from grpo_cli.rollout.common import Engine, Rollout, StopFn, eos_ids, left_pad
+from grpo_cli.rollout.tools import Tool, ToolFormat, call_tool, environment_methods, make_tools
+
+
+@dataclass
+class Episodes(Rollout):
+    """A Rollout whose rows are episodes; `texts` are the model's own turns, joined by newlines."""
+
+    model_mask: torch.Tensor | None = None    # [N, T] 1 on tokens the model sampled (a subset of completion_mask)
+    prompts: list[str] = field(default_factory=list)  # each episode's rendered prompt text (with any opener)
+    messages: list[list[dict]] = field(default_factory=list)  # each episode's conversation, tool calls and results
+    tool_calls: torch.Tensor | None = None    # [N] calls the model made (run or failed)
+    failed_calls: torch.Tensor | None = None  # [N] of those, the ones that failed
+    turns: torch.Tensor | None = None         # [N] assistant turns
+    cut: torch.Tensor | None = None           # [N] bool: ended by max_new_tokens or the context mid-turn
+    environments: list = field(default_factory=list)  # one instance per episode (empty without an environment)
+
+    def metrics(self) -> dict[str, float]:
+        calls = float(self.tool_calls.sum())
+        return {"tool_calls_per_episode": float(self.tool_calls.float().mean()),
+                "failed_call_rate": float(self.failed_calls.sum()) / calls if calls else 0.0,
+                "turns_per_episode": float(self.turns.float().mean()), "cut_frac": float(self.cut.float().mean())}
+
+    def environment_rewards(self) -> tuple[str, list[float]] | None:
+        """The environment's own reward, `get_reward()` of each episode's instance, under its class name (TRL
+        weighs it 1, beside the reward functions); None without an environment or without `get_reward`."""
+        if not self.environments or not callable(getattr(self.environments[0], "get_reward", None)):
+            return None
+        return type(self.environments[0]).__name__, [float(env.get_reward()) for env in self.environments]
+
+
+@dataclass
+class Episode:
+    """One episode while it runs."""
+
+    prompt: list[int]
+    prompt_text: str  # the rendered prompt, opener included
+    tools: dict[str, Tool]
+    messages: list[dict]
+    env: object | None = None
+    tokens: list[int] = field(default_factory=list)   # everything after the prompt
+    sampled: list[int] = field(default_factory=list)  # 1 where the model sampled the token
+    texts: list[str] = field(default_factory=list)
+    calls: int = 0
+    failed: int = 0
+    turns: int = 0
+    cut: bool = False
+    done: bool = False
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(self.sampled)
+
+
+def start_episode(fmt: ToolFormat, row: dict, tools: Sequence[Tool], environment_factory: Callable | None) -> Episode:
+    """The episode's environment instance (reset with the row's columns), its tools and its prompt."""
+    messages = [dict(m) for m in row.get("messages") or []]
+    env, tools = None, list(tools)
+    if environment_factory is not None:
+        env = environment_factory()
+        observation = env.reset(**row)
+        if isinstance(observation, str):
+            if messages:
+                messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
+            else:
+                messages = [{"role": "user", "content": observation}]
+        tools += make_tools(environment_methods(env))
+    if len({t.name for t in tools}) != len(tools):
+        raise ConfigError(f"two tools share a name among {', '.join(t.name for t in tools)}; every tool needs its own")
+    if not messages:
+        raise ConfigError("a row without messages needs an environment whose reset(**row) returns the prompt")
+    text = fmt.render_prompt(messages, tools)
+    prompt = fmt.tokenizer(text, add_special_tokens=False)["input_ids"]
+    messages = [*messages, {"role": "assistant", "content": fmt.opener}] if fmt.opener else messages
+    return Episode(prompt, text, {t.name: t for t in tools}, messages, env)
+
+
+def run_episodes(engine: Engine, fmt: ToolFormat, rows: list[dict], num_generations: int, *, max_new_tokens: int,
+                 max_tool_calls: int, context_length: int | None = None, tools: Sequence[Callable] = (),
+                 environment_factory: Callable | None = None, tool_timeout_s: float | None = None,
+                 stop: StopFn | None = None, **sampling) -> Episodes:
+    """G episodes per row (rows g*G .. g*G+G-1 belong to row g), each turn of all running episodes in one
+    `engine.generate` call; `sampling`: the keywords of `Engine.generate` (temperature, top_p, greedy, ...)."""
+    if max_tool_calls < 0 or max_new_tokens < 1:
+        raise ConfigError(f"max_tool_calls={max_tool_calls} and max_new_tokens={max_new_tokens} must be >= 0 and >= 1")
+    G, stops = num_generations, tuple(sampling.pop("stop_strings", ())) + fmt.stop_strings
+    min_new_tokens = sampling.pop("min_new_tokens", 0)  # per turn, never above the turn's room
+    standalone = make_tools(tools)
+    episodes = [start_episode(fmt, row, standalone, environment_factory) for row in rows for _ in range(G)]
+    eos = end_ids(engine, fmt.tokenizer)
+    interrupted, first = False, True
+    while not interrupted and (running := [e for e in episodes if not e.done]):
+        for e in running:
+            if remaining(e, max_new_tokens, context_length) <= 0:
+                e.done = e.cut = True
+        if not (running := [e for e in running if not e.done]):
+            break
+        prompts, per_prompt = (([e.prompt for e in running[::G]], G) if first and same_within_groups(running, G)
+                               else ([e.sequence for e in running], 1))
+        room = [remaining(e, max_new_tokens, context_length) for e in running]
+        roll = engine.generate(prompts, per_prompt, max_new_tokens=max(room), stop_strings=stops, stop=stop,
+                               **{**sampling, "min_new_tokens": min(min_new_tokens, max(room))})
+        interrupted, first = roll.interrupted, False
+        if interrupted:  # the caller's stop(): a partial record it discards; no tool runs for it
+            break
+        for i, e in enumerate(running):
+            new = roll.completion_ids[i][roll.completion_mask[i].bool()].tolist()[:room[i]]
+            take_turn(fmt, e, new, eos, room[i], max_tool_calls, tool_timeout_s, context_length, max_new_tokens)
+    return finish_episodes(episodes, G, fmt.tokenizer.pad_token_id, engine.device, interrupted)
+
+
+def end_ids(engine: Engine, tokenizer) -> set[int]:
+    """The ids that end a turn: the engine's model's EOS ids (its generation config's too), else the tokenizer's."""
+    model = getattr(engine, "model", None) or getattr(engine, "policy", None)
+    return set(eos_ids(model, tokenizer)) if model is not None else {tokenizer.eos_token_id}
+
+
+def same_within_groups(episodes: list[Episode], G: int) -> bool:
+    return len(episodes) % G == 0 and all(episodes[i].prompt == episodes[i - i % G].prompt
+                                          for i in range(len(episodes)))
+
+
+def remaining(e: Episode, max_new_tokens: int, context_length: int | None) -> int:
+    """Tokens the episode may still sample: its budget's rest, and the context's."""
+    room = max_new_tokens - e.model_tokens
+    return room if context_length is None else min(room, context_length - len(e.sequence))
+
+
+def take_turn(fmt: ToolFormat, e: Episode, new: list[int], eos: set[int], room: int, max_tool_calls: int,
+              timeout_s: float | None, context_length: int | None, max_new_tokens: int) -> None:
+    """Append the model's tokens of this turn; run its call and append the tool message, or end the episode."""
+    # transformers' parser reads the text before the turn (a template may pre-write part of it); Hermes does not
+    prefix = fmt.tokenizer.decode(e.sequence) if fmt.parser is not None else ""
+    e.tokens += new
+    e.sampled += [1] * len(new)
+    e.turns += 1
+    ended_turn = bool(new) and new[-1] in eos
+    text = fmt.tokenizer.decode(new, skip_special_tokens=True)
+    opener = fmt.opener if e.turns == 1 else ""
+    e.texts.append(text)
+    calls = fmt.parse(opener + text, prefix[:len(prefix) - len(opener)], list(e.tools.values()))
+    if e.turns == 1 and opener:
+        e.messages[-1] = fmt.assistant_message(opener + text, calls)
+    else:
+        e.messages.append(fmt.assistant_message(text, calls))
+    e.cut = not ended_turn and not calls and len(new) >= room
+    if not calls or e.calls + len(calls) > max_tool_calls or e.cut:
+        e.done = True
+        return
+    results = [call_tool(e.tools, call, timeout_s) for call in calls]
+    e.calls += len(calls)
+    e.failed += sum(r.failed for r in results)
+    delta = fmt.tokenizer(fmt.tool_delta(results, ended_turn), add_special_tokens=False)["input_ids"]
+    if e.model_tokens >= max_new_tokens or (context_length is not None
+                                            and len(e.sequence) + len(delta) >= context_length):
+        e.done = e.cut = True  # no room left to read the result and answer: it stays out, as in TRL
+        return
+    e.messages += fmt.tool_messages(results)
+    e.tokens += delta
+    e.sampled += [0] * len(delta)
+
+
+def common_prefix(seqs: list[list[int]]) -> int:
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != seqs[0][i] for s in seqs):
+            return i
+    return n
+
+
+def finish_episodes(episodes: list[Episode], G: int, pad_id: int, device, interrupted: bool) -> Episodes:
+    """The record: each group's common prompt prefix left-padded, the rest of each row right-padded."""
+    prompts, rows, sampled = [], [], []
+    for g in range(0, len(episodes), G):
+        group = episodes[g:g + G]
+        shared = common_prefix([e.prompt for e in group])
+        if shared == 0:
+            raise ConfigError("the prompts of one group share no token; episodes of one row must share its prompt")
+        prompts.append(group[0].prompt[:shared])
+        for e in group:
+            rows.append(e.prompt[shared:] + e.tokens)
+            sampled.append([0] * (len(e.prompt) - shared) + e.sampled)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    real = torch.zeros((len(rows), width), dtype=torch.long)
+    model = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, s) in enumerate(zip(rows, sampled, strict=True)):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        real[i, :len(r)] = 1
+        model[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    count = lambda f: torch.tensor([f(e) for e in episodes], dtype=torch.long, device=device)  # noqa: E731
+    cut = torch.tensor([e.cut for e in episodes], dtype=torch.bool, device=device)
+    return Episodes(prompt_ids, prompt_mask, ids.to(device), real.to(device), cut, ["\n".join(e.texts) for e in episodes],
+                    G, interrupted, model_mask=model.to(device), prompts=[e.prompt_text for e in episodes],
+                    messages=[e.messages for e in episodes],
+                    tool_calls=count(lambda e: e.calls), failed_calls=count(lambda e: e.failed),
+                    turns=count(lambda e: e.turns), cut=cut, environments=[e.env for e in episodes if e.env is not None])

@@ -1,0 +1,298 @@
+"""Tools for episodes: plain Python callables, their JSON schemas, the chat format that shows them to the model,
+the parsing of the model's calls, and calling them under a deadline.
+
+A tool is a function with type hints and a Google-style docstring (as for transformers' chat templates and TRL's
+`tools=`); its schema comes from `transformers.utils.get_json_schema`. An environment (TRL's `environment_factory`
+contract) is a class: one instance per episode, `reset(**row) -> str | None`, its public methods are its tools,
+and an optional `get_reward() -> float`.
+
+`ToolFormat` is everything that depends on the tokenizer:
+- a chat template that renders tools (`supports_tools`) gets them through `apply_chat_template(tools=...)`;
+- one that does not (the embedded SmolLM2's) gets the documented fallback: the tool schemas in the system turn
+  and the Hermes syntax `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+- calls are parsed with the tokenizer's own `response_template` (transformers' `parse_response`) where it has
+  one, else from the Hermes syntax with `json.loads`. Model output is data: it is never executed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from grpo_cli.errors import ConfigError, error_line
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+HERMES_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+FALLBACK_SYSTEM = (
+    "You can call these tools, described as JSON schemas:\n<tools>\n{schemas}\n</tools>\n"
+    "To call one, write exactly one line <tool_call>{{\"name\": TOOL NAME, \"arguments\": {{ARGUMENT: VALUE, ...}}}}"
+    "</tool_call> and stop; its result comes back in a tool message. Answer once you have what you need."
+)
+JSON_TYPES = {"integer": (int,), "number": (int, float), "string": (str,), "boolean": (bool,), "array": (list,),
+              "object": (dict,), "null": (type(None),)}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    fn: Callable
+    schema: dict  # transformers' {"type": "function", "function": {"name", "description", "parameters"}}
+
+
+@dataclass
+class ToolCall:
+    """One call the model wrote: `problem` says why it cannot run (malformed JSON, no name), else None."""
+
+    name: str
+    arguments: dict
+    problem: str | None = None
+
+
+@dataclass
+class ToolResult:
+    name: str
+    content: str
+    failed: bool
+
+
+def make_tool(fn: Callable, schema: dict | None = None) -> Tool:
+    """A Tool of `fn`, its schema from its type hints and docstring (or the one given, for a method whose class
+    already gave it); a function without them is a ConfigError naming it."""
+    from transformers.utils import get_json_schema
+
+    name = getattr(fn, "__name__", repr(fn))
+    if schema is None:
+        try:
+            schema = get_json_schema(fn)
+        except Exception as err:  # TypeHintParsingException, DocstringParsingException
+            raise ConfigError(f"tool {name} has no usable schema ({error_line(err)}); give it type hints and a "
+                              "Google-style docstring with an Args: section") from None
+    return Tool(schema["function"]["name"], fn, schema)
+
+
+def make_tools(functions: Sequence[Callable]) -> list[Tool]:
+    tools = [make_tool(fn) for fn in functions]
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"two tools share a name among {', '.join(names)}; every tool needs its own")
+    return tools
+
+
+def environment_methods(env) -> list[Callable]:
+    """The tools of an environment instance as TRL finds them: the public functions of its class other than
+    `reset` and `get_reward`, bound to the instance (listed on the class, so properties are not evaluated)."""
+    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")]
+
+
+def supports_tools(tokenizer) -> bool:
+    """The chat template renders a tool's schema, an assistant's tool call and a tool message (all three must
+    show in the text: some templates render only `content` and drop the rest silently)."""
+    name, key, value, result = "tool_name_a8f3", "arg_key_b9d4", "arg_val_d6e7", "tool_result_c4f9"
+    schema = {"type": "function", "function": {"name": name, "description": "d", "parameters": {
+        "type": "object", "properties": {key: {"type": "string", "description": "d"}}, "required": [key]}}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": name, "arguments": {key: value}}}]},
+                {"role": "tool", "name": name, "content": result}]
+    try:
+        listed = tokenizer.apply_chat_template(messages[:1], tools=[schema], tokenize=False)
+        rendered = tokenizer.apply_chat_template(messages, tools=[schema], tokenize=False)
+    except Exception:  # a template that rejects the roles or the tool_calls field
+        return False
+    return name in listed and all(s in rendered for s in (name, key, value, result))
+
+
+def parse_hermes(text: str) -> list[ToolCall]:
+    """The `<tool_call>{json}</tool_call>` calls in `text`, each parsed with json.loads (never evaluated).
+
+    A call opened and never closed (a small model writes on after its arguments, or a stop string such as `}}`
+    ended the turn) counts when a complete JSON object follows the opener: that object is the call, the rest is
+    ignored. An unclosed opener with no complete object after it is no call (the turn is text)."""
+    calls = []
+    for body in HERMES_CALL.findall(text):
+        try:
+            data = json.loads(body)
+        except ValueError as err:
+            calls.append(ToolCall("", {}, f"the call is not valid JSON ({err})"))
+            continue
+        calls.append(call_from_json(data))
+    rest = HERMES_CALL.sub("", text)
+    if CALL_OPEN in rest:
+        try:
+            data, _ = json.JSONDecoder().raw_decode(rest.split(CALL_OPEN, 1)[1].lstrip())
+        except ValueError:
+            return calls
+        calls.append(call_from_json(data))
+    return calls
+
+
+def call_from_json(data) -> ToolCall:
+    if isinstance(data, dict) and "function" in data and isinstance(data["function"], dict):
+        data = data["function"]  # the OpenAI-style {"type": "function", "function": {...}} wrapper
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return ToolCall("", {}, 'the call has no "name"')
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if isinstance(arguments, str):  # some templates carry the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(data["name"], {}, '"arguments" is not a JSON object')
+    return ToolCall(data["name"], arguments)
+
+
+def argument_problem(tool: Tool, arguments: dict) -> str | None:
+    """Why `arguments` do not fit the tool (its signature, then its schema's JSON types), or None."""
+    try:
+        inspect.signature(tool.fn).bind(**arguments)
+    except TypeError as err:
+        return f"the arguments do not fit {tool.name}{inspect.signature(tool.fn)}: {err}"
+    properties = tool.schema["function"].get("parameters", {}).get("properties", {})
+    for key, value in arguments.items():
+        declared = properties.get(key, {}).get("type")
+        kinds = [declared] if isinstance(declared, str) else list(declared or [])
+        allowed = tuple(t for k in kinds for t in JSON_TYPES.get(k, (object,)))
+        if allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)):
+            return f"argument {key} of {tool.name} must be {' or '.join(kinds)}, got {json.dumps(value)}"
+    return None
+
+
+def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float | None = None) -> ToolResult:
+    """Run one call in a daemon worker thread under `timeout_s` (None: no limit). A malformed call, an unknown
+    tool, arguments that do not fit, an exception or a deadline passed is a failed call whose content is the
+    error the model reads; nothing here raises. A call past its deadline is abandoned, as a reward is."""
+    if call.problem is not None:
+        return ToolResult(call.name or "unknown", f"error: {call.problem}", True)
+    tool = tools.get(call.name)
+    if tool is None:
+        return ToolResult(call.name, f"error: no tool named {call.name!r}; the tools are {', '.join(tools)}", True)
+    problem = argument_problem(tool, call.arguments)
+    if problem is not None:
+        return ToolResult(call.name, f"error: {problem}", True)
+    outcome: dict = {}
+
+    def target():
+        try:
+            returned = tool.fn(**call.arguments)
+            # an async tool (TRL allows them) runs to completion on its own event loop in this worker thread
+            outcome["returned"] = asyncio.run(returned) if inspect.iscoroutine(returned) else returned
+        except Exception as err:  # handed to the waiting thread
+            outcome["error"] = err
+
+    worker = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
+    worker.start()
+    worker.join(None if timeout_s is None else max(0.0, timeout_s))
+    if worker.is_alive():
+        return ToolResult(call.name, f"error: {call.name} did not return within {timeout_s} s", True)
+    if "error" in outcome:
+        return ToolResult(call.name, f"error: {call.name} raised {error_line(outcome['error'])}", True)
+    if "returned" not in outcome:  # the thread died of a BaseException (SystemExit in the tool)
+        return ToolResult(call.name, f"error: {call.name} exited its thread", True)
+    returned = outcome["returned"]
+    return ToolResult(call.name, returned if isinstance(returned, str) else json.dumps(returned, default=str), False)
+
+
+class ToolFormat:
+    """How one tokenizer shows tools to the model, reads its calls back, and renders a tool message as tokens to
+    append (a delta, never a re-rendered conversation).
+
+    `native` None = the chat template's own tool support where `supports_tools` finds it, else the fallback.
+    `opener` is text put at the start of the first assistant turn, in the prompt (not sampled, not trained):
+    for a small model that never starts a call by itself, e.g. '<tool_call>{"name": "calculator", "arguments": {'.
+    """
+
+    def __init__(self, tokenizer, native: bool | None = None, opener: str = ""):
+        self.tokenizer = tokenizer
+        self.native = supports_tools(tokenizer) if native is None else native
+        self.opener = opener
+        self.parser = getattr(tokenizer, "response_template", None) if self.native else None
+        self.eos = tokenizer.eos_token
+        self._end_of_turn = self._turn_end()
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """A turn ends at the close of its first call: what the model writes after it is not the tool's answer."""
+        return (CALL_CLOSE,)
+
+    def render_prompt(self, messages: list[dict], tools: Sequence[Tool]) -> str:
+        """The prompt text of a conversation with `tools` on offer, up to the assistant turn and the opener."""
+        schemas = [t.schema for t in tools]
+        if not tools:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        elif self.native:
+            text = self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True,
+                                                      tokenize=False)
+        else:
+            # the function part without its "return" entry: a small model copies it into its calls
+            shown = [{k: v for k, v in s["function"].items() if k != "return"} for s in schemas]
+            described = FALLBACK_SYSTEM.format(schemas="\n".join(json.dumps(s) for s in shown))
+            if messages and messages[0]["role"] == "system":
+                messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{described}"}, *messages[1:]]
+            else:
+                messages = [{"role": "system", "content": described}, *messages]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text + self.opener
+
+    def parse(self, text: str, prefix: str, tools: Sequence[Tool]) -> list[ToolCall]:
+        """The calls in one assistant turn's `text` (with any opener at its start); `prefix` is the prompt text
+        before it, which transformers' parser needs to see a pre-written part of the turn."""
+        if self.parser is None:
+            return parse_hermes(text)
+        ended = text if text.endswith(self.eos) else text + self.eos
+        # transformers >= 5.15 types the arguments from the schemas ("7" -> 7 for an integer)
+        typed = {"tools": [t.schema for t in tools]} if "tools" in inspect.signature(
+            self.tokenizer.parse_response).parameters else {}
+        try:
+            parsed = self.tokenizer.parse_response(ended, prefix=prefix, **typed)
+        except Exception as err:  # the parser rejects a malformed call
+            return [ToolCall("", {}, f"the call could not be parsed ({error_line(err)})")] if CALL_OPEN in text else []
+        return [call_from_json(c) for c in (parsed or {}).get("tool_calls") or []]
+
+    def assistant_message(self, text: str, calls: list[ToolCall]) -> dict:
+        """The turn as a chat message: with `tool_calls` where the template renders them, else its raw text."""
+        if not (self.native and calls):
+            return {"role": "assistant", "content": text}
+        head = text.split(CALL_OPEN, 1)[0].strip()
+        return {"role": "assistant", "content": head, "tool_calls": [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+
+    def tool_messages(self, results: list[ToolResult]) -> list[dict]:
+        return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+
+    def _dummy_turn(self, name: str) -> list[dict]:
+        call = {"type": "function", "function": {"name": name, "arguments": {}}}
+        assistant = ({"role": "assistant", "content": "", "tool_calls": [call]} if self.native else
+                     {"role": "assistant", "content": f'{CALL_OPEN}{{"name": "{name}", "arguments": {{}}}}{CALL_CLOSE}'})
+        return [{"role": "user", "content": "dummy"}, assistant]
+
+    def _turn_end(self) -> int:
+        """Where, in a rendered [user, assistant] exchange, the assistant's end of turn (the EOS) begins: the
+        model's tokens reach up to there; a ConfigError for a template without an EOS-ended turn."""
+        before = self.tokenizer.apply_chat_template(self._dummy_turn("dummy"), tokenize=False)
+        at = before.rfind(self.eos) if self.eos else -1
+        if at < 0:
+            raise ConfigError(f"the chat template does not end an assistant turn with the EOS token {self.eos!r}; "
+                              "episodes need a template whose turns end with it")
+        return len(before) - at
+
+    def tool_delta(self, results: list[ToolResult], model_ended_turn: bool) -> str:
+        """The text that follows the model's last sampled token: the end of its turn (unless it wrote the EOS
+        itself), the tool messages and the next assistant header, rendered through the chat template on a
+        dummy exchange (TRL's way), so the conversation so far is never re-rendered or re-tokenized."""
+        dummy = self._dummy_turn(results[0].name)
+        before = self.tokenizer.apply_chat_template(dummy, tokenize=False)
+        after = self.tokenizer.apply_chat_template(dummy + self.tool_messages(results), add_generation_prompt=True,
+                                                   tokenize=False)
+        if not after.startswith(before):
+            raise ConfigError("the chat template is not prefix-preserving: adding a tool message changes how the "
+                              "turns before it render, so appended tokens would not match; use another template")
+        start = len(before) - self._end_of_turn + (len(self.eos) if model_ended_turn else 0)
+        return after[start:]
+
