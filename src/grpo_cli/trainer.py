@@ -114,6 +114,7 @@ class UpdateSums:
     entropy: float = 0.0
     clip_low: float = 0.0
     clip_high: float = 0.0
+    all_entropy: float = 0.0   # token-weighted entropy on every pass (the adaptive entropy coefficient reads it)
 
     def reduced(self, dist: distributed.Dist, device) -> UpdateSums:
         names = [f.name for f in dataclasses.fields(self)]
@@ -210,6 +211,8 @@ class GRPOTrainer:
         self.eps_high = self.algo.clip_eps_high if self.algo.clip_eps_high is not None else self.algo.clip_eps
         self.fresh_adapter = True
         self.zero_std_streak, self.warned_zero_std = 0, False
+        self.truncated_streak, self.warned_truncated = 0, False
+        self.entropy_control = algorithm.adaptive_entropy(self.algo)
         self.skipped_in_a_row = 0
         self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
@@ -260,11 +263,11 @@ class GRPOTrainer:
     def advantages(self, generation: Generation, scores: Scores) -> Batch:
         """Group advantages of the rewards, and the completion tokens that count in the loss."""
         roll = generation.rollout
-        advantages = algorithm.group_advantages(scores.totals, self.algo.num_generations, eps=self.algo.adv_eps,
-                                                scale=self.algo.scale_rewards)
         mask = roll.completion_mask.float()
         if self.algo.mask_truncated:
             mask = mask * (~roll.truncated).float().unsqueeze(1)
+        advantages = algorithm.advantages_of(self.algo.get("advantage", "grpo"), scores.totals, self.algo.num_generations,
+                                             eps=self.algo.adv_eps, scale=self.algo.scale_rewards, lengths=mask.sum(1))
         return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(self.lm.device), mask,
                      scores.errors, stats=generation.stats)
 
@@ -311,19 +314,23 @@ class GRPOTrainer:
         rank's sums and the largest completion log-prob it saw (entropy and KL on the first pass only)."""
         sums, max_logp = UpdateSums(), -math.inf
         for rows in mini.micro:
-            logp, entropy = self._logprobs(batch, rows, grad=True, with_entropy=first_pass)
-            mask = batch.mask[rows]
+            logp, entropy = self._logprobs(batch, rows, grad=True,
+                                           with_entropy=first_pass or algorithm.needs_entropy(self.algo))
+            mask, aggregation = batch.mask[rows], algorithm.aggregation_of(self.algo)
             loss, stats = algorithm.policy_loss(
                 logp, None if old is None else old[rows], None if ref is None else ref[rows],
                 batch.advantages[rows], mask, beta=self.algo.beta, eps_low=self.algo.clip_eps,
-                eps_high=self.eps_high, loss_type=self.algo.loss_type, ratio_level=self.algo.ratio_level,
-                max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total,
+                eps_high=self.eps_high, loss_type=aggregation, ratio_level=self.algo.ratio_level,
+                max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total, entropy=entropy,
+                settings=algorithm.loss_settings(self.algo, self.entropy_control and self.entropy_control.applied),
             )
-            weight = algorithm.accumulation_weight(self.algo.loss_type, rows=rows.stop - rows.start,
+            weight = algorithm.accumulation_weight(aggregation, rows=rows.stop - rows.start,
                                                    rows_total=mini.rows_total, micro_batches_total=mini.micro_total)
-            (loss * weight).backward()
+            total = algorithm.accumulated(loss, stats, weight, mini.micro_total)
+            total.backward()
             k = float(stats["num_tokens"])
-            sums.loss += float(loss.detach()) * weight
+            sums.loss += float(total.detach())
+            sums.all_entropy += float((entropy.detach() * mask).sum()) if entropy is not None else 0.0
             sums.tokens += k
             sums.ratio += float(stats["ratio_mean"]) * k
             sums.clip_low += float(stats["clip_fraction/low"]) * k
@@ -376,6 +383,8 @@ class GRPOTrainer:
                     if self.algo.check:
                         self.check_first_update(step, sums, on_policy=old is None)
                 grad_norms.append(self.optimizer_step(step, sums.loss))
+                if self.entropy_control is not None:
+                    self.entropy_control.update(sums.mean("all_entropy"))
                 losses.append(sums.loss)
                 totals, max_logp = totals + sums, max(max_logp, local_max_logp)
         first = first or UpdateSums()
@@ -463,7 +472,7 @@ class GRPOTrainer:
         if stats.max_logp > 1e-5:
             raise InvariantError(f"invariant 'logp <= 0' failed at step {step}: max logp {stats.max_logp:.3e}")
         group_sums = batch.advantages.detach().float().view(-1, G).sum(dim=1).abs().max()
-        if float(group_sums) > 1e-3:
+        if algorithm.ADVANTAGES[self.algo.get("advantage", "grpo")].zero_sum_groups and float(group_sums) > 1e-3:
             raise InvariantError(f"invariant 'advantages sum to 0 per group' failed at step {step}: max |sum| {float(group_sums):.2e}")
 
     def save_samples(self, tracker: Tracker, step: int, batch: Batch) -> None:
@@ -514,6 +523,8 @@ class GRPOTrainer:
         start = state["step"]
         self.last_checkpoint = (start, found)
         self.skipped_updates = state.get("skipped_updates", 0)
+        if self.entropy_control is not None:
+            self.entropy_control.restore(state)
         self.fresh_adapter = start == 0
         if self.dist.is_main:
             rundir.roll_back_records(self.run_dir, start, found)
@@ -529,6 +540,11 @@ class GRPOTrainer:
     def record(self, tracker: Tracker, step: int, metrics: dict, batch: Batch) -> None:
         """Everything a finished step leaves behind but the checkpoint: warnings, eval, metrics, samples."""
         self.track_zero_std(metrics, tracker)
+        self.truncated_streak, warning = algorithm.truncation_warning(metrics, self.truncated_streak, self.warned_truncated)
+        if warning:
+            self.warned_truncated = True
+            metrics["warning"] = f"{metrics['warning']}; {warning}" if "warning" in metrics else warning
+            tracker.warn(warning)
         every = self.cfg.eval.every
         if self.evaluator is not None and every and (step + 1) % every == 0:
             if self.dist.is_main:
@@ -615,7 +631,8 @@ class GRPOTrainer:
         path = checkpoint.step_dir(self.run_dir, done)
         if self.dist.is_main:
             path = checkpoint.save(self.run_dir, done, self.model, self.optimizer, self.scheduler,
-                                   {"skipped_updates": self.skipped_updates, "fingerprint": rundir.fingerprint(self.cfg)},
+                                   {"skipped_updates": self.skipped_updates, "fingerprint": rundir.fingerprint(self.cfg),
+                                    **(self.entropy_control.state() if self.entropy_control else {})},
                                    self.tcfg.keep_last)
         distributed.barrier(self.dist)
         self.last_checkpoint = (done, path)
