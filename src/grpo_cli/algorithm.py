@@ -1042,8 +1042,12 @@ def adaptive_entropy(algo) -> AdaptiveEntropy | None:
     return AdaptiveEntropy(coef=algo.get("entropy_coef", 0.0), target=target, delta=algo.get("entropy_coef_delta", 0.005))
 
 
-def config_problem(algo) -> tuple[str, object, str] | None:
-    """(key, value, what is wrong) for a combination of algo.* keys that makes no sense, else None."""
+def config_problem(algo, world_size: int = 1) -> tuple[str, object, str] | None:
+    """(key, value, what is wrong) for a combination of algo.* keys that makes no sense (or is not supported), else
+    None."""
+    if algo.get("filter_groups") and world_size > 1:
+        return ("algo.filter_groups", True, f"is not supported over {world_size} ranks yet (each rank would keep a "
+                                            "different number of groups); use trainer.nproc=1")
     loss_type, aggregation = algo.get("loss_type", "grpo"), algo.get("aggregation", "grpo")
     if loss_type != "grpo" and aggregation != "grpo" and loss_type != aggregation:
         return ("algo.loss_type", loss_type, f"is an alias of algo.aggregation, which says {aggregation}; set only "

@@ -153,7 +153,7 @@ def validate(cfg: DictConfig) -> list[str]:
     check_mini_batches(cfg, world_size=n_ranks)  # torchrun's real number of ranks inside a job
     from grpo_cli.algorithm import config_problem
 
-    if (problem := config_problem(cfg.algo)) is not None:
+    if (problem := config_problem(cfg.algo, n_ranks)) is not None:
         fail(*problem)
     tiny = cfg.model.get("tiny") or {}
     if "hidden_size" in tiny and "num_heads" in tiny and tiny.hidden_size % tiny.num_heads:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli import algorithm, checkpoint, distributed, rundir
+from grpo_cli import algorithm, checkpoint, distributed, dynamic_sampling, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
@@ -37,6 +37,7 @@ from grpo_cli.metrics import FINAL_EVAL, final_mean, read_metrics
 from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import build_optimizer
 from grpo_cli.rewards import RewardSet
+from grpo_cli.rewards.aggregation import present_mean
 from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine, sampling_options
 from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import Tracker, open_tracker
@@ -220,11 +221,12 @@ class GRPOTrainer:
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
 
     # ---- one step -------------------------------------------------------------------------------
-    def generate(self, step: int) -> Generation | None:
+    def generate(self, step: int, draw: int = 0) -> Generation | None:
         """This rank's share of the step's prompts and their G completions each; None when a stop request
-        ended generation."""
+        ended generation. `draw` > 0: a further round of algo.filter_groups (dynamic_sampling.py)."""
         G = self.algo.num_generations
-        rows = self.sampler.batch(step)
+        rows = self.sampler.batch(step) if not draw else \
+            dynamic_sampling.extra_prompts(self.sampler, step, draw, self.algo.filter_max_draws)
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
             share = len(rows) // self.dist.world_size
             rows = rows[self.dist.rank * share:(self.dist.rank + 1) * share]
@@ -234,7 +236,7 @@ class GRPOTrainer:
                                  "and was dropped; raise it or use data.overlong=truncate")
         rows = [rows[i] for i in enc.kept]
         # sampling depends on (seed, step, rank) only: exact resume
-        torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank)
+        torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank + draw * dynamic_sampling.DRAW_SEED)
         t0, compile_before = time.perf_counter(), self.engine.compile_s
         roll = self.engine.generate(enc.ids, G, max_new_tokens=self.roll.max_new_tokens,
                                     min_new_tokens=self.roll.min_new_tokens, **sampling_options(self.roll),
@@ -255,7 +257,8 @@ class GRPOTrainer:
         G = self.algo.num_generations
         fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}  # messages: only for rewards naming it
         try:
-            totals, per_function, errors = self.rewards.score(generation.prompts, generation.rollout.texts, fields)
+            totals, per_function, errors = self.rewards.score(generation.prompts, generation.rollout.texts, fields,
+                                                              group_size=G)
         except Interrupted:
             return None
         return Scores(torch.tensor(totals, dtype=torch.float32), per_function, errors)
@@ -404,10 +407,13 @@ class GRPOTrainer:
         """One GRPO update; None when a stop request came before the update began (the step is discarded,
         nothing of it has touched the weights, the optimiser or the logs)."""
         t0 = time.perf_counter()
-        generation, batch = self.generate(step), None
-        scores = None if generation is None else self.score(generation)  # None: a stop request came first
-        if scores is not None:
-            batch = self.advantages(generation, scores)
+        if self.algo.get("filter_groups"):
+            batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
+        else:
+            generation, batch = self.generate(step), None
+            scores = None if generation is None else self.score(generation)  # None: a stop request came first
+            if scores is not None:
+                batch = self.advantages(generation, scores)
         if self.stop_agreed(batch is None or self.stop()):
             return None
         stats = self.update(step, batch)
@@ -425,7 +431,7 @@ class GRPOTrainer:
             "step": step,
             "reward": float(r.mean()),
             "reward_std": algorithm.group_std_mean(r, G),
-            **{f"reward/{name}": sum(v) / len(v) for name, v in batch.per_function.items()},
+            **{f"reward/{name}": present_mean(v) for name, v in batch.per_function.items()},
             "frac_reward_zero_std": algorithm.zero_std_group_fraction(r, G),
             "kl": stats.kl,
             "clip_fraction": stats.clip_fraction,
@@ -445,6 +451,7 @@ class GRPOTrainer:
             "skipped_updates": self.skipped_updates,
             "prompts_truncated": batch.stats["prompts_truncated"],
             "prompts_dropped": batch.stats["prompts_dropped"],
+            **{k: v for k, v in batch.stats.items() if k.startswith("filter_")},
         }
         if self.dist.enabled:  # every rank has as many rows: rank means average exactly; counts add up
             summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped")
