@@ -24,6 +24,7 @@ trl = pytest.importorskip("trl")
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax  # noqa: E402
 
+pytestmark = pytest.mark.slow  # 30 loss computations on the tiny model: a few seconds each pass
 P, G, T = 2, 4, 6
 LOSS_RTOL, GRAD_ATOL = 1e-5, 1e-4
 
@@ -147,6 +148,13 @@ CASES = [
 def test_loss_and_gradients_equal_trls(setup, tmp_path, trl_args, our_args):
     want_loss, want_grad = trl_loss(setup, tmp_path, **trl_args)
     got_loss, got_grad = ours(setup, **our_args)
+    if "settings" in our_args or "eps_high" in our_args:  # the option acts on this batch
+        plain = {k: v for k, v in our_args.items() if k not in ("settings", "eps_high")}
+        if our_args.get("settings") is not None and our_args["settings"].objective in ("cispo", "vespo"):
+            plain["loss_type"] = "dapo"
+        plain_loss, plain_grad = ours(setup, **plain)
+        assert abs(plain_loss - got_loss) > 10 * LOSS_RTOL * abs(got_loss) or \
+            float((plain_grad - got_grad).abs().max()) > 10 * GRAD_ATOL
     assert want_grad.abs().max() > 0
     rel = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
     grad_diff = float((got_grad - want_grad).abs().max())
