@@ -310,3 +310,38 @@ def test_resume_with_dynamic_sampling_and_adaptive_entropy_is_bitwise(tmp_path):
     assert any(r["filter_draws"] > 1 for r in a)  # some step drew more prompts
     final = (straight / "adapter" / "adapter_model.safetensors").read_bytes()
     assert final == (resumed / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def test_reward_set_leaves_out_none_and_refuses_a_completion_nobody_scored():
+    from grpo_cli.rewards import RewardFunction, RewardSet
+
+    def only_short(prompts, completions, **_):
+        return [1.0 if len(c) < 3 else None for c in completions]
+
+    def only_long(prompts, completions, **_):
+        return [None if len(c) < 3 else 2.0 for c in completions]
+
+    rewards = RewardSet([RewardFunction("short", only_short, 1.0), RewardFunction("long", only_long, 0.5)])
+    totals, per_fn, errors = rewards.score(["p"] * 2, ["ab", "abcd"], {})
+    assert totals == [1.0, 1.0] and per_fn == {"short": [1.0, None], "long": [None, 2.0]} and errors == 0
+    alone = RewardSet([RewardFunction("short", only_short, 1.0)])
+    with pytest.raises(RewardError, match="every reward function \\(short\\) returned None for completion 1"):
+        alone.score(["p"] * 2, ["ab", "abcd"], {})
+
+
+def test_overlong_penalty_from_the_config(compose):
+    from grpo_cli.config import validate
+    from grpo_cli.rewards import RewardSet
+
+    entry = "+reward.functions.overlong"
+    overrides = ["+recipe=quickstart", "model=tiny", f"{entry}._target_=grpo_cli.rewards.overlong.OverlongPenalty",
+                 f"{entry}.buffer=4", f"{entry}.max_tokens=" + "${rollout.max_new_tokens}", "rollout.max_new_tokens=8",
+                 f"{entry}.tokenizer=" + "${model.name_or_path}", "reward.aggregation=sum"]
+    cfg = compose(overrides)
+    validate(cfg)
+    rewards = RewardSet.from_config(cfg.reward)
+    penalty = next(rf.fn for rf in rewards.functions if rf.name == "overlong")
+    texts = ["one", " ".join(["word"] * 30)]
+    assert penalty(["p"] * 2, texts) == [0.0, -1.0]
+    with pytest.raises(ConfigError, match="buffer=9 is invalid: needs buffer <= max_tokens \\(8\\)"):
+        validate(compose([o.replace(".buffer=4", ".buffer=9") for o in overrides]))
