@@ -998,6 +998,8 @@ def accumulated(loss: torch.Tensor, stats: dict[str, torch.Tensor], weight: floa
     """What a micro-batch sends to backward: the loss type's part times its accumulation ``weight``, and the
     entropy bonus (a token mean of each micro-batch, as TRL's) divided by the update's number of micro-batches."""
     bonus = stats["entropy_bonus"]
+    if not bonus.requires_grad and float(bonus) == 0.0:  # no bonus: exactly the loss type's weighted loss
+        return loss * weight
     return (loss + bonus) * weight - bonus / max(1.0, float(micro_batches_total))
 
 

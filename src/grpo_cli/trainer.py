@@ -332,7 +332,8 @@ class GRPOTrainer:
             total = algorithm.accumulated(loss, stats, weight, mini.micro_total)
             total.backward()
             k = float(stats["num_tokens"])
-            sums.loss += float(total.detach())
+            bonus = float(stats["entropy_bonus"])  # already in loss; accumulated weighs it by 1 / micro-batches
+            sums.loss += float(loss.detach()) * weight + bonus * (weight - 1 / max(1.0, mini.micro_total))
             sums.all_entropy += float((entropy.detach() * mask).sum()) if entropy is not None else 0.0
             sums.tokens += k
             sums.ratio += float(stats["ratio_mean"]) * k
