@@ -182,7 +182,7 @@ def test_advantage_estimators_by_hand():
     (["algo.objective=ppo2"], "algo.objective=ppo2 is invalid: use one of grpo, cispo, sapo, luspo, vespo"),
     (["algo.kl_estimator=k4"], "algo.kl_estimator=k4 is invalid"),
     (["algo.filter_groups=true", "trainer.nproc=2"], "algo.filter_groups=true is invalid"),
-    (["reward.aggregation=mean"], "reward.aggregation=mean is invalid"),
+    (["+reward.aggregation=mean"], "reward.aggregation=mean is invalid"),
 ])
 def test_nonsense_combinations_are_one_line(compose, overrides, match):
     from grpo_cli.config import validate
@@ -324,6 +324,14 @@ def test_reward_set_leaves_out_none_and_refuses_a_completion_nobody_scored():
     rewards = RewardSet([RewardFunction("short", only_short, 1.0), RewardFunction("long", only_long, 0.5)])
     totals, per_fn, errors = rewards.score(["p"] * 2, ["ab", "abcd"], {})
     assert totals == [1.0, 1.0] and per_fn == {"short": [1.0, None], "long": [None, 2.0]} and errors == 0
+    gdpo = RewardSet([RewardFunction("short", only_short, 1.0), RewardFunction("long", only_long, 0.5)],
+                     aggregation="normalize_then_sum")
+    totals, _, _ = gdpo.score(["p"] * 4, ["ab", "abcd", "a", "abc"], {}, group_size=2)
+    assert totals == pytest.approx([0.0, 0.0, 0.0, 0.0])  # one scored completion per function and group: z = 0
+    lengths = RewardSet([RewardFunction("len", lambda p, c, **_: [float(len(x)) for x in c], 3.0),
+                         RewardFunction("short", only_short, 1.0)], aggregation="normalize_then_sum")
+    totals, _, _ = lengths.score(["p"] * 2, ["a", "abc"], {}, group_size=2)  # only_short scores "a" alone: z = 0
+    assert totals == pytest.approx([-3 / (math.sqrt(2) + 1e-4), 3 / (math.sqrt(2) + 1e-4)])
     alone = RewardSet([RewardFunction("short", only_short, 1.0)])
     with pytest.raises(RewardError, match="every reward function \\(short\\) returned None for completion 1"):
         alone.score(["p"] * 2, ["ab", "abcd"], {})
@@ -336,7 +344,7 @@ def test_overlong_penalty_from_the_config(compose):
     entry = "+reward.functions.overlong"
     overrides = ["+recipe=quickstart", "model=tiny", f"{entry}._target_=grpo_cli.rewards.overlong.OverlongPenalty",
                  f"{entry}.buffer=4", f"{entry}.max_tokens=" + "${rollout.max_new_tokens}", "rollout.max_new_tokens=8",
-                 f"{entry}.tokenizer=" + "${model.name_or_path}", "reward.aggregation=sum"]
+                 f"{entry}.tokenizer=" + "${model.name_or_path}", "+reward.aggregation=sum"]
     cfg = compose(overrides)
     validate(cfg)
     rewards = RewardSet.from_config(cfg.reward)

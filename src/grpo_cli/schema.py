@@ -370,7 +370,7 @@ OPTIONS: tuple[Option, ...] = (
     # ---- reward=NAME
     Option("reward.on_error", one_of("raise", "zero"), "a reward that raises: stop, or score 0 and count it"),
     Option("reward.aggregation", one_of("sum", "normalize_then_sum"), "the rewards' weighted sum, or each reward "
-      "z-scored within its group first (GDPO); sum when left out", optional=True),
+      "z-scored within its group first (GDPO); sum when left out (+reward.aggregation=... to set it)", optional=True),
     Option("reward.timeout_s", number(0, low_open=True), "seconds a reward call may take; over it is an error "
       "per on_error; null = no limit", nullable=True),
     Option("reward.accuracy", TEXT, "the 0/1 function of reward.functions that judges correctness", nullable=True),
