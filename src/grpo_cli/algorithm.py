@@ -112,6 +112,100 @@ def group_advantages(
     return adv.reshape(-1)
 
 
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """One ``algo.advantage``: ``fn(rewards [N], group_size, *, eps, scale, lengths) -> A [N]``."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    formula: str
+    zero_sum_groups: bool        # every group's advantages sum to 0 (the live check asks it only then)
+    scales: bool = False         # reads algo.scale_rewards (the others refuse a non-default one)
+    note: str = ""
+
+
+ADVANTAGES = Registry("advantage estimator", key="algo.advantage")  # name -> AdvantageEstimator
+
+
+def register_advantage(name: str, *, formula: str, zero_sum_groups: bool, scales: bool = False,
+                       note: str = "") -> Callable:
+    """Decorator: register ``fn(rewards, group_size, *, eps, scale, lengths)`` as ``algo.advantage=name``."""
+
+    def register(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        ADVANTAGES.register(name)(AdvantageEstimator(name, fn, formula, zero_sum_groups, scales, note))
+        return fn
+
+    return register
+
+
+@register_advantage("grpo", formula="(r_i - mean_g) / (std_g + adv_eps)  (scale_rewards: group, batch or none)",
+                    zero_sum_groups=True, scales=True, note="default: group z-scores (section 1)")
+def grpo_advantages(rewards, group_size, *, eps=1e-4, scale="group", **_):
+    return group_advantages(rewards, group_size, eps=eps, scale=scale)
+
+
+@register_advantage("rloo", formula="(r_i - mean_g) * G / (G - 1)  = r_i - mean of the other G-1",
+                    zero_sum_groups=True, note="leave-one-out baseline (RLOO; verl's rloo)")
+def rloo_advantages(rewards, group_size, **_):
+    r = _grouped(rewards, group_size)
+    return ((r - r.mean(dim=1, keepdim=True)) * group_size / (group_size - 1)).reshape(-1)
+
+
+@register_advantage("reinforce_plus_plus_baseline",
+                    formula="whiten_B(r_i - mean_g), whitened over the batch's loss tokens (unbiased var, +1e-8)",
+                    zero_sum_groups=False, note="REINFORCE++ with a group baseline (verl's masked_whiten)")
+def reinforce_plus_plus_baseline_advantages(rewards, group_size, *, lengths=None, **_):
+    r = _grouped(rewards, group_size)
+    centered = (r - r.mean(dim=1, keepdim=True)).reshape(-1)
+    w = torch.ones_like(centered) if lengths is None else lengths.detach().float().to(centered.device)
+    total = w.sum()
+    mean = (w * centered).sum() / total.clamp_min(1.0)
+    var = (w * (centered - mean) ** 2).sum() / total.clamp_min(1.0)
+    var = var * total / (total - 1).clamp_min(1.0)  # Bessel over tokens, as verl's masked_var(unbiased=True)
+    return torch.where(w > 0, (centered - mean) * torch.rsqrt(var + 1e-8), torch.zeros_like(centered))
+
+
+@register_advantage("opo", formula="r_i - sum_j |y_j| r_j / sum_j |y_j|  (length-weighted group baseline)",
+                    zero_sum_groups=False, note="optimal-baseline OPO (verl's opo)")
+def opo_advantages(rewards, group_size, *, lengths=None, **_):
+    r = _grouped(rewards, group_size)
+    w = torch.ones_like(r) if lengths is None else lengths.detach().float().to(r.device).view_as(r)
+    baseline = (w * r).sum(dim=1, keepdim=True) / w.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    return (r - baseline).reshape(-1)
+
+
+@register_advantage("grpo_passk", formula="best of the group: (r_max - r_2nd) / (std_g + adv_eps); others 0",
+                    zero_sum_groups=False, scales=True,
+                    note="pass@k (verl's grpo_passk); scale_rewards=none leaves out the std")
+def grpo_passk_advantages(rewards, group_size, *, eps=1e-4, scale="group", **_):
+    r = _grouped(rewards, group_size)
+    top, index = torch.topk(r, 2, dim=1)
+    gap = top[:, 0] - top[:, 1]
+    if scale != "none":
+        gap = gap / (r.std(dim=1, unbiased=True) + eps)
+    adv = torch.zeros_like(r)
+    adv.scatter_(1, index[:, :1], gap.unsqueeze(1))
+    return adv.reshape(-1)
+
+
+def advantages_of(name: str, rewards: torch.Tensor, group_size: int, *, eps: float = 1e-4, scale: Scale = "group",
+                  lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """``A [N]`` (detached) by the estimator ``algo.advantage=name``; ``lengths [N]`` = loss tokens per completion."""
+    if name not in ADVANTAGES:
+        raise ValueError(f"advantage must be one of {tuple(ADVANTAGES)}, got advantage={name!r}")
+    entry = ADVANTAGES[name]
+    if scale != "group" and not entry.scales:
+        raise ValueError(f"advantage={name!r} takes no scale_rewards (it is {entry.formula}), got scale={scale!r}")
+    return entry.fn(rewards, group_size, eps=eps, scale=scale, lengths=lengths).detach()
+
+
+def advantages_table() -> str:
+    lines = ["| `algo.advantage` | A_i | groups sum to 0 | note |", "|---|---|---|---|"]
+    for a in ADVANTAGES.values():
+        lines.append(f"| `{a.name}` | `{a.formula}` | {'yes' if a.zero_sum_groups else 'no'} | {a.note} |")
+    return "\n".join(lines)
+
+
 def zero_std_group_fraction(rewards: torch.Tensor, group_size: int) -> float:
     """Metric ``frac_reward_zero_std``: share of groups whose ``G`` rewards are all equal."""
     r = _grouped(rewards, group_size)
@@ -507,6 +601,230 @@ def loss_types_table() -> str:
     return "\n".join(lines)
 
 
+# 3b. KL estimators (algo.kl_estimator): per-token estimates of KL(pi || ref) from d = ref - logp, as verl's
+# kl_penalty names them (http://joschu.net/blog/kl-approx.html).
+_KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k3": lambda d: (torch.expm1(d) - d).clamp_min(0.0),
+    "k1": lambda d: -d,
+    "k2": lambda d: 0.5 * d.square(),
+    "abs": lambda d: d.abs(),
+    "low_var_kl": lambda d: (torch.expm1(d.clamp(-20.0, 20.0)) - d.clamp(-20.0, 20.0)).clamp(-10.0, 10.0),
+}
+KL_ESTIMATORS = tuple(_KL_ESTIMATORS)
+KL_FORMULAS = {
+    "k3": "exp(ref - logp) - (ref - logp) - 1",
+    "k1": "logp - ref",
+    "k2": "(logp - ref)^2 / 2",
+    "abs": "|logp - ref|",
+    "low_var_kl": "clamp(k3 with ref - logp clamped to [-20, 20], -10, 10)  (verl)",
+}
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) by ``estimator`` (one of :data:`KL_ESTIMATORS`); ``k3`` is :func:`kl_k3`."""
+    if estimator not in _KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got kl_estimator={estimator!r}")
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"ref_logp shape {tuple(ref_logp.shape)} does not match logp shape {tuple(logp.shape)}")
+    return _KL_ESTIMATORS[estimator](ref_logp - logp)
+
+
+# 3c. The objective registry (algo.objective): what one completion token contributes before aggregation.
+
+
+@dataclass(frozen=True)
+class ObjectiveOptions:
+    """The options an objective may read (algo.* keys of the same names; eps_high already resolved)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    delta: float | None = None               # two-sided clipping: the ratio capped at delta (clip objectives)
+    cispo_max_ratio: float = 5.0             # cispo's cap of the detached ratio (TRL's epsilon_high for cispo)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+
+@dataclass(frozen=True)
+class ObjectiveInputs:
+    """What an objective function is given; every tensor is 0 on padding. ``logp`` carries the gradient; ``ratio``
+    is the importance ratio at the chosen ``ratio_level`` (one value per row, broadcast, at ``sequence``) and
+    carries it too; ``log_ratio`` is the per-token ``logp - old``; ``adv`` is ``[B, 1]``; ``m`` the float mask."""
+
+    logp: torch.Tensor
+    ratio: torch.Tensor
+    log_ratio: torch.Tensor
+    adv: torch.Tensor
+    m: torch.Tensor
+    options: ObjectiveOptions
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One ``algo.objective``: its per-token loss function, its formula (for the docs) and the settings it allows."""
+
+    name: str
+    per_token: Callable[[ObjectiveInputs], torch.Tensor | tuple[torch.Tensor, dict]]
+    formula: str
+    ratio_levels: tuple[str, ...] = _RATIO_LEVELS
+    aggregations: tuple[str, ...] | None = None   # None: every loss type
+    note: str = ""
+
+
+OBJECTIVES = Registry("objective", key="algo.objective")  # name -> Objective, filled by register_objective
+
+
+def register_objective(name: str, *, formula: str, ratio_levels: tuple[str, ...] = _RATIO_LEVELS,
+                       aggregations: tuple[str, ...] | None = None, note: str = "") -> Callable:
+    """Decorator: register ``fn(x: ObjectiveInputs) -> l [B, T]`` (or ``(l, stats)``) as ``algo.objective=name``.
+
+    ``l`` is the per-token policy loss (the KL term, the masks and the aggregation are added around it);
+    ``stats`` are extra detached scalars. ``ratio_levels`` / ``aggregations`` name the settings that make sense."""
+    bad = set(ratio_levels) - set(_RATIO_LEVELS)
+    if not ratio_levels or bad:
+        raise ValueError(f"ratio_levels must be a non-empty subset of {_RATIO_LEVELS}, got ratio_levels={ratio_levels!r}")
+
+    def register(fn: Callable) -> Callable:
+        OBJECTIVES.register(name)(Objective(name, fn, formula, tuple(ratio_levels),
+                                            None if aggregations is None else tuple(aggregations), note))
+        return fn
+
+    return register
+
+
+def _clipped_surrogate(x: ObjectiveInputs) -> torch.Tensor:
+    o = x.options
+    clipped = x.ratio.clamp(1.0 - o.eps_low, 1.0 + o.eps_high) * x.adv
+    ratio = x.ratio if o.delta is None else x.ratio.clamp(max=o.delta)
+    return -torch.minimum(ratio * x.adv, clipped)
+
+
+@register_objective("grpo", formula="-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A), with r capped at delta when set",
+                    note="default: the clipped surrogate (PPO / GRPO; GSPO at ratio_level=sequence)")
+def grpo_objective(x: ObjectiveInputs) -> torch.Tensor:
+    return _clipped_surrogate(x)
+
+
+@register_objective("cispo", formula="-sg(min(r, cispo_max_ratio)) * A * logp",
+                    note="MiniMax-M1 / ScaleRL: the ratio is capped and detached, every token keeps its gradient")
+def cispo_objective(x: ObjectiveInputs) -> tuple[torch.Tensor, dict]:
+    capped = x.ratio.clamp(max=x.options.cispo_max_ratio).detach()
+    hit = ((x.ratio.detach() > x.options.cispo_max_ratio) & (x.adv > 0)).float() * x.m
+    return -capped * x.adv * x.logp, {"cispo_clip_fraction": hit.sum() / x.m.sum().clamp_min(1.0)}
+
+
+@register_objective("sapo", formula="-sigmoid(tau*(r-1)) * 4/tau * A, tau = sapo_temperature_pos if A > 0 else _neg",
+                    note="soft adaptive gate instead of a hard clip (SAPO)")
+def sapo_objective(x: ObjectiveInputs) -> torch.Tensor:
+    o = x.options
+    tau = torch.full_like(x.adv, o.sapo_temperature_neg).masked_fill(x.adv > 0, o.sapo_temperature_pos)
+    return -torch.sigmoid(tau * (x.ratio - 1.0)) * 4.0 / tau * x.adv
+
+
+@register_objective("luspo", formula="|y_i| * grpo's l at the sequence ratio", ratio_levels=("sequence",),
+                    aggregations=("grpo",),
+                    note="length-unbiased sequence loss: the per-sequence mean becomes the per-sequence sum")
+def luspo_objective(x: ObjectiveInputs) -> torch.Tensor:
+    return _clipped_surrogate(x) * x.m.sum(dim=-1, keepdim=True)
+
+
+def vespo_weights(log_ratio: torch.Tensor, m: torch.Tensor, adv: torch.Tensor, o: ObjectiveOptions) -> torch.Tensor:
+    """VESPO's detached gamma weight per sequence ``[B, 1]``: ``phi(w) = exp(lam + k log w - lam w)`` (phi(1) = 1),
+    ``w = exp(sum_t m * clamp(logp - old, -20, 20))`` clamped to ``[1e-8, e^20]``, (k, lam) by the sign of A."""
+    low = math.log(1e-8)
+    log_w = (log_ratio.detach().clamp(-20.0, 20.0) * m).sum(dim=-1, keepdim=True).clamp(low, 20.0)
+    nonneg = adv >= 0
+    k = torch.full_like(log_w, o.vespo_k_neg).masked_fill(nonneg, o.vespo_k_pos)
+    lam = torch.full_like(log_w, o.vespo_lambda_neg).masked_fill(nonneg, o.vespo_lambda_pos).clamp_min(1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@register_objective("vespo", formula="-sg(phi(w_i)) * A * logp, phi(w) = exp(lam + k log w - lam w), w = the "
+                    "sequence ratio", ratio_levels=("token",),
+                    note="gamma-weighted sequence ratio (VESPO); its sequence weight is built in")
+def vespo_objective(x: ObjectiveInputs) -> tuple[torch.Tensor, dict]:
+    phi = vespo_weights(x.log_ratio, x.m, x.adv, x.options)
+    rows = (x.m.sum(dim=-1) > 0).float()
+    return -phi * x.adv * x.logp, {"vespo_phi_mean": (phi.squeeze(-1) * rows).sum() / rows.sum().clamp_min(1.0)}
+
+
+def check_objective(objective: str, ratio_level: str, loss_type: str) -> None:
+    """ValueError in one line when the objective does not take this ratio level or loss type."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, got objective={objective!r}")
+    entry = OBJECTIVES[objective]
+    if ratio_level not in entry.ratio_levels:
+        raise ValueError(f"objective={objective!r} needs ratio_level in {entry.ratio_levels}, got "
+                         f"ratio_level={ratio_level!r}")
+    if entry.aggregations is not None and loss_type not in entry.aggregations:
+        raise ValueError(f"objective={objective!r} needs aggregation in {entry.aggregations}, got {loss_type!r}")
+
+
+def objectives_table() -> str:
+    """The table of objectives in docs/algorithm.md, written from the registry."""
+    lines = ["| `algo.objective` | per-token policy loss `l` | ratio_level | note |", "|---|---|---|---|"]
+    for o in OBJECTIVES.values():
+        lines.append(f"| `{o.name}` | `{o.formula}` | {', '.join(o.ratio_levels)} | {o.note} |")
+    return "\n".join(lines)
+
+
+# 3d. Token masks besides padding: the off-policy sequence mask and the high-entropy tokens.
+
+
+def off_policy_keep(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, m: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask ``[B, 1]``: keep a sequence when ``A >= 0`` or its token-mean
+    ``old - logp`` (detached) is at most ``threshold``."""
+    seq_kl = ((old - logp.detach()) * m).sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp_min(1.0)
+    return ((adv >= 0) | (seq_kl <= threshold)).float()
+
+
+def high_entropy_mask(entropy: torch.Tensor, real: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The real tokens whose entropy is at least the ``1 - quantile`` quantile of this micro-batch's real tokens
+    (``top_entropy_quantile``: the share kept)."""
+    values = entropy.detach()[real].float()
+    if values.numel() == 0:
+        return torch.zeros_like(real)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return (entropy.detach() * real.float() >= threshold) & real
+
+
+@dataclass
+class AdaptiveEntropy:
+    """``algo.entropy_target``: the entropy coefficient as a controller (TRL's use_adaptive_entropy). After each
+    optimizer update with token-mean entropy ``H``: ``coef += delta`` when ``H <= target``, else ``coef -= delta``,
+    within ``[0, coef_max]``; the bonus applies (with the coefficient of the previous update) only while the last
+    measured ``H <= target``."""
+
+    coef: float
+    target: float
+    delta: float
+    coef_max: float = 1.0
+    last_entropy: float = math.inf
+
+    @property
+    def applied(self) -> float:
+        return self.coef if self.last_entropy <= self.target else 0.0
+
+    def update(self, entropy: float) -> None:
+        step = self.delta if entropy <= self.target else -self.delta
+        self.coef = min(max(self.coef + step, 0.0), self.coef_max)
+        self.last_entropy = entropy
+
+    def state(self) -> dict:
+        return {"entropy_coef": self.coef, "last_entropy": self.last_entropy}
+
+    def restore(self, state: dict) -> None:
+        self.coef = float(state.get("entropy_coef", self.coef))
+        self.last_entropy = float(state.get("last_entropy", self.last_entropy))
+
+
+# 4. The loss of one micro-batch.
+
+
 def _check_policy_args(logp, old_logp, ref_logp, advantages, mask, beta, eps_low, eps_high, loss_type, ratio_level,
                        max_new_tokens, total_tokens) -> None:
     """policy_loss's arguments (typed there), with eps_high resolved."""
@@ -546,6 +864,50 @@ def _check_policy_args(logp, old_logp, ref_logp, advantages, mask, beta, eps_low
         raise ValueError(f"total_tokens must be None or a number >= 0, got total_tokens={total_tokens!r}")
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The knobs of :func:`policy_loss` beyond the contract's clipped surrogate; the defaults are today's loss."""
+
+    objective: str = "grpo"
+    options: ObjectiveOptions | None = None     # None: eps_low / eps_high of policy_loss, the other defaults
+    kl_estimator: str = "k3"
+    use_bias_correction_kl: bool = False        # kl times the (token or sequence) ratio, as TRL's default
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+
+
+def _masks(settings: LossSettings, lp, old, adv, m, real, entropy) -> tuple[torch.Tensor, torch.Tensor]:
+    """(policy-term multiplier [B, T] or [B, 1], the tokens the entropy bonus averages over)."""
+    keep, tokens = torch.ones_like(adv), m
+    if settings.off_policy_mask_threshold is not None:
+        keep = off_policy_keep(lp, old, adv, m, settings.off_policy_mask_threshold)
+    if settings.top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy, got entropy=None")
+        high = high_entropy_mask(entropy, real, settings.top_entropy_quantile).float()
+        keep, tokens = keep * high, m * high
+    return keep, tokens
+
+
+def _stats(ratio, adv, real, n_tok, eps_low, eps_high, kl_stat, extra) -> dict[str, torch.Tensor]:
+    zero = torch.zeros((), dtype=torch.float32, device=ratio.device)
+    with torch.no_grad():
+        r = ratio.detach()
+        clipped_low = (r < 1.0 - eps_low) & (adv < 0) & real
+        clipped_high = (r > 1.0 + eps_high) & (adv > 0) & real
+        denom_tok = n_tok.clamp_min(1.0)
+        return {
+            "kl": kl_stat,
+            "clip_fraction": (clipped_low | clipped_high).float().sum() / denom_tok,
+            "clip_fraction/low": clipped_low.float().sum() / denom_tok,
+            "clip_fraction/high": clipped_high.float().sum() / denom_tok,
+            "ratio_mean": torch.where(real, r, zero).sum() / denom_tok,
+            "num_tokens": n_tok.detach().clone(),
+            **{k: v.detach() for k, v in extra.items()},
+        }
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor | None,
@@ -560,78 +922,166 @@ def policy_loss(
     ratio_level: RatioLevel = "token",
     max_new_tokens: int | None = None,
     total_tokens: int | float | None = None,
+    settings: LossSettings | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped GRPO loss of one (micro-)batch and its detached scalar stats.
+    """Loss of one (micro-)batch and its detached scalar stats (docs/algorithm.md, sections 3-4).
 
-    Inputs ``logp, old_logp, ref_logp, mask [B, T]``, ``advantages [B]``. ``old_logp=None`` means
-    ``old = logp.detach()`` (ratio 1: the plain policy gradient); ``ref_logp`` may be None only when
-    ``beta == 0``; ``eps_high=None`` means ``eps_low``. ``old``, ``ref`` and ``advantages`` are detached.
-    Positions with ``m = 0`` are replaced (``torch.where``) before any arithmetic, so NaN/inf there
-    reaches neither the loss, the stats nor the gradient::
+    Inputs ``logp, old_logp, ref_logp, mask [B, T]``, ``advantages [B]``, ``entropy [B, T]`` (only for
+    ``top_entropy_quantile`` and ``entropy_coef``). ``old_logp=None`` means ``old = logp.detach()`` (ratio 1: the
+    plain policy gradient); ``ref_logp`` may be None only when ``beta == 0``; ``eps_high=None`` means ``eps_low``.
+    Positions with ``m = 0`` are replaced (``torch.where``) before any arithmetic, so NaN/inf there reaches
+    neither the loss, the stats nor the gradient::
 
         ratio_{i,t} = exp(logp_{i,t} - old_{i,t})                          ratio_level="token"
         ratio_i     = exp(sum_t m*(logp-old) / max(1, sum_t m))            ratio_level="sequence" (GSPO)
-        surr_{i,t}  = min(ratio*A_i, clip(ratio, 1-eps_low, 1+eps_high)*A_i)
-        l_{i,t}     = -surr_{i,t} + beta * kl_k3(logp, ref)_{i,t}
+        l_{i,t}     = OBJECTIVES[settings.objective](...) * keep_{i,t} + beta * kl_{i,t}
+        loss        = LOSS_TYPES[loss_type](l, m) - entropy_coef * mean_{tokens kept}(entropy)
 
-    then aggregated by ``LOSS_TYPES[loss_type]`` (``dapo`` divides by ``total_tokens`` when given, else by
-    this batch's tokens; ``dr_grpo`` needs ``max_new_tokens``)::
+    With the default ``settings`` the objective is the clipped surrogate
+    ``-min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)`` and ``kl`` is k3; ``keep`` is 1 unless the off-policy
+    mask or the high-entropy tokens are asked for. ``dapo`` divides by ``total_tokens`` when given (else this batch's
+    tokens); ``dr_grpo`` needs ``max_new_tokens``.
 
-        grpo:    mean_i( sum_t m*l / max(1, sum_t m) )
-        bnpo:    sum_{i,t} m*l / max(1, sum_{i,t} m)
-        dapo:    sum_{i,t} m*l / max(1, total_tokens if given else sum_{i,t} m)
-        dr_grpo: sum_{i,t} m*l / (B * max_new_tokens)
-
-    Stats (0-dim float32, detached): ``kl`` = m-weighted mean of k3 (0 when ``ref_logp`` is None);
+    Stats (0-dim float32, detached): ``kl`` = m-weighted mean of the KL term (0 when ``ref_logp`` is None);
     ``clip_fraction/low`` = m-weighted share of ``ratio < 1-eps_low and A < 0``, ``clip_fraction/high`` of
-    ``ratio > 1+eps_high and A > 0``, ``clip_fraction`` of either (their sum: the two never overlap);
-    ``ratio_mean`` = m-weighted mean of ratio; ``num_tokens`` = sum m (to token-weight stats across
-    micro-batches). See the module docstring for gradient accumulation.
+    ``ratio > 1+eps_high and A > 0``, ``clip_fraction`` of either; ``ratio_mean``; ``num_tokens`` = sum m; the
+    objective's own stats; and ``entropy_bonus`` (with its gradient: ``entropy_coef * mean entropy``, already
+    subtracted from the loss; see :func:`accumulated`).
     """
-    if eps_high is None:
-        eps_high = eps_low
-    _check_policy_args(
-        logp, old_logp, ref_logp, advantages, mask, beta, eps_low, eps_high,
-        loss_type, ratio_level, max_new_tokens, total_tokens,
-    )  # fmt: skip
+    eps_high = eps_low if eps_high is None else eps_high
+    settings = settings or LossSettings()
+    _check_policy_args(logp, old_logp, ref_logp, advantages, mask, beta, eps_low, eps_high,
+                       loss_type, ratio_level, max_new_tokens, total_tokens)  # fmt: skip
+    check_objective(settings.objective, ratio_level, loss_type)
+    options = settings.options or ObjectiveOptions(eps_low=eps_low, eps_high=eps_high)
     real = mask.bool()
     m = real.float()
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
-
     lp = torch.where(real, logp.float(), zero)
     old = lp.detach() if old_logp is None else torch.where(real, old_logp.detach().float(), zero)
     log_ratio = lp - old
     n_row = m.sum(dim=-1)
     n_tok = n_row.sum()
-    if ratio_level == "sequence":
-        log_ratio = (log_ratio.sum(dim=-1) / n_row.clamp_min(1.0)).unsqueeze(-1).expand_as(lp)
-    ratio = torch.exp(log_ratio)
-
+    seq_log_ratio = (log_ratio.sum(dim=-1) / n_row.clamp_min(1.0)).unsqueeze(-1).expand_as(lp)
+    ratio = torch.exp(seq_log_ratio if ratio_level == "sequence" else log_ratio)
     adv = advantages.detach().float().unsqueeze(-1)
-    surr = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
-    per_token = -surr
+
+    out = OBJECTIVES[settings.objective].per_token(ObjectiveInputs(lp, ratio, log_ratio, adv, m, options))
+    per_token, extra = out if isinstance(out, tuple) else (out, {})
+    keep, bonus_tokens = _masks(settings, lp, old, adv, m, real, entropy)
+    per_token = per_token * keep
+    kl_stat = zero.clone()
     if ref_logp is not None:
-        kl = kl_k3(lp, torch.where(real, ref_logp.detach().float(), zero))
+        kl = kl_estimate(lp, torch.where(real, ref_logp.detach().float(), zero), settings.kl_estimator)
+        if settings.use_bias_correction_kl:
+            kl = kl * ratio
         if beta > 0:
             per_token = per_token + beta * kl
         kl_stat = torch.where(real, kl.detach(), zero).sum() / n_tok.clamp_min(1.0)
-    else:
-        kl_stat = zero.clone()
     per_token = torch.where(real, per_token, zero)
-
     loss = LOSS_TYPES[loss_type].aggregate(per_token, m, max_new_tokens=max_new_tokens, total_tokens=total_tokens)
-
-    with torch.no_grad():
-        r = ratio.detach()
-        clipped_low = (r < 1.0 - eps_low) & (adv < 0) & real
-        clipped_high = (r > 1.0 + eps_high) & (adv > 0) & real
-        denom_tok = n_tok.clamp_min(1.0)
-        stats = {
-            "kl": kl_stat,
-            "clip_fraction": (clipped_low | clipped_high).float().sum() / denom_tok,
-            "clip_fraction/low": clipped_low.float().sum() / denom_tok,
-            "clip_fraction/high": clipped_high.float().sum() / denom_tok,
-            "ratio_mean": torch.where(real, r, zero).sum() / denom_tok,
-            "num_tokens": n_tok.detach().clone(),
-        }
+    bonus = zero.clone()
+    if settings.entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the per-token entropy, got entropy=None")
+        ent = torch.where(real, entropy.float(), zero)
+        bonus = settings.entropy_coef * (ent * bonus_tokens).sum() / bonus_tokens.sum().clamp_min(1.0)
+        loss = loss - bonus
+    stats = _stats(ratio, adv, real, n_tok, eps_low, eps_high, kl_stat, extra)
+    stats["entropy_bonus"] = bonus
     return loss, stats
+
+
+def accumulated(loss: torch.Tensor, stats: dict[str, torch.Tensor], weight: float,
+                micro_batches_total: float) -> torch.Tensor:
+    """What a micro-batch sends to backward: the loss type's part times its accumulation ``weight``, and the
+    entropy bonus (a token mean of each micro-batch, as TRL's) divided by the update's number of micro-batches."""
+    bonus = stats["entropy_bonus"]
+    if not bonus.requires_grad and float(bonus) == 0.0:  # no bonus: exactly the loss type's weighted loss
+        return loss * weight
+    return (loss + bonus) * weight - bonus / max(1.0, float(micro_batches_total))
+
+
+# 6. The algo.* settings as the trainer reads them.
+
+
+def aggregation_of(algo) -> str:
+    """The loss type of ``algo`` (a DictConfig): ``algo.aggregation``, or its alias ``algo.loss_type`` (TRL's name)
+    when aggregation is left at the default."""
+    aggregation = algo.get("aggregation", "grpo")
+    return aggregation if aggregation != "grpo" else algo.get("loss_type", "grpo")
+
+
+def loss_settings(algo, entropy_coef: float | None = None) -> LossSettings:
+    """The :class:`LossSettings` of ``algo``; ``entropy_coef`` overrides algo.entropy_coef (the adaptive value)."""
+    eps_high = algo.clip_eps_high if algo.get("clip_eps_high") is not None else algo.clip_eps
+    options = ObjectiveOptions(
+        eps_low=algo.clip_eps, eps_high=eps_high, delta=algo.get("delta"),
+        cispo_max_ratio=algo.get("cispo_max_ratio", 5.0),
+        sapo_temperature_pos=algo.get("sapo_temperature_pos", 1.0),
+        sapo_temperature_neg=algo.get("sapo_temperature_neg", 1.05),
+        **{k: algo.get(k, v) for k, v in (("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0), ("vespo_k_neg", 3.0),
+                                          ("vespo_lambda_neg", 2.0))})
+    return LossSettings(
+        objective=algo.get("objective", "grpo"), options=options, kl_estimator=algo.get("kl_estimator", "k3"),
+        use_bias_correction_kl=bool(algo.get("use_bias_correction_kl", False)),
+        off_policy_mask_threshold=algo.get("off_policy_mask_threshold"),
+        top_entropy_quantile=algo.get("top_entropy_quantile", 1.0),
+        entropy_coef=algo.get("entropy_coef", 0.0) if entropy_coef is None else entropy_coef)
+
+
+def needs_entropy(algo) -> bool:
+    """Whether every pass (not only the first, for the metric) needs the per-token entropy."""
+    return (algo.get("top_entropy_quantile", 1.0) < 1.0 or bool(algo.get("entropy_coef", 0.0))
+            or algo.get("entropy_target") is not None)
+
+
+def adaptive_entropy(algo) -> AdaptiveEntropy | None:
+    target = algo.get("entropy_target")
+    if target is None:
+        return None
+    return AdaptiveEntropy(coef=algo.get("entropy_coef", 0.0), target=target, delta=algo.get("entropy_coef_delta", 0.005))
+
+
+def config_problem(algo, world_size: int = 1) -> tuple[str, object, str] | None:
+    """(key, value, what is wrong) for a combination of algo.* keys that makes no sense (or is not supported), else
+    None."""
+    if algo.get("filter_groups") and world_size > 1:
+        return ("algo.filter_groups", True, f"is not supported over {world_size} ranks yet (each rank would keep a "
+                                            "different number of groups); use trainer.nproc=1")
+    loss_type, aggregation = algo.get("loss_type", "grpo"), algo.get("aggregation", "grpo")
+    if loss_type != "grpo" and aggregation != "grpo" and loss_type != aggregation:
+        return ("algo.loss_type", loss_type, f"is an alias of algo.aggregation, which says {aggregation}; set only "
+                                             "algo.aggregation")
+    objective = algo.get("objective", "grpo")
+    entry = OBJECTIVES.get(objective)
+    if entry is not None and algo.ratio_level not in entry.ratio_levels:
+        return ("algo.ratio_level", algo.ratio_level, f"does not suit algo.objective={objective}: use "
+                                                      f"algo.ratio_level={entry.ratio_levels[0]}")
+    if entry is not None and entry.aggregations is not None and aggregation_of(algo) not in entry.aggregations:
+        return ("algo.aggregation", aggregation_of(algo), f"does not suit algo.objective={objective}: use "
+                                                          f"algo.aggregation={entry.aggregations[0]}")
+    advantage = ADVANTAGES.get(algo.get("advantage", "grpo"))
+    if advantage is not None and not advantage.scales and algo.scale_rewards != "group":
+        return ("algo.scale_rewards", algo.scale_rewards, f"is read by algo.advantage=grpo or grpo_passk only, not "
+                                                          f"{advantage.name}; leave it at group")
+    delta, eps_high = algo.get("delta"), algo.clip_eps_high if algo.get("clip_eps_high") is not None else algo.clip_eps
+    if delta is not None and delta <= 1 + eps_high:
+        return ("algo.delta", delta, f"needs delta > 1 + clip_eps_high ({1 + eps_high}) or the upper clip never acts")
+    if algo.get("entropy_target") is not None and algo.get("entropy_coef", 0.0) > 1.0:
+        return ("algo.entropy_coef", algo.entropy_coef, "needs <= 1 with algo.entropy_target (the adaptive bound)")
+    return None
+
+
+TRUNCATED_WARN_FRAC, TRUNCATED_WARN_STEPS = 0.9, 10
+
+
+def truncation_warning(metrics: dict, streak: int, warned: bool) -> tuple[int, str | None]:
+    """(the new streak of steps with truncated_frac > 0.9, the warning to give once when it reaches 10, else None)."""
+    streak = streak + 1 if metrics["truncated_frac"] > TRUNCATED_WARN_FRAC else 0
+    if streak < TRUNCATED_WARN_STEPS or warned:
+        return streak, None
+    return streak, (f"truncated_frac > {TRUNCATED_WARN_FRAC} for {TRUNCATED_WARN_STEPS} steps in a row: almost every "
+                    "completion hits the length limit before EOS, so the rewards judge cut-off text; raise "
+                    "rollout.max_new_tokens (or set algo.mask_truncated=true)")

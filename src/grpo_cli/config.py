@@ -159,6 +159,10 @@ def validate(cfg: DictConfig) -> list[str]:
              f"must divide over the {n_ranks} ranks (each takes whole prompt groups); use a multiple of {n_ranks}, "
              f"e.g. data.prompts_per_step={n_ranks * max(1, round(cfg.data.prompts_per_step / n_ranks))}")
     check_mini_batches(cfg, world_size=n_ranks)  # torchrun's real number of ranks inside a job
+    from grpo_cli.algorithm import config_problem
+
+    if (problem := config_problem(cfg.algo, n_ranks)) is not None:
+        fail(*problem)
     tiny = cfg.model.get("tiny") or {}
     if "hidden_size" in tiny and "num_heads" in tiny and tiny.hidden_size % tiny.num_heads:
         fail("model.tiny.hidden_size", tiny.hidden_size, f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli import checkpoint, distributed, rundir
+from grpo_cli import algorithm, checkpoint, distributed, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
@@ -47,6 +47,7 @@ class Run:
         self.last_eval: tuple[int, dict] | None = None  # (complete steps, result) of the newest eval.every eval
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
         self.zero_std_streak, self.warned_zero_std = 0, False
+        self.truncated_streak, self.warned_truncated = 0, False
 
     def __enter__(self) -> Run:
         return self
@@ -118,6 +119,8 @@ class Run:
         self.last_checkpoint = (start, found)
         trainer.skipped_updates = state.get("skipped_updates", 0)
         trainer.fresh_adapter = start == 0
+        if trainer.entropy_control is not None:
+            trainer.entropy_control.restore(state)
         if self.main:
             rundir.roll_back_records(self.run_dir, start, found)
         return start
@@ -133,6 +136,7 @@ class Run:
     def record(self, tracker: Tracker, step: int, metrics: dict, batch: Batch) -> None:
         """Everything a finished step leaves behind but the checkpoint: warnings, eval, metrics, samples."""
         self.track_zero_std(metrics, tracker)
+        self.track_truncation(metrics, tracker)
         trainer, every = self.trainer, self.cfg.eval.every
         if trainer.evaluator is not None and every and (step + 1) % every == 0:
             if self.main:
@@ -168,6 +172,14 @@ class Run:
             metrics["warning"] = text
             tracker.warn(text)
 
+    def track_truncation(self, metrics: dict, tracker: Tracker) -> None:
+        self.truncated_streak, warning = algorithm.truncation_warning(metrics, self.truncated_streak,
+                                                                      self.warned_truncated)
+        if warning:
+            self.warned_truncated = True
+            metrics["warning"] = f"{metrics['warning']}; {warning}" if "warning" in metrics else warning
+            tracker.warn(warning)
+
     # ---- checkpoints and the adapter ------------------------------------------------------------
     def checkpoint_if_due(self, done: int) -> None:
         """Checkpoint every trainer.save_every steps, and on a stop request that came during the update (the
@@ -194,7 +206,8 @@ class Run:
         if self.main:
             path = checkpoint.save(self.run_dir, done, trainer.model, trainer.optimizer, trainer.lr_schedule,
                                    {"skipped_updates": trainer.skipped_updates,
-                                    "fingerprint": rundir.fingerprint(self.cfg)},
+                                    "fingerprint": rundir.fingerprint(self.cfg),
+                                    **(trainer.entropy_control.state() if trainer.entropy_control else {})},
                                    self.cfg.trainer.keep_last)
         distributed.barrier(trainer.dist)
         self.last_checkpoint = (done, path)

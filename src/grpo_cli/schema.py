@@ -205,7 +205,42 @@ OPTIONS: tuple[Option, ...] = (
     Option("algo.scale_rewards", one_of("group", "batch", "none"),
       "advantages divided by the reward std of the group, the batch, or not (Dr. GRPO)", "group"),
     Option("algo.loss_type", one_of(names=registry_names("grpo_cli.algorithm", "LOSS_TYPES")),
-      "how token losses add up (see Loss types)", "grpo"),
+      "how token losses add up (see Loss types); TRL's name, kept as an alias of algo.aggregation", "grpo"),
+    # ---- algo: the objective and aggregation menu (docs/algorithm.md, sections 1, 3 and 4)
+    Option("algo.aggregation", one_of(names=registry_names("grpo_cli.algorithm", "LOSS_TYPES")),
+      "how token losses add up: the same choices as algo.loss_type, which it overrides when not grpo", "grpo"),
+    Option("algo.objective", one_of(names=registry_names("grpo_cli.algorithm", "OBJECTIVES")),
+      "the per-token policy loss: grpo (clipped surrogate), cispo, sapo, luspo, vespo", "grpo"),
+    Option("algo.advantage", one_of(names=registry_names("grpo_cli.algorithm", "ADVANTAGES")),
+      "advantage estimator: grpo (group z-scores), rloo, reinforce_plus_plus_baseline, opo, grpo_passk", "grpo"),
+    Option("algo.delta", number(1, low_open=True), "two-sided clipping: the ratio capped at delta (INTELLECT-2; "
+      "> 1 + clip_eps_high); null = off", None, nullable=True),
+    Option("algo.cispo_max_ratio", number(0, low_open=True), "cispo: cap of the detached ratio (TRL's epsilon_high "
+      "for cispo)", 5.0),
+    Option("algo.sapo_temperature_pos", number(0, low_open=True), "sapo: gate temperature where A > 0", 1.0, row="sapo"),
+    Option("algo.sapo_temperature_neg", number(0, low_open=True), "sapo: gate temperature where A <= 0", 1.05, row="sapo"),
+    Option("algo.vespo_k_pos", number(0), "vespo: gamma shape k where A >= 0", 2.0, row="vespo"),
+    Option("algo.vespo_lambda_pos", number(0), "vespo: gamma rate lambda where A >= 0", 3.0, row="vespo"),
+    Option("algo.vespo_k_neg", number(0), "vespo: gamma shape k where A < 0", 3.0, row="vespo"),
+    Option("algo.vespo_lambda_neg", number(0), "vespo: gamma rate lambda where A < 0", 2.0, row="vespo"),
+    Option("algo.kl_estimator", one_of("k3", "k1", "k2", "abs", "low_var_kl"),
+      "per-token KL estimate in the beta term (verl's names); k3 is the contract's", "k3"),
+    Option("algo.use_bias_correction_kl", BOOLEAN, "multiply the KL term by the importance ratio (TRL's default is "
+      "true; ours false: plain k3)", False),
+    Option("algo.off_policy_mask_threshold", number(0), "drop a sequence with A < 0 whose mean old - logp exceeds "
+      "this (DeepSeek-V3.2); null = off", None, nullable=True),
+    Option("algo.top_entropy_quantile", number(0, 1, low_open=True), "policy loss on the highest-entropy share of "
+      "each micro-batch's tokens only; 1 = all", 1.0),
+    Option("algo.entropy_coef", number(0), "entropy bonus: loss - coef * token-mean entropy; the start value when "
+      "entropy_target is set", 0.0, row="entropy"),
+    Option("algo.entropy_target", number(0), "adaptive entropy bonus: coef rises by entropy_coef_delta per update "
+      "while entropy <= target, falls otherwise; null = fixed coef", None, nullable=True, row="entropy"),
+    Option("algo.entropy_coef_delta", number(0, low_open=True), "step of the adaptive entropy coefficient (within "
+      "[0, 1])", 0.005, row="entropy"),
+    Option("algo.filter_groups", BOOLEAN, "dynamic sampling (DAPO): drop groups whose rewards all agree and draw "
+      "more prompts until data.prompts_per_step groups have signal", False, row="filter"),
+    Option("algo.filter_max_draws", integer(1), "generation rounds per step at most with filter_groups; at the "
+      "bound the step trains on the groups it has", 4, row="filter"),
     Option("algo.ratio_level", one_of("token", "sequence"), "importance ratio per token, or per sequence (GSPO)", "token"),
     Option("algo.mini_batches", integer(1), "optimizer updates per rollout batch, on whole groups; 1 (and "
       "num_iterations 1) = on-policy, clipping never acts", 1, row="updates"),
@@ -336,6 +371,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("logger.wandb.finish_timeout", number(0, low_open=True), "seconds to upload at the end", optional=True),
     # ---- reward=NAME
     Option("reward.on_error", one_of("raise", "zero"), "a reward that raises: stop, or score 0 and count it"),
+    Option("reward.aggregation", one_of("sum", "normalize_then_sum"), "the rewards' weighted sum, or each reward "
+      "z-scored within its group first (GDPO); sum when left out (+reward.aggregation=... to set it)", optional=True),
     Option("reward.timeout_s", number(0, low_open=True), "seconds a reward call may take; over it is an error "
       "per on_error; null = no limit", nullable=True),
     Option("reward.accuracy", TEXT, "the 0/1 function of reward.functions that judges correctness", nullable=True),

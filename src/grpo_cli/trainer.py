@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from grpo_cli import algorithm, distributed
+from grpo_cli import algorithm, distributed, dynamic_sampling
 from grpo_cli.config import is_on_policy
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
@@ -33,6 +33,7 @@ from grpo_cli.evaluate import final_eval_on
 from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
 from grpo_cli.rewards import RewardSet
+from grpo_cli.rewards.aggregation import present_mean
 from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine, sampling_options
 from grpo_cli.schema import view
 from grpo_cli.stopping import StopRequest
@@ -110,6 +111,7 @@ class UpdateSums:
     entropy: float = 0.0
     clip_low: float = 0.0
     clip_high: float = 0.0
+    all_entropy: float = 0.0   # token-weighted entropy on every pass (the adaptive entropy coefficient reads it)
 
     def reduced(self, dist: distributed.Dist, device) -> UpdateSums:
         names = [f.name for f in dataclasses.fields(self)]
@@ -191,16 +193,18 @@ class GRPOTrainer:
                                       updates_per_step=self.algo.mini_batches * self.algo.num_iterations)
         self.eps_high = self.algo.clip_eps_high if self.algo.clip_eps_high is not None else self.algo.clip_eps
         self.fresh_adapter = True
+        self.entropy_control = algorithm.adaptive_entropy(self.algo)
         self.skipped_in_a_row = 0
         self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
 
     # ---- one step -------------------------------------------------------------------------------
-    def generate(self, step: int) -> Generation | None:
+    def generate(self, step: int, draw: int = 0) -> Generation | None:
         """This rank's share of the step's prompts and their G completions each; None when a stop request
-        ended generation."""
+        ended generation. `draw` > 0: a further round of algo.filter_groups (dynamic_sampling.py)."""
         G = self.algo.num_generations
-        rows = self.sampler.batch(step)
+        rows = self.sampler.batch(step) if not draw else \
+            dynamic_sampling.extra_prompts(self.sampler, step, draw, self.algo.filter_max_draws)
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
             share = len(rows) // self.dist.world_size
             rows = rows[self.dist.rank * share:(self.dist.rank + 1) * share]
@@ -210,7 +214,7 @@ class GRPOTrainer:
                                  "and was dropped; raise it or use data.overlong=truncate")
         rows = [rows[i] for i in enc.kept]
         # sampling depends on (seed, step, rank) only: exact resume
-        torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank)
+        torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank + draw * dynamic_sampling.DRAW_SEED)
         t0, compile_before = time.perf_counter(), self.engine.compile_s
         roll = self.engine.generate(enc.ids, G, max_new_tokens=self.roll.max_new_tokens,
                                     min_new_tokens=self.roll.min_new_tokens, **sampling_options(self.roll),
@@ -231,7 +235,8 @@ class GRPOTrainer:
         G = self.algo.num_generations
         fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}  # messages: only for rewards naming it
         try:
-            totals, per_function, errors = self.rewards.score(generation.prompts, generation.rollout.texts, fields)
+            totals, per_function, errors = self.rewards.score(generation.prompts, generation.rollout.texts, fields,
+                                                              group_size=G)
         except Interrupted:
             return None
         return Scores(torch.tensor(totals, dtype=torch.float32), per_function, errors)
@@ -239,11 +244,11 @@ class GRPOTrainer:
     def make_batch(self, generation: Generation, scores: Scores) -> Batch:
         """The step's Batch: the group advantages of its rewards, and the completion tokens that count in the loss."""
         roll = generation.rollout
-        advantages = algorithm.group_advantages(scores.totals, self.algo.num_generations, eps=self.algo.adv_eps,
-                                                scale=self.algo.scale_rewards)
         mask = roll.completion_mask.float()
         if self.algo.mask_truncated:
             mask = mask * (~roll.truncated).float().unsqueeze(1)
+        advantages = algorithm.advantages_of(self.algo.get("advantage", "grpo"), scores.totals, self.algo.num_generations,
+                                             eps=self.algo.adv_eps, scale=self.algo.scale_rewards, lengths=mask.sum(1))
         return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(self.lm.device), mask,
                      scores.errors, stats=generation.stats)
 
@@ -289,19 +294,24 @@ class GRPOTrainer:
         rank's sums and the largest completion log-prob it saw (entropy and KL on the first pass only)."""
         sums, max_logp = UpdateSums(), -math.inf
         for rows in mini.micro:
-            logp, entropy = self._logprobs(batch, rows, grad=True, with_entropy=first_pass)
-            mask = batch.mask[rows]
+            logp, entropy = self._logprobs(batch, rows, grad=True,
+                                           with_entropy=first_pass or algorithm.needs_entropy(self.algo))
+            mask, aggregation = batch.mask[rows], algorithm.aggregation_of(self.algo)
             loss, stats = algorithm.policy_loss(
                 logp, None if old is None else old[rows], None if ref is None else ref[rows],
                 batch.advantages[rows], mask, beta=self.algo.beta, eps_low=self.algo.clip_eps,
-                eps_high=self.eps_high, loss_type=self.algo.loss_type, ratio_level=self.algo.ratio_level,
-                max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total,
+                eps_high=self.eps_high, loss_type=aggregation, ratio_level=self.algo.ratio_level,
+                max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total, entropy=entropy,
+                settings=algorithm.loss_settings(self.algo, self.entropy_control and self.entropy_control.applied),
             )
-            weight = algorithm.accumulation_weight(self.algo.loss_type, rows=rows.stop - rows.start,
+            weight = algorithm.accumulation_weight(aggregation, rows=rows.stop - rows.start,
                                                    rows_total=mini.rows_total, micro_batches_total=mini.micro_total)
-            (loss * weight).backward()
+            total = algorithm.accumulated(loss, stats, weight, mini.micro_total)
+            total.backward()
             k = float(stats["num_tokens"])
-            sums.loss += float(loss.detach()) * weight
+            bonus = float(stats["entropy_bonus"])  # already in loss; accumulated weighs it by 1 / micro-batches
+            sums.loss += float(loss.detach()) * weight + bonus * (weight - 1 / max(1.0, mini.micro_total))
+            sums.all_entropy += float((entropy.detach() * mask).sum()) if entropy is not None else 0.0
             sums.tokens += k
             sums.ratio += float(stats["ratio_mean"]) * k
             sums.clip_low += float(stats["clip_fraction/low"]) * k
@@ -354,6 +364,8 @@ class GRPOTrainer:
                     if self.algo.check:
                         self.check_first_update(step, sums, on_policy=old is None)
                 grad_norms.append(self.optimizer_step(step, sums.loss))
+                if self.entropy_control is not None:
+                    self.entropy_control.update(sums.mean("all_entropy"))
                 losses.append(sums.loss)
                 totals, max_logp = totals + sums, max(max_logp, local_max_logp)
         first = first or UpdateSums()
@@ -373,10 +385,13 @@ class GRPOTrainer:
         """One GRPO update; None when a stop request came before the update began (the step is discarded,
         nothing of it has touched the weights, the optimiser or the logs)."""
         t0 = time.perf_counter()
-        generation, batch = self.generate(step), None
-        scores = None if generation is None else self.score(generation)  # None: a stop request came first
-        if scores is not None:
-            batch = self.make_batch(generation, scores)
+        if self.algo.get("filter_groups"):
+            batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
+        else:
+            generation, batch = self.generate(step), None
+            scores = None if generation is None else self.score(generation)  # None: a stop request came first
+            if scores is not None:
+                batch = self.make_batch(generation, scores)
         if self.stop_agreed(batch is None or self.stop()):
             return None
         stats = self.update(step, batch)
@@ -394,7 +409,7 @@ class GRPOTrainer:
             "step": step,
             "reward": float(r.mean()),
             "reward_std": algorithm.group_std_mean(r, G),
-            **{f"reward/{name}": sum(v) / len(v) for name, v in batch.per_function.items()},
+            **{f"reward/{name}": present_mean(v) for name, v in batch.per_function.items()},
             "frac_reward_zero_std": algorithm.zero_std_group_fraction(r, G),
             "kl": stats.kl,
             "clip_fraction": stats.clip_fraction,
@@ -414,6 +429,7 @@ class GRPOTrainer:
             "skipped_updates": self.skipped_updates,
             "prompts_truncated": batch.stats["prompts_truncated"],
             "prompts_dropped": batch.stats["prompts_dropped"],
+            **{k: v for k, v in batch.stats.items() if k.startswith("filter_")},
         }
         if self.dist.enabled:  # every rank has as many rows: rank means average exactly; counts add up
             summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped")
@@ -441,5 +457,5 @@ class GRPOTrainer:
         if stats.max_logp > 1e-5:
             raise InvariantError(f"invariant 'logp <= 0' failed at step {step}: max logp {stats.max_logp:.3e}")
         group_sums = batch.advantages.detach().float().view(-1, G).sum(dim=1).abs().max()
-        if float(group_sums) > 1e-3:
+        if algorithm.ADVANTAGES[self.algo.get("advantage", "grpo")].zero_sum_groups and float(group_sums) > 1e-3:
             raise InvariantError(f"invariant 'advantages sum to 0 per group' failed at step {step}: max |sum| {float(group_sums):.2e}")

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from grpo_cli.errors import Interrupted, RewardError
+from grpo_cli.rewards.aggregation import combine
 
 SCORE_TYPES = "a number per completion (int, float, bool, or a numpy/torch scalar)"
 
@@ -49,8 +50,9 @@ def _shown(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def to_scores(name: str, returned, expected: int) -> list[float]:
-    """The scores a reward function returned, as floats; RewardError for a wrong count or a non-number."""
+def to_scores(name: str, returned, expected: int, allow_none: bool = False) -> list[float | None]:
+    """The scores a reward function returned, as floats; RewardError for a wrong count or a non-number. With
+    `allow_none` a None stays None: the function does not apply to that completion (rewards/aggregation.py)."""
     values = None
     if not isinstance(returned, (str, bytes, dict)):
         try:
@@ -65,6 +67,9 @@ def to_scores(name: str, returned, expected: int) -> list[float]:
                           f"{SCORE_TYPES}")
     scores = []
     for i, value in enumerate(values):
+        if value is None and allow_none:
+            scores.append(None)
+            continue
         number = _as_number(value)
         if number is None:
             raise RewardError(f"reward {name} returned {type(value).__name__} {_shown(value)} for completion {i}; "
@@ -102,8 +107,9 @@ class RewardSet:
     """The weighted sum of the configured reward functions, with per-function means for the metrics."""
 
     def __init__(self, functions: list[RewardFunction], on_error: str = "raise", timeout_s: float | None = None,
-                 stop=None):
+                 stop=None, aggregation: str = "sum"):
         self.functions = functions
+        self.aggregation = aggregation
         self.on_error = on_error
         self.timeout_s, self.stop = timeout_s, stop
 
@@ -114,7 +120,8 @@ class RewardSet:
             RewardFunction(name, build_reward(name, spec, device=device, dtype=dtype), float(spec.get("weight", 1.0)))
             for name, spec in cfg_reward.functions.items()
         ]
-        return cls(functions, cfg_reward.get("on_error", "raise"), cfg_reward.get("timeout_s"), stop)
+        return cls(functions, cfg_reward.get("on_error", "raise"), cfg_reward.get("timeout_s"), stop,
+                   cfg_reward.get("aggregation", "sum"))
 
     def _call(self, rf: RewardFunction, prompts, completions, fields):
         """rf.fn(...) in a daemon thread, under the deadline; Interrupted on a stop request, RewardTimeout."""
@@ -153,11 +160,13 @@ class RewardSet:
             except CALL_FAILED:
                 scores, errors = [*scores, 0.0], errors + 1
             else:
-                scores += to_scores(rf.name, returned, 1)
+                scores += to_scores(rf.name, returned, 1, allow_none=True)
         return scores, errors
 
-    def score(self, prompts: list, completions: list[str], fields: dict[str, list]) -> tuple[list[float], dict[str, list[float]], int]:
-        """Return (weighted totals, raw scores per function, number of scores zeroed by on_error=zero)."""
+    def score(self, prompts: list, completions: list[str], fields: dict[str, list],
+              group_size: int | None = None) -> tuple[list[float], dict[str, list[float | None]], int]:
+        """Return (totals per reward.aggregation, raw scores per function (None: not applicable), number of scores
+        zeroed by on_error=zero). `group_size` is G, which normalize_then_sum needs."""
         per_fn, errors = {}, 0
         for rf in self.functions:
             try:
@@ -168,15 +177,15 @@ class RewardSet:
                 scores, failed = self._one_at_a_time(rf, prompts, completions, fields)
                 errors += failed
             else:
-                scores = to_scores(rf.name, returned, len(completions))
+                scores = to_scores(rf.name, returned, len(completions), allow_none=True)
             for i, s in enumerate(scores):
-                if not math.isfinite(s):
+                if s is not None and not math.isfinite(s):
                     if self.on_error != "zero":
                         raise RewardError(f"reward {rf.name} gave {s} for completion {i}; rewards must be finite (or set reward.on_error=zero)")
                     scores[i], errors = 0.0, errors + 1
             per_fn[rf.name] = scores
-        totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.functions) for i in range(len(completions))]
-        return totals, per_fn, errors
+        weights = {rf.name: rf.weight for rf in self.functions}
+        return combine(weights, per_fn, self.aggregation, group_size), per_fn, errors
 
     def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
         if isinstance(failure, RewardTimeout):
