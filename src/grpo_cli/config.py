@@ -136,6 +136,13 @@ def check_context_length(cfg: DictConfig, context: int | None, keys: tuple[str, 
                             f"the {context}-token context of {cfg.model.name_or_path}; {fix}")
 
 
+def check_precision(cfg: DictConfig) -> None:
+    """model.dtype runs on trainer.device (ConfigError in one line if not), known before any weights load."""
+    from grpo_cli.precision import device_of, resolve_dtype
+
+    resolve_dtype(cfg.model.dtype, device_of(cfg.trainer.device))
+
+
 def validate(cfg: DictConfig) -> list[str]:
     """Raise ConfigError on the first bad value; return warnings for legal but doubtful ones. What each key
     accepts is declared in schema.OPTIONS; the rules here relate several keys."""
@@ -154,6 +161,7 @@ def validate(cfg: DictConfig) -> list[str]:
     tiny = cfg.model.get("tiny") or {}
     if "hidden_size" in tiny and "num_heads" in tiny and tiny.hidden_size % tiny.num_heads:
         fail("model.tiny.hidden_size", tiny.hidden_size, f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
+    check_precision(cfg)
     quantization = cfg.model.get("quantization")
     if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
         fail("model.quantization", quantization, "needs bitsandbytes, which is not installed; pip install "
