@@ -41,8 +41,7 @@ class LoadedModel:
 
 def resolve_device(name: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """The device `trainer.device=NAME` means (`auto`: CUDA when present, else the CPU) and the dtype of
-    `model.dtype=DTYPE` there (precision.resolve_dtype: `auto` is bf16 on CUDA and on a CPU with fast bf16
-    matmuls, else fp32)."""
+    `model.dtype=DTYPE` there (precision.resolve_dtype)."""
     device = device_of(name)
     return device, resolve_dtype(dtype, device)
 
