@@ -49,6 +49,16 @@ def test_auto_is_bf16_only_on_a_cpu_with_bf16_matmuls():
     assert auto_dtype(CPU) == (torch.bfloat16 if precision.CPU_AUTO_BF16 and fast_cpu_bf16() else torch.float32)
 
 
+def test_bf16_on_a_cpu_without_bf16_matmuls_runs_with_a_warning(compose):
+    from grpo_cli.config import validate
+
+    warnings = validate(compose(["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "model.dtype=bfloat16"]))
+    slow = [w for w in warnings if w.startswith("model.dtype=bfloat16 on a CPU without bf16 matmul instructions")]
+    assert len(slow) == (0 if fast_cpu_bf16() else 1)
+    assert not any("model.dtype" in w for w in validate(compose(["+recipe=quickstart", "model=tiny",
+                                                                 "trainer.device=cpu", "model.dtype=float32"])))
+
+
 def test_a_bf16_base_keeps_its_lora_weights_in_fp32(compose):
     lm = load_policy(compose(["model=tiny", "model.dtype=bfloat16"]).model, "cpu")
     assert lm.dtype == torch.bfloat16

@@ -63,6 +63,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def describe(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> `bfloat16`: the spelling model.dtype takes."""
-    return str(dtype).removeprefix("torch.")
+def slow_dtype_warning(dtype: torch.dtype, device: torch.device) -> str | None:
+    """A warning for bf16 on a CPU without bf16 matmul instructions: it runs, emulated, many times slower."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and not fast_cpu_bf16():
+        return ("model.dtype=bfloat16 on a CPU without bf16 matmul instructions (AVX512-BF16, AMX): torch emulates "
+                "them and a training step runs many times slower than in float32; model.dtype=auto picks float32 here")
+    return None
+
