@@ -149,7 +149,7 @@ for spec in "${COMPARES[@]}"; do
   step "bench compare $name: $DEVICE $MODEL engine=$ENGINE, $rounds round(s) x $steps step(s)" | tee "$OUT/compare-$name.txt"
   decode=(); [ "$DEVICE" = cuda ] && decode=(--target-decode-ms 6)
   timeout "$(left "$cap")" "$PY" scripts/bench.py --mode compare --device "$DEVICE" --model "$MODEL" --engine "$ENGINE" \
-    --prompts "$P" --G "$G" --max-new-tokens "$T" --rounds "$rounds" --steps "$steps" --target-ratio "$goal" "${decode[@]}" \
+    --precisions bf16 --prompts "$P" --G "$G" --max-new-tokens "$T" --rounds "$rounds" --steps "$steps" --target-ratio "$goal" "${decode[@]}" \
     --log-dir "$LOGS/compare-$name" --json-out "$OUT/compare-$name.json" 2>&1 | tee -a "$OUT/compare-$name.txt"
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "bench compare $name failed (exit $rc)"
 done

@@ -144,6 +144,15 @@ def check_context_length(cfg: DictConfig, context: int | None, keys: tuple[str, 
                             f"the {context}-token context of {cfg.model.name_or_path}; {fix}")
 
 
+def check_precision(cfg: DictConfig) -> list[str]:
+    """model.dtype runs on trainer.device (ConfigError in one line if not), known before any weights load; a
+    warning where it runs but slowly."""
+    from grpo_cli.precision import device_of, resolve_dtype, slow_dtype_warning
+
+    device = device_of(cfg.trainer.device)
+    return [w for w in (slow_dtype_warning(resolve_dtype(cfg.model.dtype, device), device),) if w]
+
+
 def validate(cfg: DictConfig) -> list[str]:
     """Raise ConfigError on the first bad value; return warnings for legal but doubtful ones. What each key
     accepts is declared in schema.OPTIONS; the rules here relate several keys."""
@@ -166,6 +175,7 @@ def validate(cfg: DictConfig) -> list[str]:
     tiny = cfg.model.get("tiny") or {}
     if "hidden_size" in tiny and "num_heads" in tiny and tiny.hidden_size % tiny.num_heads:
         fail("model.tiny.hidden_size", tiny.hidden_size, f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
+    precision_warnings = check_precision(cfg)
     quantization = cfg.model.get("quantization")
     if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
         fail("model.quantization", quantization, "needs bitsandbytes, which is not installed; pip install "
@@ -181,7 +191,7 @@ def validate(cfg: DictConfig) -> list[str]:
     if cfg.sweep.metric == "final_eval_accuracy" and cfg.eval.final is False:
         fail("sweep.metric", "final_eval_accuracy", "needs eval.final=true or auto (eval.final=false leaves that column "
                                                     "empty); or rank by another column, e.g. sweep.metric=mean_reward")
-    warnings = []
+    warnings = precision_warnings
     if cfg.algo.adv_eps >= 1e-2:
         warnings.append(f"algo.adv_eps={cfg.algo.adv_eps} is near the reward scale and shrinks the advantages; 1e-4 is usual")
     reshaping = sampling_reshapes(cfg.rollout)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from grpo_cli.errors import ModelLoadError, error_line
+from grpo_cli.precision import device_of, resolve_dtype
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODELS = {
@@ -38,12 +39,11 @@ class LoadedModel:
     quantization: str | None = None  # model.quantization: the frozen base is a bitsandbytes model
 
 
-def resolve_device(name: str) -> tuple[torch.device, torch.dtype]:
-    """`auto`: CUDA in bf16 when present, else CPU in fp32."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
+def resolve_device(name: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """The device `trainer.device=NAME` means (`auto`: CUDA when present, else the CPU) and the dtype of
+    `model.dtype=DTYPE` there (precision.resolve_dtype)."""
+    device = device_of(name)
+    return device, resolve_dtype(dtype, device)
 
 
 def embedded_gguf(name: str) -> tuple[Path, str]:
@@ -316,7 +316,7 @@ def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
     With a quantized base, peft's prepare_model_for_kbit_training is not needed: peft freezes the base anyway,
     the run's dtype is kept (its fp32 upcast of norms and embeddings would change the bf16 path), and activation
     checkpointing is trainer.gradient_checkpointing's (non-reentrant, so inputs need no grad)."""
-    device, dtype = resolve_device(device_name)
+    device, dtype = resolve_device(device_name, cfg_model.dtype)
     tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed)
     lora, quantization = cfg_model.lora, cfg_model.get("quantization")
     model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules), device, quantization)
@@ -327,7 +327,7 @@ def load_trained(cfg_model, device_name: str, adapter: str | Path | None, seed: 
                  check_fit: Callable[[torch.nn.Module, Path], None] | None = None) -> LoadedModel:
     """Tokenizer and base model with the trained adapter in `adapter` (a run's adapter/ folder), or the base
     alone when None; in eval mode. `check_fit(base, adapter_dir)` may refuse an adapter of another base first."""
-    device, dtype = resolve_device(device_name)
+    device, dtype = resolve_device(device_name, cfg_model.dtype)
     tokenizer, model = _tokenizer_and_base(cfg_model, device, dtype, seed)
     if adapter is not None:
         from peft import PeftModel

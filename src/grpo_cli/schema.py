@@ -320,6 +320,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.tiny.max_position_embeddings", integer(1), "tiny-random: context length", optional=True),
     Option("model.quantization", one_of("nf4", "fp4", "int8"), "QLoRA: load the frozen base in 4 bits (nf4, fp4) "
       "or 8 bits (int8) through bitsandbytes; null = unquantized", optional=True, nullable=True),
+    Option("model.dtype", one_of("auto", "float32", "bfloat16", "float16"), "precision of the frozen base and its "
+      "generation (LoRA weights, optimizer state, log-softmax and loss stay float32); auto = bfloat16 on CUDA, "
+      "float32 on the CPU"),
     # ---- data=NAME
     Option("data.source", one_of("sums", "reasoning_gym", "hf", "jsonl"), "where prompts come from (hf: a hub id or local "
       "files through `datasets`; jsonl: the same reader, named for a .jsonl data.path)"),
