@@ -173,16 +173,16 @@ def _train_task(cfg) -> float:
 
 def _plan_sweep_job(cfg):
     """A sweep run again: this job is skipped (finished with the same config), resumed or started over, and a
-    line says which (grpo_cli.sweep.plan_job). trainer.overwrite=true or a trainer.resume path on the command
+    line says which (grpo_cli.sweep_rerun.decide_job). trainer.overwrite=true or a trainer.resume path on the command
     decide alone; trainer.resume=auto is what this does anyway."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from grpo_cli.sweep import plan_job
+    from grpo_cli.sweep_rerun import decide_job
 
     if cfg.trainer.get("overwrite") or cfg.trainer.get("resume") not in (None, "auto"):
         return None
-    plan = plan_job(cfg, HydraConfig.instance().cfg)
+    plan = decide_job(cfg, HydraConfig.instance().cfg)
     if plan.line and is_rank_zero():
         print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
     with open_dict(cfg):

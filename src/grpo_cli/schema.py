@@ -263,7 +263,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("eval.final", AUTO_OR_BOOLEAN, "greedy eval on the fixed held-out prompts after the last step "
       "(final_eval.json); auto = in a sweep when the data has a held-out split", "auto"),
     # ---- sweep: how a multirun's summary ranks its cells (sweep_cells.csv)
-    Option("sweep.metric", one_of(names=registry_names("grpo_cli.sweep", "RANK_METRICS", auto=True)),
+    Option("sweep.metric", one_of(names=registry_names("grpo_cli.sweep_summary", "RANK_METRICS", auto=True)),
       "the summary column cells are ranked by (higher is better); auto = final_eval_accuracy where every job "
       "has it, else mean_reward", "auto"),
     Option("sweep.seeds", Rule(lambda v: v == 1, "1", failure="averaging one trial over several seeds is not "
