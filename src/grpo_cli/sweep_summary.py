@@ -185,6 +185,8 @@ def _read_job(job_dir: Path) -> Job:
             if (job_dir / ".hydra" / "overrides.yaml").is_file() else []
         overrides = loaded or []
     num = (hydra_cfg.get("job") or {}).get("num", status.get("job"))
+    if num is None and job_dir.name.isdigit():  # Hydra's default subdir is the job's number
+        num = int(job_dir.name)
     params = list((hydra_cfg.get("sweeper") or {}).get("params") or {})
     return Job(job_dir, num, parse_overrides([str(o) for o in overrides]), params, status, problem)
 
