@@ -284,7 +284,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.quantization", one_of("nf4", "fp4", "int8"), "QLoRA: load the frozen base in 4 bits (nf4, fp4) "
       "or 8 bits (int8) through bitsandbytes; null = unquantized", optional=True, nullable=True),
     # ---- data=NAME
-    Option("data.source", one_of("sums", "reasoning_gym", "hf", "jsonl"), "where prompts come from (hf: a hub id or local "
+    Option("data.source", one_of(names=registry_names("grpo_cli.data", "SOURCES")), "where prompts come from (hf: a hub id or local "
       "files through `datasets`; jsonl: the same reader, named for a .jsonl data.path)"),
     Option("data.task", TEXT, "reasoning_gym: the generator", optional=True, row="reasoning_gym"),
     Option("data.task_args", MAPPING, "reasoning_gym: the generator's arguments", optional=True, free=True, row="reasoning_gym"),
