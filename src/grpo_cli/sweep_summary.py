@@ -174,6 +174,7 @@ class Job:
     params: list[str]
     status: dict
     status_problem: str | None
+    final_eval_off: bool = False  # eval.final=false: no final_eval.json is due
 
 
 def _read_job(job_dir: Path) -> Job:
@@ -188,7 +189,8 @@ def _read_job(job_dir: Path) -> Job:
     if num is None and job_dir.name.isdigit():  # Hydra's default subdir is the job's number
         num = int(job_dir.name)
     params = list((hydra_cfg.get("sweeper") or {}).get("params") or {})
-    return Job(job_dir, num, parse_overrides([str(o) for o in overrides]), params, status, problem)
+    final = (load_yaml(job_dir / ".hydra" / "config.yaml").get("eval") or {}).get("final")
+    return Job(job_dir, num, parse_overrides([str(o) for o in overrides]), params, status, problem, final is False)
 
 
 def _jobs_of_sweep(sweep_dir: Path) -> list[Job]:
@@ -254,13 +256,13 @@ def _row(sweep_dir: Path, job: Job, keys: list[str], problems: list[str]) -> dic
     return row
 
 
-def _missing_final_evals(rows: list[dict], problems: list[str]) -> None:
-    """A finished job without final_eval.json, where other finished jobs have one, is named too."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    if not any(math.isfinite(r["final_eval_accuracy"]) for r in ok):
+def _missing_final_evals(rows: list[dict], due: list[bool], problems: list[str]) -> None:
+    """A finished job without final_eval.json, where other finished jobs have one and its eval.final is not off,
+    is named too (`due`: per row, whether its config asks for one)."""
+    if not any(r["status"] == "ok" and math.isfinite(r["final_eval_accuracy"]) for r in rows):
         return
-    for row in ok:
-        if not math.isfinite(row["final_eval_accuracy"]) and not row["error"]:
+    for row, wanted in zip(rows, due, strict=True):
+        if row["status"] == "ok" and wanted and not math.isfinite(row["final_eval_accuracy"]) and not row["error"]:
             row["error"] = f"{FINAL_EVAL} is missing"
             problems.append(f"{row['dir']}/{FINAL_EVAL} is missing, though other finished jobs have one; job "
                             f"{row['dir']} has no final_eval_accuracy; {REDO_JOB}")
@@ -273,7 +275,7 @@ def collect(sweep_dir: Path, problems: list[str] | None = None) -> tuple[list[di
     jobs = _jobs_of_sweep(sweep_dir)
     keys = _keys(sweep_dir, jobs)
     rows = [_row(sweep_dir, job, keys, problems) for job in jobs]
-    _missing_final_evals(rows, problems)
+    _missing_final_evals(rows, [not job.final_eval_off for job in jobs], problems)
     rows.sort(key=lambda r: (r["job"] if isinstance(r["job"], int) else 1 << 62, r["dir"]))
     return rows, keys
 
