@@ -207,7 +207,7 @@ def _keys(sweep_dir: Path, jobs: list[Job]) -> list[str]:
     multirun = load_yaml(sweep_dir / "multirun.yaml").get("hydra", {}) or {}
     swept = swept_keys((multirun.get("overrides") or {}).get("task"), (multirun.get("sweeper") or {}).get("params"))
     for job in jobs:
-        swept |= {override_key(str(k)) for k in job.params}
+        swept |= swept_keys(None, job.params)
     all_keys: list[str] = []
     for job in jobs:
         all_keys += [k for k in job.overrides if k not in all_keys]
