@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from grpo_cli import report, sweep
+from grpo_cli import report, sweep_summary
 from grpo_cli.errors import MetricsError, UserError
 from grpo_cli.metrics import final_mean, read_metrics
 
@@ -33,7 +33,7 @@ def test_a_torn_last_line_is_skipped_the_same_way_everywhere(tmp_path, tail):
     rows = read_metrics(run / "metrics.jsonl")
     assert rows == ROWS
     assert report.final_value(rows) == final_mean([r["reward"] for r in ROWS]) == 18.5
-    assert sweep.metric_summary(rows)["final_reward"] == 18.5
+    assert sweep_summary.metric_summary(rows)["final_reward"] == 18.5
 
 
 def test_a_damaged_line_before_the_last_is_an_error_naming_it(tmp_path):
@@ -59,6 +59,6 @@ def test_sweep_summary_marks_a_damaged_job_and_keeps_the_others(tmp_path):
         write(d / "metrics.jsonl", ROWS)
         if damaged:
             (d / "metrics.jsonl").write_text("oops\n" + (d / "metrics.jsonl").read_text())
-    rows = sweep.write_summary(tmp_path)
+    rows = sweep_summary.write_summary(tmp_path).rows
     assert rows[0]["final_reward"] == 18.5 and rows[0]["error"] == ""
     assert math.isnan(rows[1]["final_reward"]) and "metrics.jsonl:1 is not JSON" in rows[1]["error"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import read_jsonl, run_cli
+from conftest import module_on_path, read_jsonl, run_cli
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
@@ -18,7 +18,6 @@ from grpo_cli import sweep
 
 TINY = ["+recipe=quickstart", "model=tiny", "trainer.max_steps=2", "rollout.max_new_tokens=4",
         "data.prompts_per_step=2", "algo.num_generations=2", "trainer.log_samples_every=1"]
-BAD_TARGET = "grpo-train: reward.functions.x._target_=nowhere.missing is invalid: cannot be imported"
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -110,20 +109,24 @@ def test_grid_summary_csv_and_json(grid):
 
 
 # ---- one job fails, the other still runs ---------------------------------------------------------
+FAILING_REWARD = "def boom(prompts, completions, **kwargs):\n    raise RuntimeError('no score today')\n"
+
+
 @pytest.mark.slow
-def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path, tmp_path_factory):
     sweep_dir = tmp_path / "sweep"
-    # the bad target comes first: job 0 fails, job 1 must still run
-    proc = run_cli(["-m", *TINY, "+reward.functions.x._target_=nowhere.missing,grpo_cli.rewards.arithmetic.bare_number",
-                    f"hydra.sweep.dir={sweep_dir}"], tmp_path, timeout=600)
+    env = module_on_path(tmp_path_factory, "failing_reward", FAILING_REWARD)
+    # the failing reward comes first: job 0 fails while it trains (its values are valid), job 1 must still run
+    proc = run_cli(["-m", *TINY, "+reward.functions.x._target_=failing_reward.boom,grpo_cli.rewards.arithmetic.bare_number",
+                    f"hydra.sweep.dir={sweep_dir}"], tmp_path, timeout=600, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     # the summary callback ended the sweep (Hydra did not re-raise the failure past it)
     assert "Error executing job" not in proc.stderr
     assert f"grpo-train: 1 of 2 sweep jobs failed; summary {sweep_dir / 'sweep_summary.csv'}" in proc.stderr
-    assert BAD_TARGET in proc.stderr
+    assert "no score today" in proc.stderr
 
     error_line = (sweep_dir / "0" / "error.txt").read_text().splitlines()[0]
-    assert error_line.startswith(BAD_TARGET)
+    assert error_line.startswith("grpo-train: ") and "no score today" in error_line
     assert not (sweep_dir / "0" / "adapter").exists()
     ok = read_jsonl(sweep_dir / "1" / "metrics.jsonl")
     assert [r["step"] for r in ok] == [0, 1] and "reward/x" in ok[0]
@@ -133,8 +136,8 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     data = json.loads((sweep_dir / "sweep_summary.json").read_text())
     assert [r["status"] for r in rows] == [d["status"] for d in data] == ["failed", "ok"]
     assert rows[0]["error"] == data[0]["error"] == error_line
-    assert rows[0]["overrides"] == "+reward.functions.x._target_=nowhere.missing"
-    assert data[0]["reward.functions.x._target_"] == "nowhere.missing"
+    assert rows[0]["overrides"] == "+reward.functions.x._target_=failing_reward.boom"
+    assert data[0]["reward.functions.x._target_"] == "failing_reward.boom"
     assert data[0]["final_reward"] is None and rows[0]["final_reward"] == "" and data[0]["steps"] == 0
     assert data[1]["error"] == "" and data[1]["final_reward"] == pytest.approx(final_reward(ok))
     assert data[1]["overrides"] == "+reward.functions.x._target_=grpo_cli.rewards.arithmetic.bare_number"

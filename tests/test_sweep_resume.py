@@ -16,7 +16,7 @@ import yaml
 from conftest import read_jsonl, run_cli, script
 from omegaconf import OmegaConf
 
-from grpo_cli import sweep
+from grpo_cli import sweep, sweep_rerun
 
 TINY_SWEEP = ["-m", "+recipe=quickstart", "model=tiny", "trainer.max_steps=2", "rollout.max_new_tokens=4",
               "algo.num_generations=2", "data.prompts_per_step=2", "trainer.device=cpu",
@@ -85,7 +85,7 @@ def test_a_sweep_stopped_in_job_3_goes_on_where_it_stopped(tmp_path):
 
 # ---- in process: what a job does with what its dir holds ------------------------------------------
 def _job(compose, sweep_dir: Path, num: int, *overrides: str):
-    """(composed config, a config holding its Hydra part) of sweep job `num`, as plan_job gets them."""
+    """(composed config, a config holding its Hydra part) of sweep job `num`, as decide_job gets them."""
     cfg = compose(["+recipe=quickstart", "model=tiny", *overrides])
     job_dir = sweep_dir / str(num)
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -107,13 +107,13 @@ def test_a_finished_job_is_skipped_with_its_result_or_started_over_when_its_conf
         {"overrides": ["algo.beta=0.0,0.04", "trainer.max_steps=2"], "params": {}}))
     cfg, hydra, job_dir = _job(compose, sweep_dir, 1, "algo.beta=0.04", "trainer.max_steps=2")
     (job_dir / "adapter").mkdir()
-    _previous(job_dir, status="ok", result=0.25, config=sweep.job_config(cfg))
-    plan = sweep.plan_job(cfg, hydra)
+    _previous(job_dir, status="ok", result=0.25, config=sweep_rerun.job_config(cfg))
+    plan = sweep_rerun.decide_job(cfg, hydra)
     assert (plan.action, plan.result) == ("skip", 0.25)
     assert plan.line == f"job 1 (algo.beta=0.04) {SKIPPED}"  # the swept override names the job
 
     changed, hydra, _ = _job(compose, sweep_dir, 1, "algo.beta=0.04", "trainer.max_steps=3")
-    plan = sweep.plan_job(changed, hydra)
+    plan = sweep_rerun.decide_job(changed, hydra)
     assert plan.action == "restart"
     assert plan.line == ("job 1 (algo.beta=0.04) finished before with another config (trainer.max_steps 2 -> 3); "
                          "starting it over")
@@ -122,10 +122,10 @@ def test_a_finished_job_is_skipped_with_its_result_or_started_over_when_its_conf
 def test_an_unfinished_job_without_a_checkpoint_starts_over_and_an_empty_dir_starts_fresh(compose, tmp_path):
     sweep_dir = tmp_path / "sweep"
     cfg, hydra, job_dir = _job(compose, sweep_dir, 0, "algo.beta=0.0")
-    assert sweep.plan_job(cfg, hydra).action == "fresh"
+    assert sweep_rerun.decide_job(cfg, hydra).action == "fresh"
     (job_dir / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
     _previous(job_dir, status="stopped")
-    plan = sweep.plan_job(cfg, hydra)
+    plan = sweep_rerun.decide_job(cfg, hydra)
     assert plan.action == "restart"
     assert plan.line == "job 0 (algo.beta=0.0) did not finish and has no intact checkpoint; starting it over"
 

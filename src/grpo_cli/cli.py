@@ -137,16 +137,16 @@ def _train_task(cfg) -> float:
 
 
 def _validated_job(cfg):
-    """The config checked (and its warnings), and in a sweep what this job does (sweep.plan_job)."""
+    """The config checked (and its warnings), and in a sweep what this job does (sweep_rerun.decide_job)."""
     with _restoring_hydra():
         warnings = _validated(cfg)
         if not _is_multirun():
             return warnings, None
         from hydra.core.hydra_config import HydraConfig
 
-        from grpo_cli.sweep import plan_job
+        from grpo_cli.sweep_rerun import decide_job
 
-        plan = plan_job(cfg, HydraConfig.instance().cfg)
+        plan = decide_job(cfg, HydraConfig.instance().cfg)
         if plan.line and is_rank_zero():
             print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
         return warnings, plan

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_cli.errors import DataError, error_line
+from grpo_cli.registry import Registry
 
 
 def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
@@ -274,22 +275,66 @@ def _table_rows(cfg_data, split: str, system_prompt, suffix: str) -> list[dict]:
     return [columns.row(where, row, system_prompt, suffix) for where, row in table.rows]
 
 
+# ---- the sources ---------------------------------------------------------------------------------
+class Source:
+    """Where prompts come from, named by `data.source`: `rows` gives the rows of a split (train or test),
+    `has_held_out` says whether the data config gives a test split. A new source is one module with a subclass
+    registered as `@SOURCES.register("NAME")` (imported here, or named in the config's `plugins`)."""
+
+    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+        raise NotImplementedError
+
+    def has_held_out(self, cfg_data) -> bool:
+        return True
+
+
+SOURCES = Registry("data source", key="data.source")
+HELD_OUT_OFFSET = 10_007  # a generated held-out split draws with another seed, so its questions are not the training ones
+
+
+def _generated(cfg_data, split: str, seed: int) -> tuple[int, int]:
+    """(size, seed) of a generated split."""
+    if split == "train":
+        return cfg_data.size, seed
+    return cfg_data.get("eval_size", 200), seed + HELD_OUT_OFFSET
+
+
+@SOURCES.register("sums")
+class Sums(Source):
+    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+        size, seed = _generated(cfg_data, split, seed)
+        return _sum_rows(size, seed, cfg_data.low, cfg_data.high, cfg_data.get("question_suffix") or "",
+                         cfg_data.get("system_prompt"))
+
+
+@SOURCES.register("reasoning_gym")
+class ReasoningGym(Source):
+    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+        size, seed = _generated(cfg_data, split, seed)
+        return _reasoning_gym_rows(cfg_data.task, size, seed, dict(cfg_data.get("task_args") or {}),
+                                   cfg_data.get("question_suffix") or "", cfg_data.get("system_prompt"))
+
+
+@SOURCES.register("jsonl")
+@SOURCES.register("hf")
+class Tables(Source):
+    """Rows of a table: a hub dataset or local files (hf), a jsonl file (jsonl, the same reader)."""
+
+    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+        return _table_rows(cfg_data, split, cfg_data.get("system_prompt"), cfg_data.get("question_suffix") or "")
+
+    def has_held_out(self, cfg_data) -> bool:
+        return bool(cfg_data.get("eval_path") or cfg_data.get("eval_split"))
+
+
+def source_of(cfg_data) -> Source:
+    """The source `data.source` names."""
+    return SOURCES.lookup(str(cfg_data.source))()
+
+
 def load_rows(cfg_data, *, split: str = "train", seed: int = 0) -> list[dict]:
     """Rows of the configured source for `split` (train or test)."""
-    source = cfg_data.source
-    system_prompt = cfg_data.get("system_prompt")
-    suffix = cfg_data.get("question_suffix") or ""
-    if source == "reasoning_gym":
-        size = cfg_data.size if split == "train" else cfg_data.get("eval_size", 200)
-        # a different seed for the held-out split so its questions are not the training ones
-        return _reasoning_gym_rows(cfg_data.task, size, seed if split == "train" else seed + 10_007,
-                                   dict(cfg_data.get("task_args") or {}), suffix, system_prompt)
-    if source == "sums":
-        size = cfg_data.size if split == "train" else cfg_data.get("eval_size", 200)
-        return _sum_rows(size, seed if split == "train" else seed + 10_007, cfg_data.low, cfg_data.high, suffix, system_prompt)
-    if source in ("hf", "jsonl"):
-        return _table_rows(cfg_data, split, system_prompt, suffix)
-    raise DataError(f"data.source={source} is unknown; use sums, reasoning_gym, hf or jsonl")
+    return source_of(cfg_data).rows(cfg_data, split, seed)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 from collections import Counter
+from collections.abc import Callable, Hashable
 from functools import partial
 from pathlib import Path
 
@@ -16,10 +17,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from grpo_cli.data import load_rows
+from grpo_cli.data import load_rows, source_of
 from grpo_cli.errors import ConfigError, Interrupted
 from grpo_cli.rewards import resolve_callable, to_scores
-from grpo_cli.rewards.parsing import extract_final_answer, parse_number
 from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine, sampling_options
 from grpo_cli.schema import view
 
@@ -43,11 +43,9 @@ def eval_rows(cfg) -> list[dict]:
 
 
 def has_held_out_split(cfg_data) -> bool:
-    """Whether the data has held-out rows: generated sources always; files and datasets when data.eval_path or
-    data.eval_split names them."""
-    if cfg_data.source in ("jsonl", "hf"):
-        return bool(cfg_data.get("eval_path") or cfg_data.get("eval_split"))
-    return True
+    """Whether the data has held-out rows, as its source says (generated sources always; files and datasets
+    when data.eval_path or data.eval_split names them)."""
+    return source_of(cfg_data).has_held_out(cfg_data)
 
 
 def final_eval_on(cfg, multirun: bool) -> bool:
@@ -58,16 +56,24 @@ def final_eval_on(cfg, multirun: bool) -> bool:
     return bool(setting)
 
 
-def _vote(texts: list[str]):
-    parsed = [parse_number(a) for a in (extract_final_answer(t) or "" for t in texts)]
-    counts = Counter(p for p in parsed if p is not None)
-    return counts.most_common(1)[0][0] if counts else None
+def answer_reader(judge) -> Callable[[str], Hashable | None]:
+    """How majority@k reads the answer a completion gives: the judge's own `parse_answer` (a reward module sets it
+    beside its function, e.g. rewards.gsm8k.correctness), else the completion's text, stripped."""
+    return getattr(judge, "parse_answer", None) or (lambda text: (text or "").strip() or None)
+
+
+def majority(texts: list[str], read_answer: Callable[[str], Hashable | None]) -> int | None:
+    """The index of the first completion that gives the most common answer; None when none gives one."""
+    answers = [read_answer(t) for t in texts]
+    counts = Counter(a for a in answers if a is not None)
+    return answers.index(counts.most_common(1)[0][0]) if counts else None
 
 
 class Evaluator:
     def __init__(self, rows: list[dict], tokenizer, judge, *, samples: int, temperature: float, max_new_tokens: int,
                  max_prompt_tokens: int, sampling: dict | None = None):
         self.rows, self.tokenizer, self.judge = rows, tokenizer, judge
+        self.read_answer = answer_reader(judge)
         self.samples, self.temperature, self.max_new_tokens = samples, temperature, max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
         # rollout's sampling options (rollout.sampling_options): all of them for pass@k, its stop strings for greedy
@@ -115,8 +121,8 @@ class Evaluator:
                 for i, row in enumerate(rows):
                     group = sampled.texts[i * k:(i + 1) * k]
                     pass_k.append(float(max(scores[i * k:(i + 1) * k])))
-                    vote = _vote(group)
-                    majority_k.append(0.0 if vote is None else self._score([str(vote)], [row])[0])
+                    vote = majority(group, self.read_answer)
+                    majority_k.append(0.0 if vote is None else self._score([group[vote]], [row])[0])
         n = len(greedy_correct)
         result = {"eval/accuracy": sum(greedy_correct) / n, "eval/num_prompts": n}
         if self.samples > 1:

@@ -5,7 +5,7 @@
     @ENGINES.register("hf")
     class HFEngine: ...
 
-Rollout engines, optimizers, loggers and loss types each have one registry, in the module that owns the
+Rollout engines, data sources, optimizers, loggers and loss types each have one registry, in the module that owns the
 kind. Config validation reads the allowed names from it, so adding one is a module with a decorated
 callable (plus a YAML file where a config group exists); nothing else lists the choices. A registry is a
 dict (name -> the registered object) so lookups stay plain; `lookup` turns an unknown name into the one-line

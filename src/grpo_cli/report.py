@@ -20,9 +20,10 @@ from matplotlib.patches import Rectangle
 from rich.console import Console
 from rich.table import Table as RichTable
 
-from grpo_cli.errors import ReportError, one_line
+from grpo_cli.errors import ReportError, one_line, warn
 from grpo_cli.metrics import final_mean, read_metrics
 from grpo_cli.sweep_stats import BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
+from grpo_cli.sweep_summary import CELLS_CSV, SUMMARY_CSV, Summary, find_job_dirs, summarise, write_summary
 
 RUN_PLOTS = {  # file stem -> (metric key, y label)
     "kl": ("kl", "KL to reference"),
@@ -269,8 +270,6 @@ def run_report(run: Path, out: Path) -> str:
 
 def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
     """The sweep's page, and its ranked cell table for the terminal (None when no job has a result)."""
-    from grpo_cli.sweep import cells, collect, find_job_dirs, sweep_metric
-
     dirs = find_job_dirs(sweep)
     jobs = [(d, read_metrics(d / "metrics.jsonl")) for d in dirs if (d / "metrics.jsonl").exists()]
     jobs = [(d, rows) for d, rows in jobs if rows]
@@ -278,7 +277,8 @@ def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
     if not jobs:
         raise ReportError(f"no job with metrics.jsonl in sweep, {sweep}; wait for a job to log a step")
     labels = [" ".join(overrides(d)) or f"job {job_name(sweep, d)}" for d, _ in jobs]
-    summary_rows, keys = collect(sweep)
+    summary = _current_summary(sweep)
+    summary_rows, keys = summary.rows, summary.keys
     swept = {row["dir"]: row["overrides"] for row in summary_rows}  # a legend names only what differs
     legends = [swept.get(job_name(sweep, d)) or lab for lab, (d, _) in zip(labels, jobs, strict=True)]
     pngs = []
@@ -289,7 +289,7 @@ def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
     body = [f"<p>{len(jobs)} jobs with metrics.</p>"]
     if skipped:
         body.append(f"<p class='skipped'>Skipped jobs without metrics: {html.escape(', '.join(skipped))}</p>")
-    table = cells(summary_rows, keys, sweep_metric(sweep))
+    table = summary.cells
     terminal = None
     if any(c["rank"] is not None for c in table):
         note = cell_plot(out / "sweep_heatmap.png", table, keys)
@@ -302,14 +302,28 @@ def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
         body += _imgs(["sweep_heatmap.png", "sweep_cell_curves.png"])
     else:
         body.append("<p>No finished job has a result yet: no cells to rank.</p>")
-    if (sweep / "sweep_summary.csv").exists():
-        body += ["<h2>Summary</h2>", _csv_table(sweep / "sweep_summary.csv")]
+    if (sweep / SUMMARY_CSV).exists():
+        body += ["<h2>Summary</h2>", _csv_table(sweep / SUMMARY_CSV)]
     body += _imgs(pngs) + ["<h2>Jobs</h2>"]
     for lab, (d, rows) in zip(labels, jobs, strict=True):
         body.append(f"<h3>job {job_name(sweep, d)}: <code>{html.escape(lab)}</code></h3><p>final reward "
                     f"{final_value(rows):.4f}</p><details><summary>resolved config</summary>"
                     f"<pre>{html.escape(config_text(d))}</pre></details>")
     return _page(f"GRPO sweep: {sweep.name}", body), terminal
+
+
+def _current_summary(sweep: Path) -> Summary:
+    """The sweep's summary rewritten from its job dirs, so the files on disk and the table shown here agree; each
+    damaged or missing record of a finished job is one warning line."""
+    try:
+        summary = write_summary(sweep)
+    except OSError as err:
+        summary = summarise(sweep)
+        warn(f"could not rewrite {CELLS_CSV} in {sweep} ({err.strerror or err}); the cells shown here are computed "
+             "from the job dirs and may differ from it")
+    for line in summary.problems:
+        warn(line)
+    return summary
 
 
 def job_name(sweep: Path, job_dir: Path) -> str:

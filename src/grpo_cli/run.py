@@ -36,7 +36,7 @@ ZERO_STD_SHARE, ZERO_STD_STEPS = 0.9, 10  # frac_reward_zero_std above the share
 class Run:
     """One attempt of a training run in `run_dir`. Constructing it claims the dir (raises rundir.RunDirError,
     nothing written, when the dir cannot take this attempt); `decision` is a sweep job's, already made by
-    sweep.plan_job. `warnings` are the claim's lines for the start (skipped checkpoints, nothing to resume)."""
+    sweep_rerun.decide_job. `warnings` are the claim's lines for the start (skipped checkpoints, nothing to resume)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, *, decision: rundir.ResumeDecision | None = None):
         self.cfg, self.run_dir = cfg, Path(run_dir)

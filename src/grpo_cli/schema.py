@@ -300,7 +300,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("eval.final", AUTO_OR_BOOLEAN, "greedy eval on the fixed held-out prompts after the last step "
       "(final_eval.json); auto = in a sweep when the data has a held-out split", "auto"),
     # ---- sweep: how a multirun's summary ranks its cells (sweep_cells.csv)
-    Option("sweep.metric", one_of(names=registry_names("grpo_cli.sweep", "RANK_METRICS", auto=True)),
+    Option("sweep.metric", one_of(names=registry_names("grpo_cli.sweep_summary", "RANK_METRICS", auto=True)),
       "the summary column cells are ranked by (higher is better); auto = final_eval_accuracy where every job "
       "has it, else mean_reward", "auto"),
     Option("sweep.seeds", Rule(lambda v: v == 1, "1", failure="averaging one trial over several seeds is not "
@@ -324,7 +324,7 @@ OPTIONS: tuple[Option, ...] = (
       "generation (LoRA weights, optimizer state, log-softmax and loss stay float32); auto = bfloat16 on CUDA, "
       "float32 on the CPU"),
     # ---- data=NAME
-    Option("data.source", one_of("sums", "reasoning_gym", "hf", "jsonl"), "where prompts come from (hf: a hub id or local "
+    Option("data.source", one_of(names=registry_names("grpo_cli.data", "SOURCES")), "where prompts come from (hf: a hub id or local "
       "files through `datasets`; jsonl: the same reader, named for a .jsonl data.path)"),
     Option("data.task", TEXT, "reasoning_gym: the generator", optional=True, row="reasoning_gym"),
     Option("data.task_args", MAPPING, "reasoning_gym: the generator's arguments", optional=True, free=True, row="reasoning_gym"),

@@ -24,6 +24,15 @@ def correct_last_number(prompts, completions, answer, **_) -> list[float]:
     return scores
 
 
+def last_number(completion) -> float | None:
+    """The last number in the completion, as :func:`correct_last_number` reads it (majority@k's vote)."""
+    numbers = _NUMBER.findall(completion or "")
+    return float(numbers[-1]) if numbers else None
+
+
+correct_last_number.parse_answer = last_number
+
+
 def bare_number(prompts, completions, **_) -> list[float]:
     """1.0 when the whole reply is a single number (an optional final period allowed), else 0.0."""
     return [1.0 if _BARE.fullmatch(completion or "") else 0.0 for completion in completions]

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 from grpo_cli.rewards.parsing import NUMBER, completion_text, extract_final_answer, gold_answer, parse_number
 
-__all__ = ["ANSWER_FORMAT_INSTRUCTION", "SYSTEM_PROMPT", "correctness", "format"]
+__all__ = ["ANSWER_FORMAT_INSTRUCTION", "SYSTEM_PROMPT", "correctness", "final_answer", "format"]
 
 ANSWER_FORMAT_INSTRUCTION = (
     "Think step by step, then give the final answer on its own last line as `#### <number>` "
@@ -42,6 +43,15 @@ def correctness(
         stated = extract_final_answer(completion_text(completion))
         scores.append(float(expected is not None and stated is not None and parse_number(stated) == expected))
     return scores
+
+
+def final_answer(completion: Any) -> Fraction | None:
+    """The number a completion states as its final answer, as :func:`correctness` reads it (majority@k's vote)."""
+    stated = extract_final_answer(completion_text(completion))
+    return None if stated is None else parse_number(stated)
+
+
+correctness.parse_answer = final_answer
 
 
 def format(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
