@@ -123,6 +123,7 @@ def _train_task(cfg) -> float:
     from omegaconf import open_dict
 
     from grpo_cli import rundir
+    from grpo_cli.rewards import build_before_model_load
     from grpo_cli.stopping import StopRequest
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -133,6 +134,7 @@ def _train_task(cfg) -> float:
             with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
                 with rundir.restoring_hydra(run_dir, _hydra_before):
                     warnings = _validated(cfg)
+                    build_before_model_load(cfg.reward)  # user code fails here in one line, not after the model loads
                     plan = _plan_sweep_job(cfg) if _is_multirun() else None
                     if plan is not None and plan.action == "skip":
                         return plan.result

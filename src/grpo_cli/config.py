@@ -240,7 +240,7 @@ def explicit_clip_warning(cfg: DictConfig, task_overrides: list[str]) -> str | N
 def _validate_rewards(cfg: DictConfig) -> None:
     """Each reward entry's _target_ imports and takes the entry's options; reward.accuracy names an entry,
     which eval.every > 0 and eval.final=true need."""
-    from grpo_cli.rewards import resolve_callable
+    from grpo_cli.rewards import ImportRaised, resolve_callable
 
     functions = cfg.reward.functions
     if not functions:
@@ -250,7 +250,8 @@ def _validate_rewards(cfg: DictConfig) -> None:
         try:
             target = resolve_callable(spec._target_)
         except (ImportError, AttributeError, ValueError) as err:
-            fail(key, spec._target_, f"cannot be imported ({err}); check the dotted path")
+            fail(key, spec._target_, f"cannot be imported ({err}); "
+                                     + ("fix the module" if isinstance(err, ImportRaised) else "check the dotted path"))
         _check_reward_options(f"reward.functions.{name}", target, spec)
     accuracy = cfg.reward.accuracy
     if accuracy is not None and accuracy not in functions:
