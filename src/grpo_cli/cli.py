@@ -9,7 +9,14 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from grpo_cli.config import CONF_DIR, available_recipes, explicit_clip_warning, register_recipes, validate
+from grpo_cli.config import (
+    CONF_DIR,
+    available_recipes,
+    explicit_clip_warning,
+    register_recipes,
+    unknown_key_hint,
+    validate,
+)
 from grpo_cli.errors import ConfigError, Interrupted, one_line, warn
 from grpo_cli.overrides import override_key
 from grpo_cli.ranks import is_rank_zero
@@ -46,6 +53,7 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     except Exception as err:  # Hydra raises several types; all are a bad override here
         first = " ".join(str(err).split()).split(" Config search path")[0]
+        first = unknown_key_hint(first) or first
         raise ConfigError(f"{first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys") from None
     HydraConfig.instance().set_config(cfg)
     _check_run_dir(prog, Path(str(cfg.hydra.run.dir)))
@@ -123,6 +131,7 @@ def _train_task(cfg) -> float:
     from omegaconf import open_dict
 
     from grpo_cli import rundir
+    from grpo_cli.data import check_before_model_load
     from grpo_cli.rewards import build_before_model_load
     from grpo_cli.stopping import StopRequest
 
@@ -135,6 +144,7 @@ def _train_task(cfg) -> float:
                 with rundir.restoring_hydra(run_dir, _hydra_before):
                     warnings = _validated(cfg)
                     build_before_model_load(cfg.reward)  # user code fails here in one line, not after the model loads
+                    check_before_model_load(cfg)
                     plan = _plan_sweep_job(cfg) if _is_multirun() else None
                     if plan is not None and plan.action == "skip":
                         return plan.result

@@ -118,7 +118,12 @@ def _cache_dir(name: str, source: Path, save: Callable[[Path], None], marker: st
     cached = cache_root / f"{name}-{stat.st_size}-{int(stat.st_mtime)}"
     if (cached / marker).is_file():
         return cached
-    tmp = Path(tempfile.mkdtemp(prefix=cached.name, dir=_ensure_dir(cache_root)))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=cached.name, dir=_ensure_dir(cache_root)))
+    except OSError as err:  # a read-only HOME, a cache dir on a full or read-only disk
+        raise ModelLoadError(f"the cache dir {cache_root} cannot be written ({error_line(err)}); point XDG_CACHE_HOME "
+                             "at a writable dir (grpo-cli keeps its copies of the embedded model under "
+                             "XDG_CACHE_HOME/grpo_cli, else ~/.cache/grpo_cli)") from None
     save(tmp)
     try:
         os.replace(tmp, cached)
