@@ -97,12 +97,25 @@ def _quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernels_note)  # once, however many jobs
+    logging.getLogger("bitsandbytes.autograd._functions").addFilter(_first_time_only)
 
 
 def _no_kernels_note(record: logging.LogRecord) -> bool:
     """peft imports bitsandbytes whenever it is installed, quantized base or not; on a CPU that logs, every run,
     that an optional package (`kernels`) for its 4-bit matmul is missing."""
     return "kernels-community" not in record.getMessage()
+
+
+_logged_before: set[str] = set()
+
+
+def _first_time_only(record: logging.LogRecord) -> bool:
+    """An int8 base logs its input cast (float32 to float16) on every forward of every 8-bit layer: hundreds of
+    lines a step. Said once it is news."""
+    text = record.getMessage()
+    seen = text in _logged_before
+    _logged_before.add(text)
+    return not seen
 
 
 def _validated(cfg) -> list[str]:

@@ -298,7 +298,13 @@ def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    peft_model = get_peft_model(model, config)
+    # peft keeps the matched layer names as a set, saved in hash order: identical runs would write different
+    # adapter_config.json files; a sorted list names the same layers
+    for adapter in peft_model.peft_config.values():
+        if isinstance(adapter.target_modules, (set, frozenset)):
+            adapter.target_modules = sorted(adapter.target_modules)
+    return peft_model
 
 
 def _tokenizer_and_base(cfg_model, device: torch.device, dtype: torch.dtype, seed: int):
