@@ -13,6 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# the grpo-train processes the tests start import tests/varied_reward.py (VARIED_REWARD)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 
 
 def pytest_configure(config):
@@ -53,11 +55,26 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = N
                           timeout=timeout, preexec_fn=preexec_fn)
 
 
+# a reward that varies with the completion (tests/varied_reward.py): with the quickstart reward alone every completion
+# of the tiny random model scores 0, nothing is learned, and "the resumed adapter equals the straight one" says nothing
+VARIED_REWARD = ["+reward.functions.varied._target_=varied_reward.by_length", "+reward.functions.varied.weight=1.0"]
+
 # a short real run on the tiny model: 6 steps of 2 prompts x 4 completions of 4 tokens, a checkpoint every 2 steps,
-# samples every step, a learning rate large enough that the adapter moves the logits
+# samples every step, a learning rate large enough that the adapter moves the logits, a reward that varies
 TRAINED_TINY = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "rollout.max_new_tokens=4",
                 "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=6", "trainer.save_every=2",
-                "trainer.log_samples_every=1", "optimizer.lr=1e-2"]
+                "trainer.log_samples_every=1", "optimizer.lr=1e-2", *VARIED_REWARD]
+
+
+def assert_learned(run_dir: Path) -> None:
+    """The run had something to learn (rewards that differ within a group) and its adapter left its start (B = 0):
+    a comparison of its adapter with another one can fail."""
+    from safetensors.torch import load_file
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert any(r["reward_std"] > 0 for r in rows), [r["reward_std"] for r in rows]
+    weights = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert any(t.abs().max() > 0 for name, t in weights.items() if "lora_B" in name), "the adapter never moved"
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import TRAINED_TINY, read_jsonl, run_cli, script
+from conftest import TRAINED_TINY, VARIED_REWARD, assert_learned, read_jsonl, run_cli, script
 
 from grpo_cli.config import validate
 from grpo_cli.errors import UserError
@@ -224,6 +224,7 @@ def test_sigkill_and_resume_is_bitwise_identical(trained_tiny_run, tmp_path):
     proc = run_cli([*TRAINED_TINY, f"hydra.run.dir={crashed}", "trainer.resume=auto"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in read_jsonl(crashed / "metrics.jsonl")] == list(range(6))
+    assert_learned(straight)
     a = (straight / "adapter" / "adapter_model.safetensors").read_bytes()
     b = (crashed / "adapter" / "adapter_model.safetensors").read_bytes()
     assert a == b
@@ -303,7 +304,7 @@ def stderr_lines_after_signal(child: subprocess.Popen, signum: int) -> tuple[lis
 # generation dominates a step here (seconds on a CPU): 96 tokens for 8 completions, no reference pass
 GENERATING = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=96", "rollout.min_new_tokens=96", "algo.beta=0.0",
               "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=2", "trainer.save_every=0",
-              "trainer.log_samples_every=0"]
+              "trainer.log_samples_every=0", *VARIED_REWARD]
 
 
 @pytest.mark.slow
@@ -331,6 +332,7 @@ def test_sigint_mid_generation_discards_the_step_and_resume_is_exact(tmp_path):
     proc = run_cli([*GENERATING, f"hydra.run.dir={stopped}", "trainer.resume=auto"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in read_jsonl(metrics)] == [0, 1]
+    assert_learned(straight)
     a = (straight / "adapter" / "adapter_model.safetensors").read_bytes()
     b = (stopped / "adapter" / "adapter_model.safetensors").read_bytes()
     assert a == b

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from conftest import finished_run, module_on_path, read_jsonl, run_cli, script
+from conftest import VARIED_REWARD, assert_learned, finished_run, module_on_path, read_jsonl, run_cli, script
 
 REWARDS = '''
 import os, time
@@ -30,7 +30,8 @@ def sleepy(prompts, completions, **fields):
 # 4 steps, checkpoints at steps 2 and 4, samples of every step; a reward that sleeps when asked to
 RUN = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "data.prompts_per_step=2",
        "algo.num_generations=4", "trainer.max_steps=4", "trainer.save_every=2", "trainer.log_samples_every=1",
-       "+reward.functions.sleepy._target_=rundir_rewards.sleepy", "+reward.functions.sleepy.weight=0.0"]
+       "+reward.functions.sleepy._target_=rundir_rewards.sleepy", "+reward.functions.sleepy.weight=0.0",
+       *VARIED_REWARD]
 ADAPTER = "adapter/adapter_model.safetensors"
 
 
@@ -214,6 +215,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_intact_one(tmp_pa
     assert read_jsonl(used / "metrics.jsonl") and [r["step"] for r in read_jsonl(used / "metrics.jsonl")] == [0, 1, 2, 3]
     assert [r["reward"] for r in read_jsonl(used / "metrics.jsonl")] == [r["reward"] for r in read_jsonl(finished / "metrics.jsonl")]
     assert (used / ADAPTER).read_bytes() == (finished / ADAPTER).read_bytes()
+    assert_learned(finished)
     assert not orphan.exists()
 
 
@@ -240,6 +242,7 @@ def test_every_record_is_rolled_back_after_a_kill_and_resume(tmp_path, finished,
         assert [r["step"] for r in resumed] == [r["step"] for r in straight], name
         assert [r["reward"] for r in resumed] == [r["reward"] for r in straight], name
     assert (run / ADAPTER).read_bytes() == (finished / ADAPTER).read_bytes()
+    assert_learned(finished)
 
 
 # ---- reward functions under a deadline ----------------------------------------------------------------------------

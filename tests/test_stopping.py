@@ -50,6 +50,17 @@ def test_sigint_after_sigterm_also_ends_it_but_a_repeated_sigterm_does_not():
     assert len(proc.stderr.splitlines()) == 1  # announced once
 
 
+def test_sighup_is_a_stop_request_like_sigterm():
+    """What an ssh drop or a closed terminal sends: a stop at the next safe point, not the end of the process."""
+    proc = run_signalled("HUP", "HUP")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["flag True SIGHUP", "still running", "handlers restored True"]
+    assert proc.stderr.splitlines() == [
+        "prog: SIGHUP received: stopping now (an unfinished step is discarded, the last complete one is kept); "
+        "Ctrl-C again to exit at once"]
+    assert run_signalled("HUP", "INT").returncode == -signal.SIGINT
+
+
 def test_announce_only_on_rank_zero(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert StopRequest().announce is False

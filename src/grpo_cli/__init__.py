@@ -11,5 +11,18 @@ def _no_kernels_note(record: logging.LogRecord) -> bool:
     return "kernels-community" not in record.getMessage()
 
 
+_logged_before: set[str] = set()
+
+
+def _first_time_only(record: logging.LogRecord) -> bool:
+    """An int8 base logs its input cast (float32 to float16) on every forward of every 8-bit layer: hundreds of
+    lines a step. Said once it is news."""
+    text = record.getMessage()
+    seen = text in _logged_before
+    _logged_before.add(text)
+    return not seen
+
+
 # here, once: every entry point and every program that imports grpo_cli gets it, however many runs it makes
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernels_note)
+logging.getLogger("bitsandbytes.autograd._functions").addFilter(_first_time_only)

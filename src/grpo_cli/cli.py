@@ -8,7 +8,14 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from grpo_cli.config import CONF_DIR, available_recipes, explicit_clip_warning, register_recipes, validate
+from grpo_cli.config import (
+    CONF_DIR,
+    available_recipes,
+    explicit_clip_warning,
+    register_recipes,
+    unknown_key_hint,
+    validate,
+)
 from grpo_cli.errors import ConfigError, Interrupted, one_line, warn
 from grpo_cli.overrides import override_key
 from grpo_cli.ranks import is_rank_zero
@@ -45,6 +52,7 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
     except Exception as err:  # Hydra raises several types; all are a bad override here
         first = " ".join(str(err).split()).split(" Config search path")[0]
+        first = unknown_key_hint(first) or first
         raise ConfigError(f"{first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys") from None
     HydraConfig.instance().set_config(cfg)
     _check_run_dir(prog, Path(str(cfg.hydra.run.dir)))
@@ -138,8 +146,13 @@ def _train_task(cfg) -> float:
 
 def _validated_job(cfg):
     """The config checked (and its warnings), and in a sweep what this job does (sweep_rerun.decide_job)."""
+    from grpo_cli.data import check_before_model_load
+    from grpo_cli.rewards import build_before_model_load
+
     with _restoring_hydra():
         warnings = _validated(cfg)
+        build_before_model_load(cfg.reward)  # user code fails here in one line, not after the model loads
+        check_before_model_load(cfg)
         if not _is_multirun():
             return warnings, None
         from hydra.core.hydra_config import HydraConfig

@@ -44,6 +44,47 @@ def recipe_dirs() -> list[Path]:
     return [RECIPES_DIR, Path.cwd() / "recipes"]
 
 
+def group_options_with(key: str) -> tuple[str, list[str]] | None:
+    """(group, the options of that config group whose YAML, or one it builds on, has `key`), e.g. `data.prompt_column`
+    -> ("data", ["gsm8k", "gsm8k_sample", "hf"]); None for a key outside the groups, or that no option has."""
+    group, _, rest = key.partition(".")
+    folder = CONF_DIR / group
+    if not rest or not folder.is_dir():
+        return None
+
+    def has(option: str, seen: frozenset = frozenset()) -> bool:
+        file = folder / f"{option}.yaml"
+        if option in seen or not file.is_file():
+            return False
+        cfg = OmegaConf.load(file)
+        if OmegaConf.select(cfg, rest, default=None, throw_on_missing=False) is not None or rest in cfg:
+            return True
+        bases = [d for d in cfg.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+        return any(has(base, seen | {option}) for base in bases)
+
+    def builds_on_another(option: str) -> bool:
+        return any(isinstance(d, str) and d != "_self_" for d in OmegaConf.load(folder / f"{option}.yaml").get("defaults", []))
+
+    # the options that stand alone first (hf before gsm8k, its preset): the one to suggest
+    having = sorted((f.stem for f in folder.glob("*.yaml") if has(f.stem)), key=lambda o: (builds_on_another(o), o))
+    return (group, having) if having else None
+
+
+def unknown_key_hint(message: str) -> str | None:
+    """Hydra's "Could not override 'KEY'" for a key of another option of KEY's config group: the one-line fix is that
+    option (data=hf), not the `+KEY` that Hydra suggests."""
+    if not message.startswith("Could not override '"):
+        return None
+    key = message.split("'")[1]
+    found = group_options_with(key)
+    if found is None:
+        return None
+    group, having = found
+    return (f"{key} is a key of {group}={', '.join(having)}, not of the {group} option in use; pick that option, e.g. "
+            f"{group}={having[0]} (the {group} group is chosen with {group}=OPTION"
+            + (", not data.source" if group == "data" else "") + ")")
+
+
 def available_recipes() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for folder in recipe_dirs():
@@ -264,7 +305,7 @@ def explicit_clip_warning(cfg: DictConfig, task_overrides: list[str]) -> str | N
 def _validate_rewards(cfg: DictConfig) -> None:
     """Each reward entry's _target_ imports and takes the entry's options; reward.accuracy names an entry,
     which eval.every > 0 and eval.final=true need."""
-    from grpo_cli.rewards import resolve_callable
+    from grpo_cli.rewards import ImportRaised, resolve_callable
 
     functions = cfg.reward.functions
     if not functions:
@@ -274,7 +315,8 @@ def _validate_rewards(cfg: DictConfig) -> None:
         try:
             target = resolve_callable(spec._target_)
         except (ImportError, AttributeError, ValueError) as err:
-            fail(key, spec._target_, f"cannot be imported ({err}); check the dotted path")
+            fail(key, spec._target_, f"cannot be imported ({err}); "
+                                     + ("fix the module" if isinstance(err, ImportRaised) else "check the dotted path"))
         _check_reward_options(f"reward.functions.{name}", target, spec)
     accuracy = cfg.reward.accuracy
     if accuracy is not None and accuracy not in functions:

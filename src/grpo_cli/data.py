@@ -210,8 +210,27 @@ def _local_table(key: str, path: str, split: str, split_key: str) -> Table:
     import datasets
 
     label = str(files[0]) if len(files) == 1 else f"data.{key}={path}"
+    if all(_holds_no_rows(f) for f in files):  # datasets calls such files unreadable
+        return Table(label, [], [])
     with _datasets_quiet():
         return _read(label, lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"))
+
+
+def _holds_no_rows(file: Path) -> bool:
+    """An empty file, a parquet file of no rows, a csv file of its header alone."""
+    if file.stat().st_size == 0:
+        return True
+    try:
+        if file.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(file).metadata.num_rows == 0
+        if file.suffix.lower() == ".csv":
+            with file.open("rb") as f:
+                return sum(1 for line in f if line.strip()) <= 1
+    except Exception:  # noqa: BLE001 - not readable as that format: datasets names the problem
+        return False
+    return False
 
 
 @contextmanager
@@ -359,3 +378,43 @@ class PromptSampler:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
             self._cached_epoch, self._cached_order = epoch, order
         return self._cached_order
+
+
+# ---- checks before the model loads -------------------------------------------------------------------
+def check_before_model_load(cfg) -> None:
+    """What the data config asks for that would fail only once the model has loaded (or never be noticed): a held-out
+    split that does not exist, even when nothing evaluates, and data.overlong=drop that drops every prompt."""
+    check_held_out_split(cfg.data)
+    if cfg.data.get("overlong") == "drop":
+        from grpo_cli.models import load_tokenizer
+
+        rows = load_rows(cfg.data, split="train", seed=cfg.trainer.seed)
+        check_some_prompt_fits(rows, load_tokenizer(cfg.model.name_or_path, bool(cfg.model.get("trust_remote_code"))),
+                               cfg.data.max_prompt_tokens)
+
+
+def check_held_out_split(cfg_data) -> None:
+    """data.eval_split names a split of a save_to_disk DatasetDict at data.path (or of the hub dataset data.name,
+    not checked offline); a data.path file holds one split only."""
+    split, path = cfg_data.get("eval_split"), cfg_data.get("path")
+    if cfg_data.source not in ("hf", "jsonl") or not split or cfg_data.get("eval_path") or not path:
+        return
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        with _datasets_quiet():
+            _read(str(folder), lambda: _saved_split(folder, split, "eval_split"))
+    elif not cfg_data.get("name"):
+        raise DataError(f"data.eval_split={split} names a split, but data.path={path} is a file (one split); give the "
+                        f"held-out rows with data.eval_path=FILE, or set data.eval_split=null")
+
+
+def check_some_prompt_fits(rows: list[dict], tokenizer, max_prompt_tokens: int) -> None:
+    """data.overlong=drop with every prompt over data.max_prompt_tokens would stop the run at step 0."""
+    from grpo_cli.rollout.common import encode_prompts
+
+    if any(encode_prompts(tokenizer, [row], max_prompt_tokens, "drop").ids for row in rows):  # stops at the first
+        return
+    shortest = min(len(e) for e in encode_prompts(tokenizer, rows, 10**9).ids)
+    raise DataError(f"data.overlong=drop drops every one of the {len(rows)} prompts: each is over data.max_prompt_tokens="
+                    f"{max_prompt_tokens} tokens (the shortest has {shortest}); raise data.max_prompt_tokens to at "
+                    f"least {shortest} or set data.overlong=truncate")

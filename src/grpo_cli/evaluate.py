@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from grpo_cli.console import print_table
 from grpo_cli.data import load_rows, source_of
 from grpo_cli.errors import ConfigError, Interrupted
 from grpo_cli.rewards import resolve_callable, to_scores
@@ -169,6 +170,6 @@ def run_eval(cfg, run_dir: Path, stop=None) -> dict:
     for key, value in result.items():
         if key.startswith("eval/"):
             table.add_row(key[5:], f"{value:.4f}" if isinstance(value, float) else str(value))
-    console.print(table)
+    print_table(console, table)
     result["accuracy"] = result["eval/accuracy"]
     return result

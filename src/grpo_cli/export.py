@@ -9,15 +9,22 @@ model rebuilt from the run's seed), or `--base`. A run on a quantized base (`mod
 merged into that quantized base dequantized (the weights the adapter was trained against), so the export
 needs neither bitsandbytes nor peft to load. `--adapter-only` writes a clean copy of the adapter with
 a model card instead.
+
+Everything is written into a temporary sibling of OUT_DIR that is renamed into place at the end, so OUT_DIR is
+either the whole export or untouched. SIGINT, SIGTERM and SIGHUP stop the export where it is: the temporary dir
+is removed and one line says so (exit 128 + signal); the final rename is not interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +173,11 @@ def _prepare_out(out_dir: Path, run_dir: Path, overwrite: bool) -> Path:
 
 
 def _finish_out(tmp: Path, out_dir: Path) -> None:
+    with _signals_held():  # the old OUT_DIR set aside and the new one renamed in: both or neither
+        _rename_into_place(tmp, out_dir)
+
+
+def _rename_into_place(tmp: Path, out_dir: Path) -> None:
     out_dir = out_dir.expanduser().resolve()
     umask = os.umask(0)
     os.umask(umask)
@@ -246,8 +258,10 @@ def export(run_dir: Path, out_dir: Path, *, base: str | None = None, checkpoint:
     _say(f"[1/{steps}] reading {run_dir}")
     source = find_source(run_dir, checkpoint)
     base_name, trust, tiny, seed, quantization = _model_settings(source.cfg, base)
-    tmp = _prepare_out(Path(out_dir), source.run_dir, overwrite)
+    tmp = None
     try:
+        with _signals_held():  # made and known here together: a stop removes it
+            tmp = _prepare_out(Path(out_dir), source.run_dir, overwrite)
         _say(f"[2/{steps}] checking {source.label} ({source.adapter_dir}) against base {base_name}")
         import torch
 
@@ -276,7 +290,8 @@ def export(run_dir: Path, out_dir: Path, *, base: str | None = None, checkpoint:
             (tmp / "README.md").write_text(model_card(source, base_name, merged=True, dtype=dtype))
         _finish_out(tmp, Path(out_dir))
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return Path(out_dir)
 
 
@@ -329,6 +344,49 @@ def _save_model(model, tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+# ---- signals -------------------------------------------------------------------------------------
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class ExportStopped(BaseException):
+    """A stop signal arrived during the export. A BaseException, as KeyboardInterrupt is: library code that catches
+    Exception must not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, _frame) -> None:
+    from grpo_cli.stopping import discard_dead_outputs
+
+    if signum == signal.SIGHUP:
+        discard_dead_outputs()
+    for s in STOP_SIGNALS:  # the first signal stops it; the cleanup that follows is not cut short by another
+        signal.signal(s, signal.SIG_IGN)
+    raise ExportStopped(signum)
+
+
+@contextlib.contextmanager
+def _stops_on_signals() -> Iterator[None]:
+    previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Stop signals wait (blocked, not lost) until the block ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
     ap.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a grpo-train run dir (or one of its checkpoints/step-N)")
@@ -341,9 +399,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adapter-only", action="store_true", help="write a clean adapter with a model card, not a merged model")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     args = ap.parse_args(argv)
-    with one_line(PROG):
-        out = export(args.run_dir, args.out_dir, base=args.base, checkpoint=args.checkpoint, dtype=args.dtype,
-                     adapter_only=args.adapter_only, overwrite=args.overwrite)
+    try:
+        with one_line(PROG), _stops_on_signals():
+            out = export(args.run_dir, args.out_dir, base=args.base, checkpoint=args.checkpoint, dtype=args.dtype,
+                         adapter_only=args.adapter_only, overwrite=args.overwrite)
+    except ExportStopped as stopped:
+        with contextlib.suppress(OSError):  # stderr on a terminal that hung up
+            print(f"{PROG}: stopped by {stopped}; {args.out_dir} was not written (nothing partial is left); run the "
+                  "same command again to export", file=sys.stderr, flush=True)
+        return 128 + stopped.signum
     _say(f"done: {out}")
     return 0
 

@@ -118,7 +118,12 @@ def _cache_dir(name: str, source: Path, save: Callable[[Path], None], marker: st
     cached = cache_root / f"{name}-{stat.st_size}-{int(stat.st_mtime)}"
     if (cached / marker).is_file():
         return cached
-    tmp = Path(tempfile.mkdtemp(prefix=cached.name, dir=_ensure_dir(cache_root)))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=cached.name, dir=_ensure_dir(cache_root)))
+    except OSError as err:  # a read-only HOME, a cache dir on a full or read-only disk
+        raise ModelLoadError(f"the cache dir {cache_root} cannot be written ({error_line(err)}); point XDG_CACHE_HOME "
+                             "at a writable dir (grpo-cli keeps its copies of the embedded model under "
+                             "XDG_CACHE_HOME/grpo_cli, else ~/.cache/grpo_cli)") from None
     save(tmp)
     try:
         os.replace(tmp, cached)
@@ -289,7 +294,13 @@ def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    peft_model = get_peft_model(model, config)
+    # peft keeps the matched layer names as a set, saved in hash order: identical runs would write different
+    # adapter_config.json files; a sorted list names the same layers
+    for adapter in peft_model.peft_config.values():
+        if isinstance(adapter.target_modules, (set, frozenset)):
+            adapter.target_modules = sorted(adapter.target_modules)
+    return peft_model
 
 
 def _tokenizer_and_base(cfg_model, device: torch.device, dtype: torch.dtype, seed: int):

@@ -20,6 +20,7 @@ from matplotlib.patches import Rectangle
 from rich.console import Console
 from rich.table import Table as RichTable
 
+from grpo_cli.console import print_table
 from grpo_cli.errors import ReportError, one_line, warn
 from grpo_cli.metrics import final_mean, read_metrics
 from grpo_cli.sweep_stats import BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
@@ -346,7 +347,7 @@ def make_report(path: Path, out: Path | None = None, console: Console | None = N
     page, terminal = sweep_report(path, out) if is_sweep else (run_report(path, out), None)
     (out / "report.html").write_text(page)
     if terminal is not None and console is not None:
-        console.print(terminal)
+        print_table(console, terminal)  # in a pipe too, every column keeps its width
     return out / "report.html"
 
 

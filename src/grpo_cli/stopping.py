@@ -1,9 +1,11 @@
-"""The stop request of a run: what SIGINT / SIGTERM ask for, polled by the step loop and every decode step.
+"""The stop request of a run: what SIGINT / SIGTERM / SIGHUP ask for, polled by the step loop and every decode step.
 
-The first SIGINT or SIGTERM only sets a flag: generation stops at its next decode step, the unfinished
-step is discarded and the last complete state is checkpointed. After that first signal SIGINT has its
-default action again, so a second Ctrl-C ends the process at once, even inside a long native call (a
-shell reports 130); the last complete checkpoint on disk is kept. Repeated SIGTERMs are ignored.
+The first SIGINT, SIGTERM or SIGHUP (what an ssh drop or a closed terminal sends) only sets a flag: generation
+stops at its next decode step, the unfinished step is discarded and the last complete state is checkpointed.
+After that first signal SIGINT has its default action again, so a second Ctrl-C ends the process at once, even
+inside a long native call (a shell reports 130); the last complete checkpoint on disk is kept. Repeated SIGTERMs
+and SIGHUPs are ignored. A terminal that hung up fails every write to it (EIO): stdout and stderr that cannot be
+written any more are pointed at /dev/null then, so that the run still reaches its checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 
 from grpo_cli.ranks import is_rank_zero
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class StopRequest:
@@ -41,10 +43,13 @@ class StopRequest:
             return  # already stopping (a repeated SIGTERM); a second SIGINT never gets here
         self.signum = signum
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if signum == signal.SIGHUP:
+            discard_dead_outputs()
         if self.announce:
             # os.write, not print: the main thread may be inside a write to stderr right now
-            os.write(2, f"{self.prog}: {signal.Signals(signum).name} received: stopping now ({self.effect}); "
-                        "Ctrl-C again to exit at once\n".encode())
+            with contextlib.suppress(OSError):
+                os.write(2, f"{self.prog}: {signal.Signals(signum).name} received: stopping now ({self.effect}); "
+                            "Ctrl-C again to exit at once\n".encode())
 
     def _on_signal(self, signum, _frame) -> None:
         self.request(signum)
@@ -59,3 +64,15 @@ class StopRequest:
             self.installed_now = False
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+def discard_dead_outputs() -> None:
+    """stdout / stderr on a terminal that hung up: every write fails (EIO, even an empty one), and the first print
+    would end the run before its checkpoint. Such a stream is pointed at /dev/null; a live one is left alone."""
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)

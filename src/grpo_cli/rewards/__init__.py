@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from grpo_cli.errors import Interrupted, RewardError
+from grpo_cli.errors import ConfigError, Interrupted, RewardError
 from grpo_cli.rewards.aggregation import combine
 
 SCORE_TYPES = "a number per completion (int, float, bool, or a numpy/torch scalar)"
@@ -90,9 +90,10 @@ class RewardTimeout(Exception):
 
 
 class RewardRaised(Exception):
-    """A reward call raised `error` (kept apart from the stop request, which must pass through)."""
+    """A reward call raised `error`, any BaseException (SystemExit, KeyboardInterrupt: the function's own, since a
+    real Ctrl-C is a stop request), kept apart from the stop request, which must pass through."""
 
-    def __init__(self, error: Exception):
+    def __init__(self, error: BaseException):
         super().__init__(str(error))
         self.error = error
 
@@ -116,10 +117,8 @@ class RewardSet:
     @classmethod
     def from_config(cls, cfg_reward, device=None, dtype=None, stop=None) -> RewardSet:
         """Reward models among the functions load here, once, on `device` in `dtype` (the policy's)."""
-        functions = [
-            RewardFunction(name, build_reward(name, spec, device=device, dtype=dtype), float(spec.get("weight", 1.0)))
-            for name, spec in cfg_reward.functions.items()
-        ]
+        functions = [RewardFunction(name, _built(name, spec, device, dtype), float(spec.get("weight", 1.0)))
+                     for name, spec in cfg_reward.functions.items()]
         return cls(functions, cfg_reward.get("on_error", "raise"), cfg_reward.get("timeout_s"), stop,
                    cfg_reward.get("aggregation", "sum"))
 
@@ -130,7 +129,7 @@ class RewardSet:
         def target():
             try:
                 outcome["returned"] = rf.fn(prompts, completions, **fields)
-            except Exception as err:  # handed to the waiting thread
+            except BaseException as err:  # handed to the waiting thread, which names it (no thread traceback)
                 outcome["error"] = err
 
         worker = threading.Thread(target=target, name=f"reward-{rf.name}", daemon=True)
@@ -144,8 +143,6 @@ class RewardSet:
             worker.join(min(POLL_S, max(0.0, deadline - time.monotonic())))
         if "error" in outcome:
             raise RewardRaised(outcome["error"])
-        if "returned" not in outcome:  # the thread died of a BaseException (SystemExit in the function)
-            raise RewardRaised(RuntimeError("the reward function exited its thread"))
         return outcome["returned"]
 
     def _call_one(self, rf: RewardFunction, prompts, completions, fields, i: int):
@@ -225,12 +222,29 @@ def takes_messages(fn) -> bool:
         return False
 
 
+def raised(err: BaseException) -> str:
+    """`Type: message` of anything user code raised (SyntaxError with its file and line, SystemExit with its code)."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+class ImportRaised(ImportError):
+    """Importing a reward's module ran its code, and that raised (the module exists: the fix is in it)."""
+
+
 def resolve_callable(dotted: str):
-    """The callable a `_target_` names (pkg.module.fn or pkg.module.Class)."""
+    """The callable a `_target_` names (pkg.module.fn or pkg.module.Class). Whatever importing its module raises
+    (a SyntaxError, sys.exit at import time) comes out as an ImportRaised that names it."""
     module, _, attr = str(dotted).rpartition(".")
     if not module:
         raise ValueError(f"{dotted!r} is not a dotted path")
-    fn = getattr(importlib.import_module(module), attr)
+    try:
+        imported = importlib.import_module(module)
+    except ImportError:
+        raise
+    except BaseException as err:  # user code: anything it raises is a bad _target_, not a crash of the command
+        raise ImportRaised(f"importing {module} raised {raised(err)}") from None
+    fn = getattr(imported, attr)
     if not callable(fn):
         raise ValueError(f"{dotted} is not callable")
     return fn
@@ -244,7 +258,11 @@ def build_reward(name: str, spec, **context):
     options = reward_options(spec)
     if inspect.isclass(target):
         accepted = inspect.signature(target).parameters
-        fn = target(**options, **{k: v for k, v in {"name": name, **context}.items() if k in accepted})
+        try:
+            fn = target(**options, **{k: v for k, v in {"name": name, **context}.items() if k in accepted})
+        except BaseException as err:  # user code: one line, exit 2, whatever it raised
+            raise ConfigError(f"reward.functions.{name}: building {spec['_target_']} raised {raised(err)}; fix its "
+                              "constructor or the entry's options") from None
     else:
         fn = functools.partial(target, **options) if options else target
     if takes_messages(fn):
@@ -255,3 +273,38 @@ def build_reward(name: str, spec, **context):
         return fn(prompts, completions, **fields)
 
     return without_messages
+
+
+# ---- built before the model loads ----------------------------------------------------------------
+CONTEXT_ARGS = ("device", "dtype")  # known only once the policy is placed: a class that takes them is built then
+_prebuilt: dict[tuple[str, str], object] = {}
+
+
+def _spec_key(name: str, spec) -> tuple[str, str]:
+    import json
+
+    return name, json.dumps(reward_options(spec) | {"_target_": str(spec["_target_"])}, sort_keys=True, default=str)
+
+
+def _built(name: str, spec, device, dtype):
+    """The entry's callable: the one `build_before_model_load` made, else built now."""
+    key = _spec_key(name, spec)
+    if key in _prebuilt:
+        return _prebuilt.pop(key)
+    return build_reward(name, spec, device=device, dtype=dtype)
+
+
+def build_before_model_load(cfg_reward) -> None:
+    """Import every reward's module and build every reward class that needs no device, so that user code that fails
+    does so in one line (exit 2) before minutes of model loading; `RewardSet.from_config` then takes these objects
+    (each is still built once). A class taking `device` or `dtype` (a reward model) is built beside the policy."""
+    _prebuilt.clear()
+    for name, spec in cfg_reward.functions.items():
+        try:
+            target = resolve_callable(spec["_target_"])
+        except (ImportError, AttributeError, ValueError) as err:
+            fix = "fix the module" if isinstance(err, ImportRaised) else "check the dotted path"
+            raise ConfigError(f"reward.functions.{name}._target_={spec['_target_']} cannot be imported ({err}); {fix}") from None
+        if inspect.isclass(target) and any(k in inspect.signature(target).parameters for k in CONTEXT_ARGS):
+            continue
+        _prebuilt[_spec_key(name, spec)] = build_reward(name, spec)
