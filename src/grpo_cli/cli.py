@@ -135,8 +135,7 @@ def _train_task(cfg) -> float:
                 warnings, plan = _validated_job(cfg)
                 if plan is not None and plan.action == "skip":
                     return plan.result
-                run = _claimed(cfg, run_dir, plan, warnings)
-                with run:
+                with _claimed(cfg, run_dir, plan, warnings) as run:  # leaving it releases the dir and the ranks
                     summary = run.train(stop=stop, make_evaluator=_evaluator_factory(cfg),
                                         final_eval=_final_eval(cfg))
         except Interrupted as stopped:

@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -24,11 +25,14 @@ from grpo_cli import algorithm, checkpoint, distributed, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
-from grpo_cli.models import LoadedModel
 from grpo_cli.ranks import is_rank_zero
+from grpo_cli.schema import view
 from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import Tracker, open_tracker
-from grpo_cli.trainer import Batch, GRPOTrainer
+
+if TYPE_CHECKING:  # the trainer (transformers, peft) loads only once the dir is claimed and the libraries quieted
+    from grpo_cli.models import LoadedModel
+    from grpo_cli.trainer import Batch, GRPOTrainer
 
 ZERO_STD_SHARE, ZERO_STD_STEPS = 0.9, 10  # frac_reward_zero_std above the share for this many steps: a warning
 
@@ -40,6 +44,7 @@ class Run:
 
     def __init__(self, cfg: DictConfig, run_dir: Path, *, decision: rundir.ResumeDecision | None = None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.tcfg = view(cfg.trainer, "trainer")
         self.claim = rundir.claim(cfg, self.run_dir, main=is_rank_zero(), decision=decision)
         self.warnings = list(self.claim.decision.warnings)
         self.trainer: GRPOTrainer | None = None
@@ -79,13 +84,15 @@ class Run:
         # the CLI installs the handlers for the whole run (model load included); a program's run does it here
         with contextlib.nullcontext() if stop.installed_now else stop.installed():
             if trainer is None:
+                from grpo_cli.trainer import GRPOTrainer
+
                 self.built_trainer = True
                 trainer = GRPOTrainer(self.cfg, lm=lm, rows=rows, stop=stop, make_evaluator=make_evaluator,
                                       final_eval=final_eval)
             self.trainer = trainer
             start = self.resume()
-            if start == 0 and trainer.stop_agreed(stop()):  # before anything of the run was written
-                raise Interrupted(stop.signum or signal.SIGTERM, None, completed=0)
+            if self.claim.decision.checkpoint is None and trainer.stop_agreed(stop()):
+                raise Interrupted(stop.signum or signal.SIGTERM, None, completed=0)  # a new run that wrote nothing yet
             if self.main:  # a final eval of an earlier attempt does not describe this one's weights
                 (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
             tracker = self.open_tracker(start)
@@ -98,7 +105,7 @@ class Run:
     def run_steps(self, tracker: Tracker, start: int) -> None:
         trainer = self.trainer
         last_complete = rng_snapshot()
-        for step in range(start, self.cfg.trainer.max_steps):
+        for step in range(start, self.tcfg.max_steps):
             result = trainer.step(step)
             if result is None:  # stopped before the update: checkpoint the state after `step` complete steps
                 restore_rng(last_complete)
@@ -130,14 +137,14 @@ class Run:
         if not self.main:
             return Tracker([])
         return open_tracker(self.run_dir, self.cfg.logger, OmegaConf.to_container(self.cfg, resolve=True),
-                            self.cfg.trainer.max_steps, start, resume=self.claim.decision.checkpoint is not None)
+                            self.tcfg.max_steps, start, resume=self.claim.decision.checkpoint is not None)
 
     # ---- what a step leaves behind --------------------------------------------------------------
     def record(self, tracker: Tracker, step: int, metrics: dict, batch: Batch) -> None:
         """Everything a finished step leaves behind but the checkpoint: warnings, eval, metrics, samples."""
         self.track_zero_std(metrics, tracker)
         self.track_truncation(metrics, tracker)
-        trainer, every = self.trainer, self.cfg.eval.every
+        trainer, every = self.trainer, view(self.cfg.eval, "eval").every
         if trainer.evaluator is not None and every and (step + 1) % every == 0:
             if self.main:
                 tracker.say(f"evaluating after step {step + 1} on the held-out prompts")
@@ -152,7 +159,7 @@ class Run:
         self.save_samples(tracker, step, batch)
 
     def save_samples(self, tracker: Tracker, step: int, batch: Batch) -> None:
-        every = self.cfg.trainer.log_samples_every
+        every = self.tcfg.log_samples_every
         if not every or step % every:
             return
         rows = []
@@ -186,7 +193,7 @@ class Run:
         step was finished; then raise Interrupted). Every rank stops at the same step."""
         stop = self.trainer.stop
         stopping = self.trainer.stop_agreed(stop())
-        every = self.cfg.trainer.save_every
+        every = self.tcfg.save_every
         if (every and done % every == 0) or stopping:
             ckpt = self.save_checkpoint(done)
             if stopping:
@@ -208,7 +215,7 @@ class Run:
                                    {"skipped_updates": trainer.skipped_updates,
                                     "fingerprint": rundir.fingerprint(self.cfg),
                                     **(trainer.entropy_control.state() if trainer.entropy_control else {})},
-                                   self.cfg.trainer.keep_last)
+                                   self.tcfg.keep_last)
         distributed.barrier(trainer.dist)
         self.last_checkpoint = (done, path)
         return path
@@ -225,7 +232,7 @@ class Run:
         trainer = self.trainer
         if not trainer.final_eval or trainer.evaluator is None:
             return None
-        steps = self.cfg.trainer.max_steps
+        steps = self.tcfg.max_steps
         result = None
         if self.main:
             if self.last_eval is not None and self.last_eval[0] == steps:
