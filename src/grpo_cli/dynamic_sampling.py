@@ -94,7 +94,7 @@ def filtered_batch(trainer, step: int):
         quiet = [g for g in range(first.rewards.numel() // G) if g not in signal_groups(first.rewards, G)]
         kept.append(first.select_groups(quiet[:want - found]))
     batch = concat_batches([b for b in kept if b.rewards.numel()], trainer.tokenizer.pad_token_id)
-    advantages = algorithm.advantages_of(algo.get("advantage", "grpo"), batch.rewards, G, eps=algo.adv_eps,
+    advantages = algorithm.advantages_of(algo.advantage, batch.rewards, G, eps=algo.adv_eps,
                                          scale=algo.scale_rewards, lengths=batch.mask.sum(1))
     stats = {**first.stats, "filter_dropped_frac": 1.0 - found / max(1, generated), "filter_draws": draw + 1,
              "filter_extra_gen_time_s": extra_s, "filter_bound_hit": float(found < want),

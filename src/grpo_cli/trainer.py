@@ -247,7 +247,7 @@ class GRPOTrainer:
         mask = roll.completion_mask.float()
         if self.algo.mask_truncated:
             mask = mask * (~roll.truncated).float().unsqueeze(1)
-        advantages = algorithm.advantages_of(self.algo.get("advantage", "grpo"), scores.totals, self.algo.num_generations,
+        advantages = algorithm.advantages_of(self.algo.advantage, scores.totals, self.algo.num_generations,
                                              eps=self.algo.adv_eps, scale=self.algo.scale_rewards, lengths=mask.sum(1))
         return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(self.lm.device), mask,
                      scores.errors, stats=generation.stats)
@@ -385,7 +385,7 @@ class GRPOTrainer:
         """One GRPO update; None when a stop request came before the update began (the step is discarded,
         nothing of it has touched the weights, the optimiser or the logs)."""
         t0 = time.perf_counter()
-        if self.algo.get("filter_groups"):
+        if self.algo.filter_groups:
             batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
         else:
             generation, batch = self.generate(step), None
@@ -396,7 +396,7 @@ class GRPOTrainer:
             return None
         stats = self.update(step, batch)
         if self.algo.check:
-            self.check_invariants(step, batch, stats)
+            check_invariants(step, batch, stats, self.algo)
         metrics = self.metrics(step, batch, stats, time.perf_counter() - t0)
         return metrics, batch
 
@@ -452,10 +452,13 @@ class GRPOTrainer:
             raise InvariantError(f"invariant 'KL == 0 with a fresh adapter' failed at step {step} (first mini-batch): "
                                  f"kl {kl:.3e}")
 
-    def check_invariants(self, step: int, batch: Batch, stats: StepStats) -> None:
-        G = self.algo.num_generations
-        if stats.max_logp > 1e-5:
-            raise InvariantError(f"invariant 'logp <= 0' failed at step {step}: max logp {stats.max_logp:.3e}")
-        group_sums = batch.advantages.detach().float().view(-1, G).sum(dim=1).abs().max()
-        if algorithm.ADVANTAGES[self.algo.get("advantage", "grpo")].zero_sum_groups and float(group_sums) > 1e-3:
-            raise InvariantError(f"invariant 'advantages sum to 0 per group' failed at step {step}: max |sum| {float(group_sums):.2e}")
+
+def check_invariants(step: int, batch: Batch, stats: StepStats, algo) -> None:
+    """algo.check after a step: log-probs are <= 0, and the advantages of each group sum to 0 where the
+    estimator (algo.advantage) promises it."""
+    if stats.max_logp > 1e-5:
+        raise InvariantError(f"invariant 'logp <= 0' failed at step {step}: max logp {stats.max_logp:.3e}")
+    group_sums = batch.advantages.detach().float().view(-1, algo.num_generations).sum(dim=1).abs().max()
+    if algorithm.ADVANTAGES[algo.advantage].zero_sum_groups and float(group_sums) > 1e-3:
+        raise InvariantError(f"invariant 'advantages sum to 0 per group' failed at step {step}: "
+                             f"max |sum| {float(group_sums):.2e}")
