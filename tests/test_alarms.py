@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_trainer, read_jsonl
+from conftest import fit, make_trainer, read_jsonl
 
 ZERO_STD = "frac_reward_zero_std > 0.9 for 10 steps in a row"
 
@@ -14,7 +14,7 @@ def test_the_zero_std_alarm_fires_after_10_steps_of_equal_rewards(compose, tmp_p
     trainer = make_trainer(compose, tmp_path, "rollout.max_new_tokens=2", "data.prompts_per_step=2",
                            "algo.num_generations=2", "trainer.max_steps=11", "trainer.save_every=0",
                            "trainer.log_samples_every=0")
-    trainer.fit()
+    fit(trainer, tmp_path)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["frac_reward_zero_std"] for r in rows] == [1.0] * 11
     warned = [r["step"] for r in rows if ZERO_STD in (r.get("warning") or "")]

@@ -566,7 +566,7 @@ def test_the_embedded_model_calls_a_tool_when_the_call_opener_is_prefilled():
 
     from grpo_cli.models import load_policy
 
-    lm = load_policy(OmegaConf.create({"name_or_path": "embedded:smollm2-135m", "lora": {
+    lm = load_policy(OmegaConf.create({"name_or_path": "embedded:smollm2-135m", "dtype": "float32", "lora": {
         "r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}}), "cpu")
     fmt = ToolFormat(lm.tokenizer, opener='<tool_call>{"name": "multiply", "arguments": {"a": ')
     torch.manual_seed(0)

