@@ -62,31 +62,41 @@ def _under(key: str, prefix: str) -> bool:
 
 # ---- one writer ---------------------------------------------------------------------------------
 class RunLock:
-    """An exclusive flock on RUN_DIR/.lock, held until `release()` or the end of the process."""
+    """An exclusive flock on RUN_DIR/.lock, held until `release()` or the end of the process. The kernel drops it
+    when its process dies (even by SIGKILL), so a stale file is taken over; the file names the holder for the one
+    line a second writer gets. Subclasses change only the file, the words and the option to change."""
+
+    FILE = LOCK_FILE
+    OPTION = "hydra.run.dir"
+    HOLDER = "grpo-train pid"
+    OTHER = "it"
 
     def __init__(self, file):
         self.file = file
 
     @classmethod
-    def acquire(cls, run_dir: Path) -> RunLock:
-        path = run_dir / LOCK_FILE
+    def what(cls, folder: Path) -> str:
+        return f"run dir {folder}"
+
+    @classmethod
+    def acquire(cls, folder: Path) -> RunLock:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            file = path.open("a+")
+            folder.mkdir(parents=True, exist_ok=True)
+            file = (folder / cls.FILE).open("a+")
         except OSError as err:
-            raise RunDirError(f"run dir {run_dir} cannot be written ({err.strerror or err}); pick a writable "
-                              "hydra.run.dir") from None
+            raise RunDirError(f"{cls.what(folder)} cannot be written ({err.strerror or err}); pick a writable "
+                              f"{cls.OPTION}") from None
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             file.seek(0)
             holder = file.read().strip() or "another process"
             file.close()
-            raise RunDirError(f"run dir {run_dir} is in use by {holder}; wait for it to end, or pick another "
-                              "hydra.run.dir") from None
+            raise RunDirError(f"{cls.what(folder)} is in use by {holder}; wait for {cls.OTHER} to end, or pick "
+                              f"another {cls.OPTION}") from None
         file.seek(0)
         file.truncate()
-        file.write(f"grpo-train pid {os.getpid()} on host {socket.gethostname()} since "
+        file.write(f"{cls.HOLDER} {os.getpid()} on host {socket.gethostname()} since "
                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         file.flush()
         return cls(file)

@@ -44,14 +44,10 @@ process and gets its GPUs from `gpus_per_node` (CUDA_VISIBLE_DEVICES).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import math
-import os
-import socket
 import sys
-import time
 import traceback
 import uuid
 from pathlib import Path
@@ -64,7 +60,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from grpo_cli.errors import ConfigError, RunError, UserError, error_line, exit_with, one_line, program, warn
 from grpo_cli.overrides import override_key
-from grpo_cli.rundir import RunDirError, replace_text
+from grpo_cli.rundir import RunLock, replace_text
 from grpo_cli.stopping import StopRequest
 from grpo_cli.sweep_rerun import (
     continues_sweep,
@@ -97,39 +93,18 @@ BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
 # ---- before the first job --------------------------------------------------------------------------
-class SweepLock:
-    """One writer per sweep dir, as rundir.RunLock is for a run dir: an exclusive flock on SWEEP_DIR/.grpo_sweep.lock
-    for the life of the sweep. The kernel drops it when its process dies (even by SIGKILL), so a stale file is
-    taken over; the file names the holder for the one line a second sweep gets."""
+class SweepLock(RunLock):
+    """One writer per sweep dir, as RunLock is for a run dir: a flock on SWEEP_DIR/.grpo_sweep.lock for the life
+    of the sweep."""
 
-    def __init__(self, file):
-        self.file = file
+    FILE = SWEEP_LOCK_FILE
+    OPTION = "hydra.sweep.dir"
+    HOLDER = "the grpo-train sweep of pid"
+    OTHER = "that sweep"
 
     @classmethod
-    def acquire(cls, sweep_dir: Path) -> SweepLock:
-        try:
-            sweep_dir.mkdir(parents=True, exist_ok=True)
-            file = (sweep_dir / SWEEP_LOCK_FILE).open("a+")
-        except OSError as err:
-            raise RunDirError(f"hydra.sweep.dir={sweep_dir} cannot be written ({err.strerror or err}); pick a "
-                              "writable hydra.sweep.dir") from None
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "another process"
-            file.close()
-            raise RunDirError(f"hydra.sweep.dir={sweep_dir} is in use by {holder}; wait for that sweep to end, or "
-                              "pick another hydra.sweep.dir") from None
-        file.seek(0)
-        file.truncate()
-        file.write(f"the grpo-train sweep of pid {os.getpid()} on host {socket.gethostname()} since "
-                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        file.flush()
-        return cls(file)
-
-    def release(self) -> None:
-        self.file.close()  # closing drops the flock
+    def what(cls, folder: Path) -> str:
+        return f"hydra.sweep.dir={folder}"
 
 
 def job_overrides(config: DictConfig) -> list[list[str]]:
