@@ -316,6 +316,7 @@ def hydra_job():
     HydraConfig.instance().cfg = saved
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_name_and_group_in_a_multirun(hydra_job):
     from grpo_cli.tracking import _hydra_names
 
