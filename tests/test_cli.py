@@ -61,6 +61,7 @@ def test_issue_acceptance_command_outside_repo(tmp_path):
     assert "kernels-community" not in proc.stderr + proc.stdout  # bitsandbytes' CPU note on every run, kept quiet
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_user_recipe_in_working_directory(tmp_path):
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "mine.yaml").write_text(
@@ -71,6 +72,7 @@ def test_user_recipe_in_working_directory(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["grpo-train", "grpo-eval"])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_help_is_the_tools_own(tmp_path, command):
     """Hydra's help template per app: name, one usage line, the recipes, three examples, outputs, groups."""
     (tmp_path / "recipes").mkdir()
@@ -95,6 +97,7 @@ def test_unknown_recipe_is_one_line(tmp_path):
     assert len(lines) == 1 and "nope" in lines[0] and "quickstart" in lines[0]
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_bad_value_is_one_line_before_model_load(tmp_path):
     proc = run_cli(["+recipe=quickstart", "algo.clip_eps=2"], tmp_path, timeout=120)
     assert proc.returncode == 2

@@ -18,6 +18,7 @@ def test_recipes_exist_on_disk():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_every_recipe_composes_and_validates(compose, recipe):
     cfg = compose([f"+recipe={recipe}"])
     OmegaConf.resolve(cfg)
@@ -26,6 +27,7 @@ def test_every_recipe_composes_and_validates(compose, recipe):
 
 
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_every_group_option_composes(compose, group, option):
     cfg = compose([f"{group}={option}"])
     OmegaConf.resolve(cfg)
@@ -82,6 +84,7 @@ def test_recipe_overrides_its_groups(compose):
     ("rollout.compile=1", "rollout.compile"),
     ("+algo.betas=[0.9,0.99]", "algo.betas"),  # a key no option declares
 ])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_validate_names_key_and_value(compose, override, key):
     cfg = compose(["+recipe=quickstart", override])
     with pytest.raises(ConfigError) as err:
@@ -104,6 +107,7 @@ def test_large_adv_eps_warns(compose):
     (["logger=wandb", "logger.wandb.init_timeout=0"], "logger.wandb.init_timeout"),
     (["eval.every=5", "reward.accuracy=null"], "reward.accuracy"),
 ])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_group_specific_keys(compose, overrides, key):
     cfg = compose(["+recipe=quickstart", "model=tiny", *overrides])
     if key is None:
@@ -176,6 +180,7 @@ def test_clip_eps_on_the_command_line_of_an_on_policy_run_warns():
     ("trainer.logprob_chunk_size=0", "needs an integer >= 1, or null"),
     ("+algo.betas=[0.9,0.99]", "no such option"),
 ])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_the_line_says_what_is_allowed(compose, override, allowed):
     with pytest.raises(ConfigError) as err:
         validate(compose(["+recipe=quickstart", override]))

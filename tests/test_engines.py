@@ -84,6 +84,7 @@ def test_greedy_compiled_equals_hf_on_the_embedded_model(compose):
     assert any(len(t.strip()) > 3 for t in a.texts)
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_sampling_is_the_same_under_the_same_seed(tiny):
     """Temperature, top_p and min_new_tokens mean the same in both engines: same seed, same samples."""
     hf, compiled = engines(tiny)
@@ -134,6 +135,7 @@ def test_compiled_engine_sizes_its_cache_once(tiny):
 
 
 @pytest.mark.parametrize("which", ["hf", "compiled"])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_stop_ends_generation_early(tiny, which):
     engine = dict(zip(("hf", "compiled"), engines(tiny), strict=True))[which]
     prompts = chat_prompts(tiny.tokenizer)[:2]

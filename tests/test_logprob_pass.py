@@ -110,6 +110,7 @@ def _lora_grads(model):
 
 @pytest.mark.parametrize("temperature", (1.0, 0.7))
 @pytest.mark.parametrize("with_entropy", (False, True))
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_completion_logprobs_equal_full_forward(policy, temperature, with_entropy):
     model, roll = policy
     model.train()
@@ -275,6 +276,7 @@ def test_trainer_with_gradient_checkpointing_gives_the_same_update(compose, tmp_
 
 
 @pytest.mark.parametrize("with_checkpointing", (False, True))
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_a_trainable_head_takes_the_logits_path(policy, with_checkpointing):
     """A head that trains (here: the tied embedding unfrozen) is not folded into the chunked head pass; the
     logits path gives the same values and a gradient for the head."""

@@ -10,6 +10,7 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import VARIED_REWARD as VARIED_BY_LENGTH
 from conftest import fixed_batch, make_trainer, read_jsonl, run_cli
 
 from grpo_cli import algorithm
@@ -191,15 +192,16 @@ def test_resume_with_mini_batches_is_bitwise_identical(tmp_path):
     assert final == (resumed / "adapter" / "adapter_model.safetensors").read_bytes()
 
 
-# ---- the issue's test on the embedded model --------------------------------------------------------
-EMBEDDED = ["+recipe=quickstart", "model=smollm2-135m", "data.prompts_per_step=4", "algo.num_generations=4",
-            "rollout.max_new_tokens=6", "trainer.max_steps=2", "optimizer.lr=3e-4", "trainer.device=cpu",
-            "trainer.log_samples_every=0"]
+# ---- the issue's test, on the tiny model ---------------------------------------------------------
+# the tiny model with a reward that varies (conftest.VARIED_REWARD) and a learning rate that moves it off-policy within a step
+CLIPPED = ["+recipe=quickstart", "model=tiny", "data.prompts_per_step=4", "algo.num_generations=4",
+           "rollout.max_new_tokens=6", "trainer.max_steps=2", "optimizer.lr=1e-2", "trainer.device=cpu",
+           "trainer.log_samples_every=0", *VARIED_BY_LENGTH]
 
 
 @pytest.mark.slow
 def test_clip_eps_changes_training_only_when_updates_are_off_policy(compose, tmp_path):
-    """Two 2-step runs of the embedded model that differ only in algo.clip_eps (0.05 vs 0.3): with 4
+    """Two 2-step runs of the tiny model that differ only in algo.clip_eps (0.05 vs 0.3): with 4
     mini-batches they clip and end with different adapters; with 1 mini-batch and num_iterations=1 (fully
     on-policy) nothing is clipped and the adapters are identical. The four runs share one loaded model,
     each starting from the same fresh adapter."""
@@ -209,7 +211,7 @@ def test_clip_eps_changes_training_only_when_updates_are_off_policy(compose, tmp
     runs = {}
     for mini in (4, 1):
         for clip in (0.05, 0.3):
-            cfg = compose([*EMBEDDED, f"algo.mini_batches={mini}", f"algo.clip_eps={clip}"])
+            cfg = compose([*CLIPPED, f"algo.mini_batches={mini}", f"algo.clip_eps={clip}"])
             if lm is None:
                 lm = load_policy(cfg.model, "cpu", seed=cfg.trainer.seed)
                 fresh = {n: p.detach().clone() for n, p in lm.model.named_parameters() if p.requires_grad}

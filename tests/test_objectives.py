@@ -184,6 +184,7 @@ def test_advantage_estimators_by_hand():
     (["algo.filter_groups=true", "trainer.nproc=2"], "algo.filter_groups=true is invalid"),
     (["+reward.aggregation=mean"], "reward.aggregation=mean is invalid"),
 ])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_nonsense_combinations_are_one_line(compose, overrides, match):
     from grpo_cli.config import validate
 
@@ -191,6 +192,7 @@ def test_nonsense_combinations_are_one_line(compose, overrides, match):
         validate(compose(["+recipe=quickstart", *overrides]))
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_aggregation_and_its_alias(compose):
     from grpo_cli.config import validate
 
@@ -337,6 +339,7 @@ def test_reward_set_leaves_out_none_and_refuses_a_completion_nobody_scored():
         alone.score(["p"] * 2, ["ab", "abcd"], {})
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_overlong_penalty_from_the_config(compose):
     from grpo_cli.config import validate
     from grpo_cli.rewards import RewardSet

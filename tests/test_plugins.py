@@ -109,6 +109,7 @@ def test_a_toy_engine_and_a_toy_logger_from_a_plugin_module_train_end_to_end(tmp
     ("logger.backend=toy", "logger.backend=toy is invalid: use one of none, wandb"),
     ("optimizer.name=toy", "optimizer.name=toy is invalid: use one of adamw, sgd"),
 ])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_validation_names_the_registered_choices(compose, override, message):
     from grpo_cli.config import validate
 

@@ -22,6 +22,7 @@ CPU = torch.device("cpu")
 
 
 # ---- the option ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_the_dtypes_the_cpu_runs_are_taken(compose):
     from grpo_cli.config import validate
 
@@ -34,6 +35,7 @@ def test_the_dtypes_the_cpu_runs_are_taken(compose):
     ("float16", "model.dtype=float16 cannot run on the CPU"),
     ("half", "model.dtype=half is invalid: use one of auto, float32, bfloat16, float16"),
 ])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_a_dtype_the_cpu_cannot_run_is_refused_in_one_line(compose, value, says):
     from grpo_cli.config import validate
 
@@ -59,6 +61,7 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_runs_with_a_warning(compose):
                                                                  "trainer.device=cpu", "model.dtype=float32"])))
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_a_bf16_base_keeps_its_lora_weights_in_fp32(compose):
     lm = load_policy(compose(["model=tiny", "model.dtype=bfloat16"]).model, "cpu")
     assert lm.dtype == torch.bfloat16
@@ -84,6 +87,7 @@ def bf16_policy():
     return model, copy.deepcopy(model).float(), roll
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_bf16_logprob_pass_equals_a_full_bf16_forward(bf16_policy):
     """Tolerances: log-probs within 5e-3 nats and entropy within 1e-2 of the full bf16 forward. Both take bf16 logits
     and log-softmax them in fp32, but the pass runs each prompt once and its completions on the cached keys, so the

@@ -32,6 +32,7 @@ ADAPTER = "adapter/adapter_model.safetensors"
 
 
 # ---- config (in-process) ------------------------------------------------------------------------------------------
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_quantization_takes_nf4_fp4_int8_or_null_and_names_them(compose):
     from grpo_cli.config import validate
 

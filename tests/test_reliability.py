@@ -60,6 +60,7 @@ def cases(table):
 
 
 @pytest.mark.parametrize("override,words", cases(BAD_VALUES))
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_bad_value_is_one_line_naming_key_value_and_what_is_allowed(compose, override, words):
     with pytest.raises(UserError) as err:
         validate(compose(["+recipe=quickstart", "model=tiny", override]))

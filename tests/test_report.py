@@ -61,6 +61,7 @@ def assert_png(f: Path) -> None:
     assert data[:8] == PNG_MAGIC and len(data) > 5000, f
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_run_dir(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", ["algo.beta=0.04"], eval_every=10)
     page = make_report(run).read_text()
@@ -80,6 +81,7 @@ def test_run_dir_without_eval_and_out_dir(tmp_path: Path) -> None:
     assert "eval_accuracy" not in (out / "report.html").read_text()
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_sweep_heatmap(tmp_path: Path) -> None:
     sweep = write_sweep(tmp_path / "sweep")
     page = make_report(sweep).read_text()
@@ -92,6 +94,7 @@ def test_sweep_heatmap(tmp_path: Path) -> None:
     assert "Skipped" not in page
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_sweep_skips_job_without_metrics(tmp_path: Path) -> None:
     sweep = write_sweep(tmp_path / "sweep", skip_job=2)
     page = make_report(sweep).read_text()
@@ -100,6 +103,7 @@ def test_sweep_skips_job_without_metrics(tmp_path: Path) -> None:
     assert_png(sweep / "sweep_heatmap.png")
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_one_varying_key_gives_bar_chart(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     sweep.mkdir()

@@ -54,6 +54,7 @@ def one_at_a_time(folder: str, texts: list[str], label: int, special_tokens: boo
                 for t in texts]
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_scores_are_the_label_logit_of_the_chat_templated_conversation(classifier):
     rm = RewardModel(model=classifier, label=2, batch_size=2)  # 5 completions: batches of 2, 2, 1, padded
     prompts = prompts_of(rm.tokenizer)
@@ -116,6 +117,7 @@ def test_mixes_with_rule_rewards_in_a_reward_set(compose, classifier):
     ("+reward.functions.rm.standardize=maybe", ["reward.functions.rm.standardize=maybe", "true or false"]),
     ("+reward.functions.rm.device=cuda", ["reward.functions.rm.device=cuda", "takes no option device"]),
 ])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_bad_options_are_one_line_before_anything_loads(compose, classifier, override, words):
     with pytest.raises(ConfigError) as err:
         validate(compose_with(compose, classifier, override))

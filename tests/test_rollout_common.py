@@ -91,6 +91,7 @@ def test_the_loss_counts_what_the_engine_generated_up_to_its_eos(tokenizer):
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_the_trainer_loss_mask_is_the_completion_mask_less_truncated_rows_if_asked(compose, tmp_path, mask_truncated):
     """A real training step of the tiny model with a quarter of its vocabulary made EOS: rows stop early (with
     padding after the EOS) or run to max_new_tokens; the loss counts exactly the completion mask, and with

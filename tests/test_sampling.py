@@ -92,6 +92,7 @@ def test_repetition_penalty_pushes_down_tokens_already_seen(hf, prompts, greedy)
         assert len(set(row)) == len(row) and not set(row) & set(prompts[i // 2])
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_both_engines_sample_the_same_tokens_with_every_option(tiny, prompts):
     hf, compiled = engines(tiny)
     options = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "min_p": 0.01, "repetition_penalty": 1.3}
@@ -149,6 +150,7 @@ def test_the_trainer_samples_and_masks_as_the_config_says(compose, tmp_path):
     assert batch.mask.sum(dim=1).tolist() == [2.0] * len(roll.texts)
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_the_evaluator_stops_greedy_completions_and_samples_with_rollouts_options(compose, tiny, hf):
     """grpo-eval's greedy pass@1 ends at the stop strings and ignores the rest; its pass@k samples with rollout's
     options at eval.temperature (top_k=1 here: the greedy completions again)."""
@@ -209,6 +211,7 @@ def test_reshaped_sampling_with_off_policy_updates_warns(compose, overrides, war
     ("rollout.stop=[1]", "rollout.stop=[1] is invalid: needs a list of non-empty strings"),
     ("rollout.stop=STOP", "rollout.stop=STOP is invalid: needs a list of non-empty strings"),
 ])
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_bad_sampling_values_are_refused(compose, override, message):
     with pytest.raises(ConfigError) as err:
         validate(compose([*TINY_TRAINER, override]))

@@ -265,6 +265,7 @@ def test_report_of_a_seeded_sweep_ranks_cells(seeded):
     assert any("≈ tied with best" in line and "0.5000 ± 1.2706" in line for line in lines)
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_report_of_sweeps_without_seeds_and_with_three_keys(tmp_path):
     no_seed = write_sweep(tmp_path / "noseed", [({"algo.beta": b}, 0.5 + b, "ok") for b in (0.0, 0.04, 0.1)])
     page, terminal = report_of(no_seed)

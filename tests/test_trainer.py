@@ -51,6 +51,7 @@ def test_micro_batches_give_the_full_batch_gradient(compose, tmp_path):
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_fresh_adapter_policy_equals_reference(compose, tmp_path):
     trainer = make_trainer(compose, tmp_path)
     batch = varied_batch(trainer)

@@ -316,6 +316,7 @@ def hydra_job():
     HydraConfig.instance().cfg = saved
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_name_and_group_in_a_multirun(hydra_job):
     from grpo_cli.tracking import _hydra_names
 
@@ -347,8 +348,8 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, offline_run):
     run_dir = tmp_path / "run"
     env = clean_env(WANDB_CACHE_DIR=str(tmp_path / "wb_cache"), WANDB_DATA_DIR=str(tmp_path / "wb_data"),
                     WANDB_CONFIG_DIR=str(tmp_path / "wb_config"))
-    args = [script("grpo-train"), "+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "logger=wandb",
-            "logger.wandb.mode=offline", "trainer.save_every=1", "trainer.log_samples_every=0", f"hydra.run.dir={run_dir}"]
+    args = [script("grpo-train"), "+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "data.prompts_per_step=2",
+            "algo.num_generations=2", "logger=wandb", "logger.wandb.mode=offline", "trainer.save_every=1", "trainer.log_samples_every=0", f"hydra.run.dir={run_dir}"]
     first = subprocess.run([*args, "trainer.max_steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     run_id = (run_dir / "wandb_run_id").read_text().strip()

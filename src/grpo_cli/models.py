@@ -219,9 +219,7 @@ def load_base_model(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_r
                 torch.manual_seed(seed)
                 model = AutoModelForCausalLM.from_config(tiny_config(tokenizer, **(tiny or {})))
         elif name_or_path.startswith(EMBEDDED_PREFIX):
-            folder, file = embedded_gguf(name_or_path[len(EMBEDDED_PREFIX):])
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
-            _drop_gguf_flag(model)
+            model = _embedded_model(name_or_path[len(EMBEDDED_PREFIX):])
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 name_or_path, dtype=dtype, trust_remote_code=trust_remote_code
@@ -229,6 +227,32 @@ def load_base_model(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_r
     except OSError as err:
         raise ModelLoadError(_hub_hint(name_or_path, err)) from None
     return model.to(dtype)
+
+
+def _embedded_model(name: str):
+    """Dequantizing the GGUF file takes seconds at every start; its fp32 copy in the user's cache loads in a
+    fraction of one. The copy answers to the GGUF folder's name, so adapters record the same base either way."""
+    from transformers import AutoModelForCausalLM
+
+    folder, file = embedded_gguf(name)
+
+    def from_gguf():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
+        _drop_gguf_flag(model)
+        return model
+
+    try:
+        cached = _dequantized_dir(name, lambda tmp: _save_weights(from_gguf(), tmp))
+    except ModelLoadError:  # an unwritable cache only costs speed
+        return from_gguf()
+    model = AutoModelForCausalLM.from_pretrained(cached)
+    model.name_or_path = model.config._name_or_path = str(folder)
+    return model
+
+
+def _dequantized_dir(name: str, save: Callable[[Path], None]) -> Path:
+    folder, file = embedded_gguf(name)
+    return _cache_dir(f"{name}-dequantized", folder / file, save, "model.safetensors")
 
 
 def _load_quantized(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_remote_code: bool, tiny: dict | None,
@@ -242,9 +266,7 @@ def _load_quantized(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_r
             return load_quantized(scratch, quantization, dtype, device, name=name_or_path)
     source = name_or_path
     if name_or_path.startswith(EMBEDDED_PREFIX):
-        folder, file = embedded_gguf(name_or_path[len(EMBEDDED_PREFIX):])
-        source = str(_cache_dir(f"{name_or_path[len(EMBEDDED_PREFIX):]}-dequantized", folder / file, save_unquantized,
-                                "model.safetensors"))
+        source = str(_dequantized_dir(name_or_path[len(EMBEDDED_PREFIX):], save_unquantized))
     return load_quantized(source, quantization, dtype, device, name=name_or_path, trust_remote_code=trust_remote_code)
 
 

@@ -495,9 +495,10 @@ def _undeclared(node: DictConfig, prefix: str) -> Iterator[tuple[str, object]]:
             yield key, OmegaConf.to_container(child) if isinstance(child, DictConfig) else child
 
 
-def raw_value(cfg: DictConfig, key: str) -> str:
-    """The value of `key` in `cfg` as written (`${...}` unresolved), or "-" where the composition lacks it."""
-    node = OmegaConf.to_container(cfg, resolve=False)
+def raw_value(cfg: DictConfig | dict, key: str) -> str:
+    """The value of `key` in `cfg` (or in its unresolved container) as written (`${...}` unresolved), or "-" where
+    the composition lacks it."""
+    node = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=False)
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
             return "-"
@@ -512,12 +513,13 @@ def _display_key(option: Option) -> str:
 def options_help(cfg: DictConfig) -> str:
     """The option list of --help: per section, one line per option (key, its value in `cfg`, help)."""
     lines, section = [], None
+    written = OmegaConf.to_container(cfg, resolve=False)  # once: every compose resolves the --help text
     for option in OPTIONS:
         head = option.key.split(".")[0]
         if head != section:
             lines.append(f"  {head}:" if section is None else f"\n  {head}:")
             section = head
-        value = raw_value(cfg, option.key) if "*" not in option.key else ""
+        value = raw_value(written, option.key) if "*" not in option.key else ""
         value = value if len(value) <= 24 else value[:21] + "..."
         lines.append(f"    {_display_key(option):<34} {value:<24} {option.help}")
     return "\n".join(lines)
