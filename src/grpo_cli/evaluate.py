@@ -21,7 +21,9 @@ from grpo_cli.console import print_table
 from grpo_cli.data import load_rows, source_of
 from grpo_cli.errors import ConfigError, Interrupted
 from grpo_cli.rewards import resolve_callable, to_scores
+from grpo_cli.models import config_context_length
 from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine, sampling_options
+from grpo_cli.rollout.episodes import EpisodeRunner
 from grpo_cli.schema import view
 
 EVAL_BATCH_PROMPTS = 16
@@ -72,20 +74,22 @@ def majority(texts: list[str], read_answer: Callable[[str], Hashable | None]) ->
 
 class Evaluator:
     def __init__(self, rows: list[dict], tokenizer, judge, *, samples: int, temperature: float, max_new_tokens: int,
-                 max_prompt_tokens: int, sampling: dict | None = None):
+                 max_prompt_tokens: int, sampling: dict | None = None, episodes: EpisodeRunner | None = None):
         self.rows, self.tokenizer, self.judge = rows, tokenizer, judge
         self.read_answer = answer_reader(judge)
         self.samples, self.temperature, self.max_new_tokens = samples, temperature, max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
         # rollout's sampling options (rollout.sampling_options): all of them for pass@k, its stop strings for greedy
         self.sampling = sampling or {}
+        self.episodes = episodes  # rollout.tools / env._target_: the same episode loop as training
 
     @classmethod
     def from_config(cls, cfg, tokenizer, rows: list[dict] | None = None) -> Evaluator:
         rows = eval_rows(cfg) if rows is None else rows
         return cls(rows, tokenizer, accuracy_function(cfg.reward), samples=cfg.eval.samples,
                    temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens,
-                   max_prompt_tokens=cfg.data.max_prompt_tokens, sampling=sampling_options(cfg.rollout))
+                   max_prompt_tokens=cfg.data.max_prompt_tokens, sampling=sampling_options(cfg.rollout),
+                   episodes=EpisodeRunner.from_config(cfg))
 
     @classmethod
     def for_training(cls, cfg, lm) -> Evaluator:
@@ -100,6 +104,15 @@ class Evaluator:
         if roll.interrupted:
             raise Interrupted(getattr(stop, "signum", None) or signal.SIGTERM)
 
+    def _generate(self, engine: Engine, rows: list[dict], ids: list[list[int]], k: int, **options):
+        """k completions per prompt: one turn, or with tools or an environment an episode each."""
+        if self.episodes is None:
+            return engine.generate(ids, k, max_new_tokens=self.max_new_tokens, **options)
+        model = getattr(engine, "model", None)
+        return self.episodes.run(engine, self.tokenizer, rows, k, max_new_tokens=self.max_new_tokens,
+                                 context_length=None if model is None else config_context_length(model.config),
+                                 **options)
+
     def run(self, engine: Engine, stop=None) -> dict:
         """Metrics under the `eval/` prefix; the sampled part only when samples > 1. `engine` is the rollout
         engine to sample with (a bare model is wrapped in the `hf` engine). Raises Interrupted when `stop`
@@ -109,14 +122,14 @@ class Evaluator:
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
             ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
-            roll = engine.generate(ids, 1, max_new_tokens=self.max_new_tokens, greedy=True,
-                                   stop_strings=self.sampling.get("stop_strings", ()), stop=stop)
+            roll = self._generate(engine, rows, ids, 1, greedy=True,
+                                  stop_strings=self.sampling.get("stop_strings", ()), stop=stop)
             self._check(roll, stop)
             greedy_correct += self._score(roll.texts, rows)
             if self.samples > 1:
                 k = self.samples
-                sampled = engine.generate(ids, k, max_new_tokens=self.max_new_tokens,
-                                          **{**self.sampling, "temperature": self.temperature}, stop=stop)
+                sampled = self._generate(engine, rows, ids, k, **{**self.sampling, "temperature": self.temperature},
+                                         stop=stop)
                 self._check(sampled, stop)
                 scores = self._score(sampled.texts, [r for r in rows for _ in range(k)])
                 for i, row in enumerate(rows):
@@ -150,6 +163,7 @@ def run_eval(cfg, run_dir: Path, stop=None) -> dict:
 
     torch.manual_seed(cfg.trainer.seed)
     rows = eval_rows(cfg)  # bad data fails before the model loads
+    EpisodeRunner.from_config(cfg)  # so does a bad tool or environment
     adapter = cfg.eval.get("adapter") or None
     lm = load_within_context(cfg, ("eval.max_new_tokens",), lambda: load_trained(
         cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed, check_fit=partial(_fits_base, cfg)))
