@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fit, make_trainer, read_jsonl, run_cli
+from conftest import make_trainer, read_jsonl, run_cli
 from test_episodes import ScriptedPolicy, call, script
 
 from grpo_cli.errors import ConfigError
@@ -148,7 +148,9 @@ def test_the_evaluator_runs_the_same_loop(compose, tmp_path):
     trainer = scripted(make_trainer(compose, tmp_path, *TOOL, rows=rows_with_answers()))
     evaluator = Evaluator.from_config(trainer.cfg, trainer.tokenizer, rows_with_answers()[:2])
     assert evaluator.episodes is not None
-    assert evaluator.run(trainer.engine)["eval/accuracy"] == 0.5  # the call's row answers 12 after the result
+    result = evaluator.run(trainer.engine)
+    assert result["eval/accuracy"] == 0.5  # the call's row answers 12 after the result
+    assert result["eval/tool_calls_per_episode"] == 0.5 and result["eval/episodes_with_a_successful_call"] == 0.5
 
 
 # ---- through the CLI ------------------------------------------------------------------------------------------------

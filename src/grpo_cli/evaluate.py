@@ -20,8 +20,8 @@ from rich.table import Table
 from grpo_cli.console import print_table
 from grpo_cli.data import load_rows, source_of
 from grpo_cli.errors import ConfigError, Interrupted
-from grpo_cli.rewards import resolve_callable, to_scores
 from grpo_cli.models import config_context_length
+from grpo_cli.rewards import resolve_callable, to_scores
 from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine, sampling_options
 from grpo_cli.rollout.episodes import EpisodeRunner
 from grpo_cli.schema import view
@@ -118,7 +118,7 @@ class Evaluator:
         engine to sample with (a bare model is wrapped in the `hf` engine). Raises Interrupted when `stop`
         (polled every decode step) turns true."""
         engine = as_engine(engine, self.tokenizer)
-        greedy_correct, pass_k, majority_k = [], [], []
+        greedy_correct, pass_k, majority_k, calls = [], [], [], []
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
             ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
@@ -126,6 +126,8 @@ class Evaluator:
                                   stop_strings=self.sampling.get("stop_strings", ()), stop=stop)
             self._check(roll, stop)
             greedy_correct += self._score(roll.texts, rows)
+            calls += [(int(c), int(f)) for c, f in zip(getattr(roll, "tool_calls", ()), getattr(roll, "failed_calls", ()),
+                                                        strict=True)]
             if self.samples > 1:
                 k = self.samples
                 sampled = self._generate(engine, rows, ids, k, **{**self.sampling, "temperature": self.temperature},
@@ -139,6 +141,8 @@ class Evaluator:
                     majority_k.append(0.0 if vote is None else self._score([group[vote]], [row])[0])
         n = len(greedy_correct)
         result = {"eval/accuracy": sum(greedy_correct) / n, "eval/num_prompts": n}
+        if self.episodes is not None:  # the greedy episodes' tool use
+            result |= episode_use(calls)
         if self.samples > 1:
             result[f"eval/pass@{self.samples}"] = sum(pass_k) / n
             result[f"eval/majority@{self.samples}"] = sum(majority_k) / n
@@ -146,6 +150,15 @@ class Evaluator:
 
     def __call__(self, engine: Engine, stop=None) -> dict:
         return self.run(engine, stop)
+
+
+def episode_use(calls: list[tuple[int, int]]) -> dict[str, float]:
+    """From (calls, failed calls) per episode: calls per episode, the share of episodes with a call that ran,
+    and the failed-call rate."""
+    made, failed = sum(c for c, _ in calls), sum(f for _, f in calls)
+    return {"eval/tool_calls_per_episode": made / max(1, len(calls)),
+            "eval/episodes_with_a_successful_call": sum(c > f for c, f in calls) / max(1, len(calls)),
+            "eval/failed_call_rate": failed / made if made else 0.0}
 
 
 def _fits_base(cfg, base, adapter: Path) -> None:

@@ -30,18 +30,18 @@ from grpo_cli.config import is_on_policy
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.evaluate import final_eval_on
-from grpo_cli.models import (
-    LoadedModel,
-    config_context_length,
-    enable_activation_checkpointing,
-    load_policy,
-    load_within_context,
-)
+from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rewards.aggregation import present_mean
-from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine, sampling_options
-from grpo_cli.rollout import episodes
+from grpo_cli.rollout import (
+    Rollout,
+    completion_logprobs,
+    encode_prompts,
+    episodes,
+    make_engine,
+    sampling_options,
+)
 from grpo_cli.rollout.logprobs import loss_mask
 from grpo_cli.schema import view
 from grpo_cli.stopping import StopRequest
@@ -229,7 +229,7 @@ class GRPOTrainer:
         options = dict(max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
                        **sampling_options(self.roll), stop=self.stop)
         roll = self.engine.generate(enc.ids, G, **options) if self.episodes is None else self.episodes.run(
-            self.engine, self.tokenizer, rows, G, context_length=config_context_length(self.model.config), **options)
+            self.engine, self.tokenizer, rows, G, context_length=self.lm.context_length, **options)
         if roll.interrupted:
             return None
         compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
