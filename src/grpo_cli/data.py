@@ -326,6 +326,19 @@ class Sums(Source):
                          cfg_data.get("system_prompt"))
 
 
+@SOURCES.register("products")
+class Products(Source):
+    """`What is a * b?` with a, b drawn from [low, high]: the calculator recipe's task (with its tool)."""
+
+    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+        size, seed = _generated(cfg_data, split, seed)
+        rng = random.Random(seed)
+        pairs = [(rng.randint(cfg_data.low, cfg_data.high), rng.randint(cfg_data.low, cfg_data.high)) for _ in range(size)]
+        suffix, system_prompt = cfg_data.get("question_suffix") or "", cfg_data.get("system_prompt")
+        return [{"messages": _messages(f"What is {a} * {b}?", system_prompt, suffix), "answer": str(a * b)}
+                for a, b in pairs]
+
+
 @SOURCES.register("reasoning_gym")
 class ReasoningGym(Source):
     def rows(self, cfg_data, split: str, seed: int) -> list[dict]:

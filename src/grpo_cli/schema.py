@@ -282,7 +282,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("rollout.call_opener", ANY_TEXT, "text prefilled at the start of the first assistant turn (in the prompt, "
       "not trained), e.g. the opening of a call for a small model that never starts one alone", "", row="tools"),
     Option("env._target_", DOTTED_PATH, "an environment class (TRL's environment_factory): one per episode, "
-      "reset(**row) -> str | None, public methods are tools, optional get_reward(); null = none", None,
+      "reset(**row) returns a string or None, public methods are tools, optional get_reward(); null = none", None,
       nullable=True),
     # ---- trainer: the loop, memory, checkpoints
     Option("trainer.max_steps", integer(1), "training steps (rollout batches)", 50),
@@ -345,8 +345,8 @@ OPTIONS: tuple[Option, ...] = (
       "files through `datasets`; jsonl: the same reader, named for a .jsonl data.path)"),
     Option("data.task", TEXT, "reasoning_gym: the generator", optional=True, row="reasoning_gym"),
     Option("data.task_args", MAPPING, "reasoning_gym: the generator's arguments", optional=True, free=True, row="reasoning_gym"),
-    Option("data.low", integer(), "sums: smallest term", optional=True, row="generated"),
-    Option("data.high", integer(), "sums: largest term (>= low)", optional=True, row="generated"),
+    Option("data.low", integer(), "sums, products: smallest term", optional=True, row="generated"),
+    Option("data.high", integer(), "sums, products: largest term (>= low)", optional=True, row="generated"),
     Option("data.size", integer(1), "generated training prompts", optional=True, row="generated"),
     Option("data.eval_size", integer(1), "generated held-out prompts", optional=True, row="generated"),
     Option("data.question_suffix", ANY_TEXT, "appended to each question"),
