@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_trainer, read_jsonl, run_cli
-from test_episodes import ScriptedPolicy, call, script
+from test_episodes import ChoosingPolicy, ScriptedPolicy, call, script
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.rollout.episodes import EpisodeRunner, concat_rows, select_rows
@@ -50,10 +50,8 @@ def plain(prompts, completions, **fields):
 
 
 def test_the_trainer_trains_on_episodes_and_counts_only_the_models_tokens(compose, tmp_path):
-    from scripted_engine import ScriptedEngine
-
     trainer = scripted(make_trainer(compose, tmp_path, *TOOL, "algo.loss_type=dapo", "algo.mask_truncated=true",
-                                    "algo.mini_batches=2", rows=rows_with_answers("12~~13", "7~~8")), ScriptedEngine)
+                                    "algo.mini_batches=2", rows=rows_with_answers("12~~13", "7~~8")), ChoosingPolicy)
     generation = trainer.generate(0)
     roll = generation.rollout
     assert roll.tool_calls.tolist() == [1, 1, 0, 0] and generation.prompts == roll.prompts

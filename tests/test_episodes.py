@@ -96,6 +96,15 @@ class ScriptedPolicy(Engine):
         return line
 
 
+class ChoosingPolicy(ScriptedPolicy):
+    """A ScriptedPolicy whose turn lines may list alternatives (`a~~b`), one drawn with torch's generator for each
+    episode: the seeds of sampling then decide the episodes, as they do a model's."""
+
+    def choose(self, line: str) -> str:
+        options = line.split("~~")
+        return options[int(torch.randint(len(options), ()))]
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("tiny-random")  # the embedded SmolLM2's tokenizer and chat template
