@@ -172,7 +172,7 @@ TRAIN = ["+recipe=quickstart", "model=tiny", "plugins=[scripted_engine]", "rollo
 @pytest.mark.slow
 def test_a_run_with_tools_resumes_bitwise_and_samples_show_the_conversation(cli_env, tmp_path):
     data, env = cli_env
-    args = [*TRAIN, "data=jsonl", f"data.path={data}"]
+    args = [*TRAIN, "data=hf", f"data.path={data}"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     proc = run_cli([*args, f"hydra.run.dir={straight}"], tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -214,3 +214,13 @@ def test_the_environment_of_trls_docs_trains_unchanged_through_grpo_train(tmp_pa
                    command="grpo-eval")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sys.executable  # the CLI ran in this interpreter's venv
+
+
+@pytest.mark.slow
+def test_grpo_train_refuses_a_bad_tool_in_one_line_before_the_model_loads(tmp_path):
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "rollout.tools=[no_such_module.calculator]",
+                    f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert "rollout.tools[0]=no_such_module.calculator cannot be imported" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
