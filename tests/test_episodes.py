@@ -83,13 +83,26 @@ class ScriptedPolicy(Engine):
             script = text.split("SCRIPT:", 1)[1].split(tok.eos_token, 1)[0].split("|||")
             turn = text.count("<|im_start|>tool") + text.count("<tool_response>")  # fallback, native template
             line = script[min(turn, len(script) - 1)]
-            rows += [(tok(line, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[:max_new_tokens]] * num_generations
+            rows += [(tok(self.choose(line), add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[:max_new_tokens]
+                     for _ in range(num_generations)]
         self.calls.append(len(rows))
         width = max(len(r) for r in rows)
         completion = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
         ids, mask = left_pad(prompt_ids, tok.pad_token_id, None)
         fired = stop is not None and stop()  # polled once per call: enough to stand for a stop mid-generation
         return finish_rollout(tok, [tok.eos_token_id], ids, mask, completion, num_generations, fired, stop_strings)
+
+    def choose(self, line: str) -> str:
+        return line
+
+
+class ChoosingPolicy(ScriptedPolicy):
+    """A ScriptedPolicy whose turn lines may list alternatives (`a~~b`), one drawn with torch's generator for each
+    episode: the seeds of sampling then decide the episodes, as they do a model's."""
+
+    def choose(self, line: str) -> str:
+        options = line.split("~~")
+        return options[int(torch.randint(len(options), ()))]
 
 
 @pytest.fixture(scope="module")

@@ -29,9 +29,9 @@ def example_commands() -> list[list[str]]:
             if line.startswith("    grpo-train ")]
 
 
-def test_the_section_has_a_reward_a_loss_type_and_an_engine():
-    assert set(example_modules()) == {"my_rewards.py", "my_losses.py", "my_engines.py"}
-    assert len(example_commands()) == 3
+def test_the_section_has_a_reward_a_loss_type_an_engine_a_tool_and_an_environment():
+    assert set(example_modules()) == {"my_rewards.py", "my_losses.py", "my_engines.py", "my_tools.py", "my_envs.py"}
+    assert len(example_commands()) == 5
 
 
 @pytest.mark.slow
@@ -54,6 +54,7 @@ def test_extending_examples_train_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     [row] = read_jsonl(run_dir / "metrics.jsonl")
     assert "reward/brevity" in row  # the reward ran
+    assert "reward/GuessEnv" in row and "episodes/turns_per_episode" in row  # rollouts were episodes
     assert re.search(r"\d+ completions in [\d.]+ s", proc.stdout + proc.stderr)  # the engine generated
     config = (run_dir / ".hydra" / "config.yaml").read_text()
     assert "loss_type: seq_sum" in config  # the registered loss type was accepted and used

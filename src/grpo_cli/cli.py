@@ -147,11 +147,13 @@ def _validated_job(cfg):
     """The config checked (and its warnings), and in a sweep what this job does (sweep_rerun.decide_job)."""
     from grpo_cli.data import check_before_model_load
     from grpo_cli.rewards import build_before_model_load
+    from grpo_cli.rollout.episodes import EpisodeRunner
 
     with _restoring_hydra():
         warnings = _validated(cfg)
         build_before_model_load(cfg.reward)  # user code fails here in one line, not after the model loads
         check_before_model_load(cfg)
+        EpisodeRunner.from_config(cfg)  # an unimportable tool or environment: one line, before the model loads
         if not _is_multirun():
             return warnings, None
         from hydra.core.hydra_config import HydraConfig

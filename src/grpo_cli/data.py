@@ -69,11 +69,13 @@ def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix
     return [{"messages": _messages(x["question"], system_prompt, suffix), "answer": str(x["answer"])} for x in dataset]
 
 
-def _sum_rows(size: int, seed: int, low: int, high: int, suffix: str, system_prompt) -> list[dict]:
-    """`What is a + b?` with a, b drawn from [low, high]: the quickstart's task."""
+def _sum_rows(size: int, seed: int, low: int, high: int, suffix: str, system_prompt, operation: str = "+") -> list[dict]:
+    """`What is a + b?` with a, b drawn from [low, high]: the quickstart's task (`*`: the calculator recipe's)."""
     rng = random.Random(seed)
     pairs = [(rng.randint(low, high), rng.randint(low, high)) for _ in range(size)]
-    return [{"messages": _messages(f"What is {a} + {b}?", system_prompt, suffix), "answer": str(a + b)} for a, b in pairs]
+    result = (lambda a, b: a * b) if operation == "*" else (lambda a, b: a + b)
+    return [{"messages": _messages(f"What is {a} {operation} {b}?", system_prompt, suffix), "answer": str(result(a, b))}
+            for a, b in pairs]
 
 
 PROMPT_FORMS = ('"prompt" (text, or a list of chat messages) or "messages" (a list of chat messages), '
@@ -323,7 +325,7 @@ class Sums(Source):
     def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
         size, seed = _generated(cfg_data, split, seed)
         return _sum_rows(size, seed, cfg_data.low, cfg_data.high, cfg_data.get("question_suffix") or "",
-                         cfg_data.get("system_prompt"))
+                         cfg_data.get("system_prompt"), cfg_data.get("operation", "+"))
 
 
 @SOURCES.register("reasoning_gym")

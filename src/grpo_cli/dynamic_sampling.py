@@ -21,6 +21,7 @@ import torch
 
 from grpo_cli import algorithm
 from grpo_cli.data import PromptSampler
+from grpo_cli.rollout import episodes
 
 DRAW_SEED = 7_919  # round d of a step samples with the step's seed + d * DRAW_SEED
 
@@ -63,6 +64,7 @@ def concat_batches(batches: list, pad_token_id: int):
         completion_ids=cat(lambda b: b.rollout.completion_ids, tc, pad_token_id),
         completion_mask=cat(lambda b: b.rollout.completion_mask, tc, 0), truncated=cat(lambda b: b.rollout.truncated),
         texts=[t for b in batches for t in b.rollout.texts])
+    rollout = episodes.concat_rows([b.rollout for b in batches], rollout, tc)
     per_function = {k: [x for b in batches for x in b.per_function[k]] for k in first.per_function}
     return dataclasses.replace(
         first, rollout=rollout, prompts=[p for b in batches for p in b.prompts], rewards=cat(lambda b: b.rewards),

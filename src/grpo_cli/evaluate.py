@@ -20,8 +20,10 @@ from rich.table import Table
 from grpo_cli.console import print_table
 from grpo_cli.data import load_rows, source_of
 from grpo_cli.errors import ConfigError, Interrupted
+from grpo_cli.models import config_context_length
 from grpo_cli.rewards import resolve_callable, to_scores
 from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine, sampling_options
+from grpo_cli.rollout.episodes import EpisodeRunner
 from grpo_cli.schema import view
 
 EVAL_BATCH_PROMPTS = 16
@@ -72,20 +74,22 @@ def majority(texts: list[str], read_answer: Callable[[str], Hashable | None]) ->
 
 class Evaluator:
     def __init__(self, rows: list[dict], tokenizer, judge, *, samples: int, temperature: float, max_new_tokens: int,
-                 max_prompt_tokens: int, sampling: dict | None = None):
+                 max_prompt_tokens: int, sampling: dict | None = None, episodes: EpisodeRunner | None = None):
         self.rows, self.tokenizer, self.judge = rows, tokenizer, judge
         self.read_answer = answer_reader(judge)
         self.samples, self.temperature, self.max_new_tokens = samples, temperature, max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
         # rollout's sampling options (rollout.sampling_options): all of them for pass@k, its stop strings for greedy
         self.sampling = sampling or {}
+        self.episodes = episodes  # rollout.tools / env._target_: the same episode loop as training
 
     @classmethod
     def from_config(cls, cfg, tokenizer, rows: list[dict] | None = None) -> Evaluator:
         rows = eval_rows(cfg) if rows is None else rows
         return cls(rows, tokenizer, accuracy_function(cfg.reward), samples=cfg.eval.samples,
                    temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens,
-                   max_prompt_tokens=cfg.data.max_prompt_tokens, sampling=sampling_options(cfg.rollout))
+                   max_prompt_tokens=cfg.data.max_prompt_tokens, sampling=sampling_options(cfg.rollout),
+                   episodes=EpisodeRunner.from_config(cfg))
 
     @classmethod
     def for_training(cls, cfg, lm) -> Evaluator:
@@ -100,23 +104,34 @@ class Evaluator:
         if roll.interrupted:
             raise Interrupted(getattr(stop, "signum", None) or signal.SIGTERM)
 
+    def _generate(self, engine: Engine, rows: list[dict], ids: list[list[int]], k: int, **options):
+        """k completions per prompt: one turn, or with tools or an environment an episode each."""
+        if self.episodes is None:
+            return engine.generate(ids, k, max_new_tokens=self.max_new_tokens, **options)
+        model = getattr(engine, "model", None)
+        return self.episodes.run(engine, self.tokenizer, rows, k, max_new_tokens=self.max_new_tokens,
+                                 context_length=None if model is None else config_context_length(model.config),
+                                 **options)
+
     def run(self, engine: Engine, stop=None) -> dict:
         """Metrics under the `eval/` prefix; the sampled part only when samples > 1. `engine` is the rollout
         engine to sample with (a bare model is wrapped in the `hf` engine). Raises Interrupted when `stop`
         (polled every decode step) turns true."""
         engine = as_engine(engine, self.tokenizer)
-        greedy_correct, pass_k, majority_k = [], [], []
+        greedy_correct, pass_k, majority_k, calls = [], [], [], []
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
             ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
-            roll = engine.generate(ids, 1, max_new_tokens=self.max_new_tokens, greedy=True,
-                                   stop_strings=self.sampling.get("stop_strings", ()), stop=stop)
+            roll = self._generate(engine, rows, ids, 1, greedy=True,
+                                  stop_strings=self.sampling.get("stop_strings", ()), stop=stop)
             self._check(roll, stop)
             greedy_correct += self._score(roll.texts, rows)
+            calls += [(int(c), int(f)) for c, f in zip(getattr(roll, "tool_calls", ()), getattr(roll, "failed_calls", ()),
+                                                        strict=True)]
             if self.samples > 1:
                 k = self.samples
-                sampled = engine.generate(ids, k, max_new_tokens=self.max_new_tokens,
-                                          **{**self.sampling, "temperature": self.temperature}, stop=stop)
+                sampled = self._generate(engine, rows, ids, k, **{**self.sampling, "temperature": self.temperature},
+                                         stop=stop)
                 self._check(sampled, stop)
                 scores = self._score(sampled.texts, [r for r in rows for _ in range(k)])
                 for i, row in enumerate(rows):
@@ -126,6 +141,8 @@ class Evaluator:
                     majority_k.append(0.0 if vote is None else self._score([group[vote]], [row])[0])
         n = len(greedy_correct)
         result = {"eval/accuracy": sum(greedy_correct) / n, "eval/num_prompts": n}
+        if self.episodes is not None:  # the greedy episodes' tool use
+            result |= episode_use(calls)
         if self.samples > 1:
             result[f"eval/pass@{self.samples}"] = sum(pass_k) / n
             result[f"eval/majority@{self.samples}"] = sum(majority_k) / n
@@ -133,6 +150,15 @@ class Evaluator:
 
     def __call__(self, engine: Engine, stop=None) -> dict:
         return self.run(engine, stop)
+
+
+def episode_use(calls: list[tuple[int, int]]) -> dict[str, float]:
+    """From (calls, failed calls) per episode: calls per episode, the share of episodes with a call that ran,
+    and the failed-call rate."""
+    made, failed = sum(c for c, _ in calls), sum(f for _, f in calls)
+    return {"eval/tool_calls_per_episode": made / max(1, len(calls)),
+            "eval/episodes_with_a_successful_call": sum(c > f for c, f in calls) / max(1, len(calls)),
+            "eval/failed_call_rate": failed / made if made else 0.0}
 
 
 def _fits_base(cfg, base, adapter: Path) -> None:
@@ -150,6 +176,7 @@ def run_eval(cfg, run_dir: Path, stop=None) -> dict:
 
     torch.manual_seed(cfg.trainer.seed)
     rows = eval_rows(cfg)  # bad data fails before the model loads
+    EpisodeRunner.from_config(cfg)  # so does a bad tool or environment
     adapter = cfg.eval.get("adapter") or None
     lm = load_within_context(cfg, ("eval.max_new_tokens",), lambda: load_trained(
         cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed, check_fit=partial(_fits_base, cfg)))

@@ -38,6 +38,10 @@ class LoadedModel:
     dtype: torch.dtype
     quantization: str | None = None  # model.quantization: the frozen base is a bitsandbytes model
 
+    @property
+    def context_length(self) -> int | None:
+        return config_context_length(self.model.config)
+
 
 def resolve_device(name: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """The device `trainer.device=NAME` means (`auto`: CUDA when present, else the CPU) and the dtype of

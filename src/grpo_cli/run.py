@@ -26,6 +26,7 @@ from grpo_cli.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
 from grpo_cli.ranks import is_rank_zero
+from grpo_cli.rollout import episodes
 from grpo_cli.schema import view
 from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import Tracker, open_tracker
@@ -166,7 +167,8 @@ class Run:
         for i, text in enumerate(batch.rollout.texts):
             rows.append({"prompt": batch.prompts[i], "completion": text, "reward": float(batch.rewards[i]),
                          "advantage": float(batch.advantages[i]),
-                         **{f"reward/{k}": v[i] for k, v in batch.per_function.items()}})
+                         **{f"reward/{k}": v[i] for k, v in batch.per_function.items()},
+                         **episodes.sample_fields(batch.rollout, i)})
         tracker.samples(step, rows)
 
     def track_zero_std(self, metrics: dict, tracker: Tracker) -> None:

@@ -165,6 +165,9 @@ TARGET_MODULES = Rule(_target_modules, "all-linear or [names]",
 BETAS = Rule(_betas, "[beta1, beta2] in [0, 1)", failure="needs [beta1, beta2], each in [0, 1)")
 DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
                    failure="give the dotted path of a callable, e.g. pkg.module.fn")
+DOTTED_PATHS = Rule(lambda v: isinstance(v, ListConfig) and all(isinstance(t, str) and "." in t for t in v),
+                   "a list of pkg.module.fn", failure="needs a list of dotted paths of callables, e.g. "
+                   "'rollout.tools=[grpo_cli.calculator.calculator]'")
 MODEL_NAME = Rule(TEXT.test, "hub id, dir, embedded:NAME, tiny-random",
                   failure="give a hub id, a local directory, embedded:NAME or tiny-random")
 
@@ -267,6 +270,20 @@ OPTIONS: tuple[Option, ...] = (
       "auto = compiled on CUDA, hf on the CPU", "auto"),
     Option("rollout.compile", AUTO_OR_BOOLEAN, "compiled engine: compile the decode step; auto = on CUDA, "
       "warn and go on if it fails; true = anywhere, fail if it fails", "auto"),
+    # ---- rollout: tools and environments (multi-turn episodes; docs/usage.md "Tools and environments")
+    Option("rollout.tools", DOTTED_PATHS, "tools the model may call: dotted paths of functions with type hints and "
+      "a Google-style docstring, e.g. [grpo_cli.calculator.calculator]; [] and no env = single-turn", [], row="tools"),
+    Option("rollout.max_tool_calls", integer(0), "tool calls an episode may run; a further call ends it", 4, row="tools"),
+    Option("rollout.tool_timeout_s", number(0, low_open=True), "seconds a tool call may take; over it the model "
+      "reads an error (null = no limit)", 10.0, nullable=True, row="tools"),
+    Option("rollout.tool_format", one_of("auto", "native", "hermes"), "auto = the chat template's tool support "
+      "where it has one, else hermes: the tools in the system turn, calls as <tool_call>{json}</tool_call>",
+      "auto", row="tools"),
+    Option("rollout.call_opener", ANY_TEXT, "text prefilled at the start of the first assistant turn (in the prompt, "
+      "not trained), e.g. the opening of a call for a small model that never starts one alone", "", row="tools"),
+    Option("env._target_", DOTTED_PATH, "an environment class (TRL's environment_factory): one per episode, "
+      "reset(**row) returns a string or None, public methods are tools, optional get_reward(); null = none", None,
+      nullable=True),
     # ---- trainer: the loop, memory, checkpoints
     Option("trainer.max_steps", integer(1), "training steps (rollout batches)", 50),
     Option("trainer.seed", integer(0), "seed of sampling, data order and LoRA init", 0),
@@ -330,6 +347,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("data.task_args", MAPPING, "reasoning_gym: the generator's arguments", optional=True, free=True, row="reasoning_gym"),
     Option("data.low", integer(), "sums: smallest term", optional=True, row="generated"),
     Option("data.high", integer(), "sums: largest term (>= low)", optional=True, row="generated"),
+    Option("data.operation", one_of("+", "*"), "sums: + (a + b), or * (a * b: the calculator recipe)", optional=True,
+      row="generated"),
     Option("data.size", integer(1), "generated training prompts", optional=True, row="generated"),
     Option("data.eval_size", integer(1), "generated held-out prompts", optional=True, row="generated"),
     Option("data.question_suffix", ANY_TEXT, "appended to each question"),

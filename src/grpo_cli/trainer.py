@@ -34,7 +34,15 @@ from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_p
 from grpo_cli.optim import LRSchedule, build_optimizer
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rewards.aggregation import present_mean
-from grpo_cli.rollout import Rollout, completion_logprobs, encode_prompts, make_engine, sampling_options
+from grpo_cli.rollout import (
+    Rollout,
+    completion_logprobs,
+    encode_prompts,
+    episodes,
+    make_engine,
+    sampling_options,
+)
+from grpo_cli.rollout.logprobs import loss_mask
 from grpo_cli.schema import view
 from grpo_cli.stopping import StopRequest
 
@@ -83,6 +91,7 @@ class Batch:
             roll, prompt_ids=take(roll.prompt_ids, groups), prompt_mask=take(roll.prompt_mask, groups),
             completion_ids=take(roll.completion_ids, rows), completion_mask=take(roll.completion_mask, rows),
             truncated=take(roll.truncated, rows), texts=[roll.texts[i] for i in rows])
+        rollout = episodes.select_rows(roll, rollout, rows)
         return dataclasses.replace(
             self, rollout=rollout, prompts=[self.prompts[i] for i in rows], rewards=take(self.rewards, rows),
             per_function={k: [v[i] for i in rows] for k, v in self.per_function.items()},
@@ -176,6 +185,7 @@ class GRPOTrainer:
         seed_everything(self.tcfg.seed)
         rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
         self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
+        self.episodes = episodes.EpisodeRunner.from_config(cfg)  # None: single-turn; a bad tool fails before the load
         # eval.final resolved (auto: in a sweep) by the CLI, which knows; a trainer built by hand is a single run
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
@@ -216,15 +226,16 @@ class GRPOTrainer:
         # sampling depends on (seed, step, rank) only: exact resume
         torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank + draw * dynamic_sampling.DRAW_SEED)
         t0, compile_before = time.perf_counter(), self.engine.compile_s
-        roll = self.engine.generate(enc.ids, G, max_new_tokens=self.roll.max_new_tokens,
-                                    min_new_tokens=self.roll.min_new_tokens, **sampling_options(self.roll),
-                                    stop=self.stop)
+        options = dict(max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
+                       **sampling_options(self.roll), stop=self.stop)
+        roll = self.engine.generate(enc.ids, G, **options) if self.episodes is None else self.episodes.run(
+            self.engine, self.tokenizer, rows, G, context_length=self.lm.context_length, **options)
         if roll.interrupted:
             return None
         compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
         gen_time = time.perf_counter() - t0 - compile_s
-        gen_tokens = int(roll.completion_mask.sum())
-        return Generation(roll, rows, [text for text in enc.texts for _ in range(G)], stats={
+        gen_tokens = int(loss_mask(roll).sum())
+        return Generation(roll, rows, getattr(roll, "prompts", None) or [t for t in enc.texts for _ in range(G)], stats={
             "gen_time_s": gen_time, "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9),
             "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped, "gen_compile_s": compile_s,
         })
@@ -235,16 +246,18 @@ class GRPOTrainer:
         G = self.algo.num_generations
         fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}  # messages: only for rewards naming it
         try:
-            totals, per_function, errors = self.rewards.score(generation.prompts, generation.rollout.texts, fields,
+            totals, per_function, errors = self.rewards.score(generation.prompts, generation.rollout.texts,
+                                                              fields | episodes.reward_fields(generation.rollout),
                                                               group_size=G)
         except Interrupted:
             return None
+        totals = episodes.with_environment_reward(generation.rollout, totals, per_function)
         return Scores(torch.tensor(totals, dtype=torch.float32), per_function, errors)
 
     def make_batch(self, generation: Generation, scores: Scores) -> Batch:
         """The step's Batch: the group advantages of its rewards, and the completion tokens that count in the loss."""
         roll = generation.rollout
-        mask = roll.completion_mask.float()
+        mask = loss_mask(roll).float()  # the model's own tokens: an episode's tool tokens never count
         if self.algo.mask_truncated:
             mask = mask * (~roll.truncated).float().unsqueeze(1)
         advantages = algorithm.advantages_of(self.algo.advantage, scores.totals, self.algo.num_generations,
@@ -404,7 +417,7 @@ class GRPOTrainer:
     def metrics(self, step: int, batch: Batch, stats: StepStats, seconds: float) -> dict:
         G = self.algo.num_generations
         r = batch.rewards
-        lengths = batch.rollout.completion_mask.sum(dim=1).float()
+        lengths = loss_mask(batch.rollout).sum(dim=1).float()
         row = {
             "step": step,
             "reward": float(r.mean()),
@@ -430,6 +443,7 @@ class GRPOTrainer:
             "prompts_truncated": batch.stats["prompts_truncated"],
             "prompts_dropped": batch.stats["prompts_dropped"],
             **{k: v for k, v in batch.stats.items() if k.startswith("filter_")},
+            **episodes.episode_metrics(batch.rollout),
         }
         if self.dist.enabled:  # every rank has as many rows: rank means average exactly; counts add up
             summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped")

@@ -215,9 +215,12 @@ def reward_options(spec) -> dict:
     return {k: v for k, v in plain.items() if k not in RESERVED_KEYS}
 
 
-def takes_messages(fn) -> bool:
+BY_NAME_ONLY = ("messages", "environments")  # row fields a function receives only when its signature names them
+
+
+def takes_field(fn, name: str) -> bool:
     try:
-        return "messages" in inspect.signature(fn).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
@@ -252,8 +255,9 @@ def resolve_callable(dotted: str):
 
 def build_reward(name: str, spec, **context):
     """The callable for one entry: the function with its options bound, or the class built with its options
-    (plus `name`, `device`, `dtype` when its constructor takes them). Row field `messages` is dropped for
-    callables that do not name it, so functions written for the plain row fields keep working."""
+    (plus `name`, `device`, `dtype` when its constructor takes them). The fields `messages` and `environments`
+    (an episode's conversation and environment instance) are dropped for callables that do not name them, so
+    functions written for the plain row fields keep working."""
     target = resolve_callable(spec["_target_"])
     options = reward_options(spec)
     if inspect.isclass(target):
@@ -265,14 +269,15 @@ def build_reward(name: str, spec, **context):
                               "constructor or the entry's options") from None
     else:
         fn = functools.partial(target, **options) if options else target
-    if takes_messages(fn):
+    named = [k for k in BY_NAME_ONLY if takes_field(fn, k)]
+    if len(named) == len(BY_NAME_ONLY):
         return fn
 
     @functools.wraps(fn)
-    def without_messages(prompts, completions, messages=None, **fields):
-        return fn(prompts, completions, **fields)
+    def without_unnamed(prompts, completions, **fields):
+        return fn(prompts, completions, **{k: v for k, v in fields.items() if k not in BY_NAME_ONLY or k in named})
 
-    return without_messages
+    return without_unnamed
 
 
 # ---- built before the model loads ----------------------------------------------------------------

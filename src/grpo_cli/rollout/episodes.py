@@ -30,6 +30,7 @@ completion as non-model tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +38,16 @@ import torch
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.rollout.common import Engine, Rollout, StopFn, eos_ids, left_pad
-from grpo_cli.rollout.tools import Tool, ToolFormat, call_tool, environment_methods, make_tools
+from grpo_cli.rollout.tools import (
+    Tool,
+    ToolFormat,
+    call_tool,
+    environment_class,
+    environment_methods,
+    import_object,
+    make_tool,
+    make_tools,
+)
 
 
 @dataclass
@@ -238,3 +248,114 @@ def finish_episodes(episodes: list[Episode], G: int, pad_id: int, device, interr
                     messages=[e.messages for e in episodes],
                     tool_calls=count(lambda e: e.calls), failed_calls=count(lambda e: e.failed),
                     turns=count(lambda e: e.turns), cut=cut, environments=[e.env for e in episodes if e.env is not None])
+
+
+# ---- what the trainer and the evaluator use ---------------------------------------------------------
+TOOL_FORMATS = {"auto": None, "native": True, "hermes": False}
+
+
+@dataclass
+class EpisodeRunner:
+    """The episode settings of a config (rollout.tools, env._target_, rollout.max_tool_calls, ...), resolved:
+    `from_config` gives None when neither tools nor an environment is set (rollouts stay single-turn)."""
+
+    tools: list[Callable]
+    environment_factory: Callable | None
+    max_tool_calls: int
+    tool_timeout_s: float | None
+    tool_format: str = "auto"
+    call_opener: str = ""
+    _formats: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg) -> EpisodeRunner | None:
+        """Imports every tool and the environment class, so a bad one fails in one line before the model loads."""
+        roll, env = cfg.rollout, cfg.get("env") or {}
+        dotted, target = list(roll.get("tools") or []), env.get("_target_")
+        if not dotted and target is None:
+            return None
+        tools = [import_object(d, f"rollout.tools[{i}]") for i, d in enumerate(dotted)]
+        for fn in tools:
+            make_tool(fn)  # a tool without type hints or docstring is refused now, not at its first call
+        factory = environment_class(target) if target is not None else None
+        return cls(tools, factory, int(roll.get("max_tool_calls", 1)), roll.get("tool_timeout_s"),
+                   str(roll.get("tool_format", "auto")), str(roll.get("call_opener") or ""))
+
+    def format_for(self, tokenizer) -> ToolFormat:
+        key = id(tokenizer)
+        if key not in self._formats:
+            fmt = ToolFormat(tokenizer, native=TOOL_FORMATS[self.tool_format], opener=self.call_opener)
+            if self.tool_format == "native" and not fmt.native:
+                raise ConfigError("rollout.tool_format=native but the chat template renders no tools; use auto or hermes")
+            self._formats[key] = fmt
+        return self._formats[key]
+
+    def run(self, engine: Engine, tokenizer, rows: list[dict], num_generations: int, *, max_new_tokens: int,
+            context_length: int | None, stop: StopFn | None = None, **sampling) -> Episodes:
+        return run_episodes(engine, self.format_for(tokenizer), rows, num_generations, max_new_tokens=max_new_tokens,
+                            max_tool_calls=self.max_tool_calls, context_length=context_length, tools=self.tools,
+                            environment_factory=self.environment_factory, tool_timeout_s=self.tool_timeout_s,
+                            stop=stop, **sampling)
+
+
+EPISODE_ROW_FIELDS = ("prompts", "messages", "environments")
+EPISODE_COUNTS = ("tool_calls", "failed_calls", "turns", "cut")
+
+
+def select_rows(source: Rollout, selected: Rollout, rows: list[int]) -> Rollout:
+    """`selected` (the Rollout fields of `source` at `rows`) with the episode fields of those rows too."""
+    if not isinstance(source, Episodes):
+        return selected
+    index = torch.tensor(rows, dtype=torch.long, device=source.model_mask.device)
+    picked = {name: [getattr(source, name)[i] for i in rows] for name in EPISODE_ROW_FIELDS
+              if name != "environments" or source.environments}
+    return dataclasses.replace(selected, model_mask=source.model_mask[index], **picked,
+                               **{name: getattr(source, name)[index] for name in EPISODE_COUNTS})
+
+
+def concat_rows(sources: list[Rollout], joined: Rollout, width: int) -> Rollout:
+    """`joined` (the Rollout fields of `sources` one after another, completions padded to `width`) with their
+    episode fields joined too."""
+    if not isinstance(sources[0], Episodes):
+        return joined
+    masks = [torch.nn.functional.pad(s.model_mask, (0, width - s.model_mask.shape[1])) for s in sources]
+    return dataclasses.replace(joined, model_mask=torch.cat(masks),
+                               **{name: [x for s in sources for x in getattr(s, name)] for name in EPISODE_ROW_FIELDS},
+                               **{name: torch.cat([getattr(s, name) for s in sources]) for name in EPISODE_COUNTS})
+
+
+def reward_fields(rollout: Rollout) -> dict[str, list]:
+    """What rewards that name them receive of an episode (TRL's names): `messages`, the whole conversation with
+    its tool calls and results, and `environments`, the episode's instance; nothing for a single-turn rollout."""
+    if not isinstance(rollout, Episodes):
+        return {}
+    return {"messages": rollout.messages, **({"environments": rollout.environments} if rollout.environments else {})}
+
+
+def with_environment_reward(rollout: Rollout, totals: list[float], per_function: dict) -> list[float]:
+    """`totals` plus the environment's own reward (`get_reward()`, weight 1, as in TRL), which `per_function`
+    gets under the environment's class name (reward/NAME in the metrics)."""
+    found = rollout.environment_rewards() if isinstance(rollout, Episodes) else None
+    if found is None:
+        return totals
+    name, scores = found
+    if name in per_function:
+        raise ConfigError(f"the environment {name} and a reward function share the name {name}; rename the function")
+    per_function[name] = scores
+    return [t + s for t, s in zip(totals, scores, strict=True)]
+
+
+def episode_metrics(rollout: Rollout) -> dict[str, float]:
+    """tool calls per episode, the failed-call rate, turns per episode, the share cut by the budget."""
+    return {f"episodes/{k}": v for k, v in rollout.metrics().items()} if isinstance(rollout, Episodes) else {}
+
+
+def sample_fields(rollout: Rollout, i: int) -> dict:
+    """What samples.jsonl shows of episode `i` beside its completion: the whole conversation as text (each
+    message as `role: content`, tool calls and results included) and its counts."""
+    if not isinstance(rollout, Episodes):
+        return {}
+    conversation = "\n".join(f"{m['role']}: {m.get('content') or ''}" + (
+        f" {[c['function'] for c in m['tool_calls']]}" if m.get("tool_calls") else "") for m in rollout.messages[i])
+    return {"conversation": conversation, "tool_calls": int(rollout.tool_calls[i]),
+            "failed_calls": int(rollout.failed_calls[i]), "turns": int(rollout.turns[i]), "cut": bool(rollout.cut[i])}

@@ -111,9 +111,10 @@ def supports_tools(tokenizer) -> bool:
 def parse_hermes(text: str) -> list[ToolCall]:
     """The `<tool_call>{json}</tool_call>` calls in `text`, each parsed with json.loads (never evaluated).
 
-    A call opened and never closed (a small model writes on after its arguments, or a stop string such as `}}`
-    ended the turn) counts when a complete JSON object follows the opener: that object is the call, the rest is
-    ignored. An unclosed opener with no complete object after it is no call (the turn is text)."""
+    A call opened and never closed (a small model writes on after its arguments, or a stop string such as `"}`
+    ended the turn) counts when a complete JSON object follows the opener, or one that lacks only its last one
+    or two closing braces: that object is the call, the rest is ignored. An unclosed opener with no such object
+    after it is no call (the turn is text)."""
     calls = []
     for body in HERMES_CALL.findall(text):
         try:
@@ -124,11 +125,15 @@ def parse_hermes(text: str) -> list[ToolCall]:
         calls.append(call_from_json(data))
     rest = HERMES_CALL.sub("", text)
     if CALL_OPEN in rest:
-        try:
-            data, _ = json.JSONDecoder().raw_decode(rest.split(CALL_OPEN, 1)[1].lstrip())
-        except ValueError:
-            return calls
-        calls.append(call_from_json(data))
+        body = rest.split(CALL_OPEN, 1)[1].lstrip()
+        # a stop string such as '"}' may end the turn before the object's last braces: they are added back
+        for closing in ("", "}", "}}"):
+            try:
+                data, _ = json.JSONDecoder().raw_decode(body + closing)
+            except ValueError:
+                continue
+            calls.append(call_from_json(data))
+            break
     return calls
 
 
@@ -296,3 +301,36 @@ class ToolFormat:
         start = len(before) - self._end_of_turn + (len(self.eos) if model_ended_turn else 0)
         return after[start:]
 
+
+
+def import_object(dotted: str, key: str):
+    """The object a dotted path names (pkg.module.name), or a ConfigError in one line naming `key`."""
+    import importlib
+
+    module, _, attr = str(dotted).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), attr) if module else None
+    except ImportError as err:
+        raise ConfigError(f"{key}={dotted} cannot be imported ({err}); check the dotted path") from None
+    except AttributeError:
+        raise ConfigError(f"{key}={dotted}: {module} has no {attr}; check the dotted path") from None
+    except BaseException as err:  # user code raised while its module was imported
+        raise ConfigError(f"{key}={dotted}: importing {module} raised {error_line(err)}; fix the module") from None
+    if found is None:
+        raise ConfigError(f"{key}={dotted} is not a dotted path; give pkg.module.name")
+    if not callable(found):
+        raise ConfigError(f"{key}={dotted} is a {type(found).__name__}, not callable; name a function or a class")
+    return found
+
+
+def environment_class(dotted: str, key: str = "env._target_"):
+    """The environment class (TRL's environment_factory contract), checked without building an instance."""
+    cls = import_object(dotted, key)
+    if not callable(getattr(cls, "reset", None)):
+        raise ConfigError(f"{key}={dotted} has no reset(**row) method; an environment needs reset(**row) -> str | None "
+                          "and its tools as public methods (TRL's environment_factory)")
+    if inspect.isclass(cls):  # its tools need schemas: found now, not at the first rollout
+        for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction):
+            if not name.startswith("_") and name not in ("reset", "get_reward"):
+                make_tool(fn)
+    return cls
