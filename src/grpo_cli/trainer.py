@@ -82,7 +82,8 @@ class Batch:
         rollout = dataclasses.replace(
             roll, prompt_ids=take(roll.prompt_ids, groups), prompt_mask=take(roll.prompt_mask, groups),
             completion_ids=take(roll.completion_ids, rows), completion_mask=take(roll.completion_mask, rows),
-            truncated=take(roll.truncated, rows), texts=[roll.texts[i] for i in rows])
+            truncated=take(roll.truncated, rows), texts=[roll.texts[i] for i in rows],
+            sampler_logprobs=None if roll.sampler_logprobs is None else take(roll.sampler_logprobs, rows))
         return dataclasses.replace(
             self, rollout=rollout, prompts=[self.prompts[i] for i in rows], rewards=take(self.rewards, rows),
             per_function={k: [v[i] for i in rows] for k, v in self.per_function.items()},
@@ -194,6 +195,7 @@ class GRPOTrainer:
         self.eps_high = self.algo.clip_eps_high if self.algo.clip_eps_high is not None else self.algo.clip_eps
         self.fresh_adapter = True
         self.entropy_control = algorithm.adaptive_entropy(self.algo)
+        self.sampler_correction = algorithm.SamplerCorrection.of(self.algo)
         self.skipped_in_a_row = 0
         self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
@@ -227,6 +229,7 @@ class GRPOTrainer:
         return Generation(roll, rows, [text for text in enc.texts for _ in range(G)], stats={
             "gen_time_s": gen_time, "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9),
             "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped, "gen_compile_s": compile_s,
+            "gen_sync_s": self.engine.sync_s,  # of gen_time_s: bringing the updated policy into the engine
         })
 
     def score(self, generation: Generation) -> Scores | None:
@@ -297,12 +300,15 @@ class GRPOTrainer:
             logp, entropy = self._logprobs(batch, rows, grad=True,
                                            with_entropy=first_pass or algorithm.needs_entropy(self.algo))
             mask, aggregation = batch.mask[rows], algorithm.aggregation_of(self.algo)
+            sampler_weights = self.sampler_correction.weights(logp.detach() if old is None else old[rows],
+                                                              batch.rollout.sampler_logprobs, rows, mask, first_pass)
             loss, stats = algorithm.policy_loss(
                 logp, None if old is None else old[rows], None if ref is None else ref[rows],
                 batch.advantages[rows], mask, beta=self.algo.beta, eps_low=self.algo.clip_eps,
                 eps_high=self.eps_high, loss_type=aggregation, ratio_level=self.algo.ratio_level,
                 max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total, entropy=entropy,
                 settings=algorithm.loss_settings(self.algo, self.entropy_control and self.entropy_control.applied),
+                sampler_weights=sampler_weights,
             )
             weight = algorithm.accumulation_weight(aggregation, rows=rows.stop - rows.start,
                                                    rows_total=mini.rows_total, micro_batches_total=mini.micro_total)
@@ -425,11 +431,13 @@ class GRPOTrainer:
             "gen_tokens_per_s": batch.stats["gen_tokens_per_s"],
             "gen_time_s": batch.stats["gen_time_s"],
             "gen_compile_s": batch.stats.get("gen_compile_s", 0.0),
+            "gen_sync_s": batch.stats.get("gen_sync_s", 0.0),
             "reward_errors": batch.reward_errors,
             "skipped_updates": self.skipped_updates,
             "prompts_truncated": batch.stats["prompts_truncated"],
             "prompts_dropped": batch.stats["prompts_dropped"],
             **{k: v for k, v in batch.stats.items() if k.startswith("filter_")},
+            **self.sampler_correction.metrics(),
         }
         if self.dist.enabled:  # every rank has as many rows: rank means average exactly; counts add up
             summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped")

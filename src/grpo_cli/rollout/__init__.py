@@ -29,6 +29,7 @@ from grpo_cli.rollout.common import (
 )
 from grpo_cli.rollout.compiled import CompiledEngine
 from grpo_cli.rollout.hf import HFEngine, generate
+from grpo_cli.rollout import vllm as _vllm  # noqa: F401 - registers rollout.engine=vllm (imports vllm only when built)
 from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, completion_logprobs
 from grpo_cli.schema import view
 
