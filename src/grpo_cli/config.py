@@ -231,6 +231,7 @@ def validate(cfg: DictConfig) -> list[str]:
     if "hidden_size" in tiny and "num_heads" in tiny and tiny.hidden_size % tiny.num_heads:
         fail("model.tiny.hidden_size", tiny.hidden_size, f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
     precision_warnings = check_precision(cfg)
+    _validate_vllm(cfg)
     quantization = cfg.model.get("quantization")
     if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
         fail("model.quantization", quantization, "needs bitsandbytes, which is not installed; pip install "
@@ -238,7 +239,6 @@ def validate(cfg: DictConfig) -> list[str]:
     if quantization is not None and rollout.engine == "compiled":
         fail("rollout.engine", "compiled", f"cannot sample from a quantized base (model.quantization={quantization}): "
              "its inference copy merges LoRA into the base weights; use rollout.engine=hf (or auto)")
-    _validate_vllm(cfg)
     low, high = cfg.data.get("low"), cfg.data.get("high")
     if low is not None and high is not None and high < low:
         fail("data.high", high, f"needs an integer >= data.low ({low})")
