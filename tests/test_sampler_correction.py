@@ -115,11 +115,11 @@ def test_weights_multiply_the_policy_term_only():
 def test_sampler_correction_records_the_first_pass_only():
     correction = SamplerCorrection("token_mask", 0.3, 1.5)
     rows = slice(0, 2)
-    w = correction.weights(TRAINER, SAMPLER, rows, MASK, record=True)
+    w = correction.weights(TRAINER, None, SAMPLER, rows, MASK, record=True)
     assert w is not None and float(w[0, 0]) == 0.0
-    correction.weights(TRAINER, SAMPLER, rows, MASK, record=False)
+    correction.weights(TRAINER, None, SAMPLER, rows, MASK, record=False)
     metrics = correction.metrics()
     assert metrics["sampler/corrected_frac"] == pytest.approx(3 / 5)
     assert correction.metrics() == {}  # forgotten once read
-    assert correction.weights(TRAINER, None, rows, MASK, record=True) is None  # an engine without sampler log-probs
-    assert SamplerCorrection("none").weights(TRAINER, SAMPLER, rows, MASK, record=True) is None
+    assert correction.weights(TRAINER, None, None, rows, MASK, record=True) is None  # an engine without sampler log-probs
+    assert SamplerCorrection("none").weights(TRAINER, None, SAMPLER, rows, MASK, record=True) is None

@@ -972,9 +972,7 @@ def policy_loss(
     out = OBJECTIVES[settings.objective].per_token(ObjectiveInputs(lp, ratio, log_ratio, adv, m, options))
     per_token, extra = out if isinstance(out, tuple) else (out, {})
     keep, bonus_tokens = _masks(settings, lp, old, adv, m, real, entropy)
-    per_token = per_token * keep
-    if sampler_weights is not None:  # algo.sampler_correction: the policy term only, as TRL's
-        per_token = per_token * sampler_weights.detach().float()
+    per_token = per_token * keep * (1.0 if sampler_weights is None else sampler_weights.detach().float())  # not the KL
     kl_stat = zero.clone()
     if ref_logp is not None:
         kl = kl_estimate(lp, torch.where(real, ref_logp.detach().float(), zero), settings.kl_estimator)
@@ -1155,12 +1153,14 @@ class SamplerCorrection:
     def of(cls, algo) -> "SamplerCorrection":
         return cls(algo.sampler_correction, algo.sampler_clip_min, algo.sampler_clip_max, [])
 
-    def weights(self, trainer_logp, sampler_logprobs, rows: slice, mask, record: bool) -> torch.Tensor | None:
-        """The weights for the micro-batch `rows` of a rollout whose sampler log-probs are `sampler_logprobs`
-        (None without correction, or without the sampler's log-probs: an engine sampling with the trainer's own
-        numerics); `record`: keep its mismatch stats for `metrics`."""
+    def weights(self, logp, old, sampler_logprobs, rows: slice, mask, record: bool) -> torch.Tensor | None:
+        """The weights for the micro-batch `rows` (its log-probs `logp`; `old`: the batch's old log-probs, None
+        on-policy) of a rollout whose sampler log-probs are `sampler_logprobs` (None without correction, or without
+        the sampler's log-probs: an engine sampling with the trainer's own numerics); `record`: keep its mismatch
+        stats for `metrics`."""
         if sampler_logprobs is None:
             return None
+        trainer_logp = logp.detach() if old is None else old[rows]
         sampler_logp = sampler_logprobs[rows].to(trainer_logp.device)
         w = sampler_correction_weights(trainer_logp, sampler_logp, mask, self.mode, self.clip_min, self.clip_max)
         if record:

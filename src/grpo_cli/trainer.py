@@ -300,15 +300,13 @@ class GRPOTrainer:
             logp, entropy = self._logprobs(batch, rows, grad=True,
                                            with_entropy=first_pass or algorithm.needs_entropy(self.algo))
             mask, aggregation = batch.mask[rows], algorithm.aggregation_of(self.algo)
-            sampler_weights = self.sampler_correction.weights(logp.detach() if old is None else old[rows],
-                                                              batch.rollout.sampler_logprobs, rows, mask, first_pass)
             loss, stats = algorithm.policy_loss(
                 logp, None if old is None else old[rows], None if ref is None else ref[rows],
                 batch.advantages[rows], mask, beta=self.algo.beta, eps_low=self.algo.clip_eps,
                 eps_high=self.eps_high, loss_type=aggregation, ratio_level=self.algo.ratio_level,
                 max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total, entropy=entropy,
                 settings=algorithm.loss_settings(self.algo, self.entropy_control and self.entropy_control.applied),
-                sampler_weights=sampler_weights,
+                sampler_weights=self.sampler_correction.weights(logp, old, batch.rollout.sampler_logprobs, rows, mask, first_pass),
             )
             weight = algorithm.accumulation_weight(aggregation, rows=rows.stop - rows.start,
                                                    rows_total=mini.rows_total, micro_batches_total=mini.micro_total)
