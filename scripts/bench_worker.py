@@ -46,6 +46,8 @@ def compose_cfg(spec: dict):
         f"model.lora.alpha={spec['lora_alpha']}", "model.lora.dropout=0.0", "model.lora.target_modules=all-linear",
         f"model.quantization={precision}" if precision in QUANTIZED else f"model.dtype={PRECISIONS[precision]}",
     ]
+    if spec["engine"] == "vllm":  # vLLM's CPU attention has no head_dim 16 kernel (the tiny model's default)
+        overrides += ["rollout.vllm_kv_cache_gib=1", *(["model.tiny.num_heads=1"] if spec["model"] == "tiny" else [])]
     if spec.get("model_dir"):
         overrides.append(f"model.name_or_path={spec['model_dir']}")
     register_recipes()

@@ -80,7 +80,7 @@ def test_recipe_overrides_its_groups(compose):
     ("trainer.max_steps=abc", "trainer.max_steps"),
     ("trainer.max_steps=4.0", "trainer.max_steps"),
     ("reward.functions.correct.weight=nan", "reward.functions.correct.weight"),
-    ("rollout.engine=vllm", "rollout.engine"),
+    ("rollout.engine=sglang", "rollout.engine"),
     ("rollout.compile=1", "rollout.compile"),
     ("+algo.betas=[0.9,0.99]", "algo.betas"),  # a key no option declares
 ])
@@ -174,7 +174,7 @@ def test_clip_eps_on_the_command_line_of_an_on_policy_run_warns():
     ("algo.beta=inf", "needs beta >= 0"),
     ("algo.clip_eps=abc", "needs 0 < clip_eps < 1"),
     ("trainer.max_steps=abc", "needs an integer >= 1"),
-    ("rollout.engine=vllm", "use one of auto, compiled, hf"),
+    ("rollout.engine=sglang", "use one of auto, compiled, hf, vllm"),
     ("optimizer.name=adam", "use one of adamw, sgd"),
     ("algo.check=maybe", "use true or false"),
     ("trainer.logprob_chunk_size=0", "needs an integer >= 1, or null"),

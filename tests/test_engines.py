@@ -56,7 +56,7 @@ def test_engine_choice_from_config(compose, tiny):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("rollout.engine=vllm", "rollout.engine=vllm is invalid: use one of auto, compiled, hf"),
+    ("rollout.engine=sglang", "rollout.engine=sglang is invalid: use one of auto, compiled, hf, vllm"),
     ("rollout.compile=sometimes", "rollout.compile=sometimes is invalid: use auto, true or false"),
     ("trainer.gradient_checkpointing=3", "trainer.gradient_checkpointing=3 is invalid: use true or false"),
 ])

@@ -25,7 +25,7 @@ of the type's loss over the update's batch:
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -924,6 +924,7 @@ def policy_loss(
     total_tokens: int | float | None = None,
     settings: LossSettings | None = None,
     entropy: torch.Tensor | None = None,
+    sampler_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one (micro-)batch and its detached scalar stats (docs/algorithm.md, sections 3-4).
 
@@ -940,7 +941,8 @@ def policy_loss(
 
     With the default ``settings`` the objective is the clipped surrogate
     ``-min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)`` and ``kl`` is k3; ``keep`` is 1 unless the off-policy
-    mask or the high-entropy tokens are asked for. ``dapo`` divides by ``total_tokens`` when given (else this batch's
+    mask or the high-entropy tokens are asked for; ``sampler_weights`` ([B, T] or [B, 1], from
+    :func:`sampler_correction_weights`) multiply the objective's term too. ``dapo`` divides by ``total_tokens`` when given (else this batch's
     tokens); ``dr_grpo`` needs ``max_new_tokens``.
 
     Stats (0-dim float32, detached): ``kl`` = m-weighted mean of the KL term (0 when ``ref_logp`` is None);
@@ -970,7 +972,7 @@ def policy_loss(
     out = OBJECTIVES[settings.objective].per_token(ObjectiveInputs(lp, ratio, log_ratio, adv, m, options))
     per_token, extra = out if isinstance(out, tuple) else (out, {})
     keep, bonus_tokens = _masks(settings, lp, old, adv, m, real, entropy)
-    per_token = per_token * keep
+    per_token = per_token * keep * (1.0 if sampler_weights is None else sampler_weights.detach().float())  # not the KL
     kl_stat = zero.clone()
     if ref_logp is not None:
         kl = kl_estimate(lp, torch.where(real, ref_logp.detach().float(), zero), settings.kl_estimator)
@@ -1084,3 +1086,92 @@ def truncation_warning(metrics: dict, streak: int, warned: bool) -> tuple[int, s
     return streak, (f"truncated_frac > {TRUNCATED_WARN_FRAC} for {TRUNCATED_WARN_STEPS} steps in a row: almost every "
                     "completion hits the length limit before EOS, so the rewards judge cut-off text; raise "
                     "rollout.max_new_tokens (or set algo.mask_truncated=true)")
+
+
+# --------------------------------------------------------------------------------------------------
+# 8. Sampler correction: the sampling engine (vLLM) and the trainer compute different log-probs
+# --------------------------------------------------------------------------------------------------
+
+SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_correction_weights(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                               clip_min: float | None = None, clip_max: float | None = 3.0) -> torch.Tensor | None:
+    """Importance weights of TRL 1.16's ``vllm_importance_sampling_mode`` (None for ``none``), detached, that
+    multiply the policy term of each token (not the KL term)::
+
+        d_{i,t} = m * (trainer - sampler)           (NaN sampler log-probs count as d = 0)
+        w       = exp(d_{i,t})        [B, T]        token_*
+                  exp(sum_t d_{i,t})  [B, 1]        sequence_*
+        *_truncate: w clamped to [clip_min, clip_max];  *_mask: w = 0 outside [clip_min, clip_max]
+
+    ``trainer_logp`` is the trainer's log-prob of the policy that sampled (the old log-probs), ``sampler_logp``
+    the engine's own; a bound of None is open."""
+    if mode not in SAMPLER_CORRECTIONS:
+        raise ValueError(f"sampler correction {mode!r} is not one of {', '.join(SAMPLER_CORRECTIONS)}")
+    if mode == "none":
+        return None
+    diff = torch.nan_to_num((trainer_logp.detach().float() - sampler_logp.float()) * mask.float(), nan=0.0)
+    weights = torch.exp(diff.sum(dim=-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        return weights if clip_min is None and clip_max is None else torch.clamp(weights, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
+
+
+def sampler_mismatch_stats(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
+                           weights: torch.Tensor | None, mode: str) -> dict[str, float]:
+    """``sampler/logp_diff_mean`` and ``_max``: |trainer - sampler| over the completion tokens (NaN left out);
+    ``sampler/corrected_frac``: the share of tokens (token_*) or sequences (sequence_*) whose weight the bounds
+    changed (masked to 0, or truncated)."""
+    real = mask.bool()
+    delta = (trainer_logp.detach().float() - sampler_logp.float()).abs()[real]
+    delta = delta[~torch.isnan(delta)]
+    stats = {"sampler/logp_diff_mean": float(delta.mean()) if delta.numel() else 0.0,
+             "sampler/logp_diff_max": float(delta.max()) if delta.numel() else 0.0, "sampler/corrected_frac": 0.0}
+    if weights is not None:
+        raw = sampler_correction_weights(trainer_logp, sampler_logp, mask, mode.split("_")[0] + "_truncate",
+                                         clip_min=None, clip_max=None)  # the weights before any bound
+        changed = weights != raw
+        chosen = changed[real] if mode.startswith("token") else changed[real.any(dim=-1)].flatten()
+        stats["sampler/corrected_frac"] = float(chosen.float().mean()) if chosen.numel() else 0.0
+    return stats
+
+
+@dataclass
+class SamplerCorrection:
+    """``algo.sampler_correction`` as the trainer applies it: the weights of each micro-batch, and the mismatch
+    metrics of the step's first pass, averaged over its micro-batches (this rank's)."""
+
+    mode: str = "none"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+    recorded: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, algo) -> "SamplerCorrection":
+        return cls(algo.sampler_correction, algo.sampler_clip_min, algo.sampler_clip_max, [])
+
+    def weights(self, logp, old, sampler_logprobs, rows: slice, mask, record: bool) -> torch.Tensor | None:
+        """The weights for the micro-batch `rows` (its log-probs `logp`; `old`: the batch's old log-probs, None
+        on-policy) of a rollout whose sampler log-probs are `sampler_logprobs` (None without correction, or without
+        the sampler's log-probs: an engine sampling with the trainer's own numerics); `record`: keep its mismatch
+        stats for `metrics`."""
+        if sampler_logprobs is None:
+            return None
+        trainer_logp = logp.detach() if old is None else old[rows]
+        sampler_logp = sampler_logprobs[rows].to(trainer_logp.device)
+        w = sampler_correction_weights(trainer_logp, sampler_logp, mask, self.mode, self.clip_min, self.clip_max)
+        if record:
+            self.recorded.append(sampler_mismatch_stats(trainer_logp, sampler_logp, mask, w, self.mode))
+        return w
+
+    def metrics(self) -> dict[str, float]:
+        """The recorded stats (a mean over micro-batches; the max of the maxima), then forgotten."""
+        done, self.recorded = self.recorded or [], []
+        if not done:
+            return {}
+        out = {k: sum(s[k] for s in done) / len(done) for k in done[0]}
+        out["sampler/logp_diff_max"] = max(s["sampler/logp_diff_max"] for s in done)
+        return out

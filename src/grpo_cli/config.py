@@ -194,6 +194,20 @@ def check_precision(cfg: DictConfig) -> list[str]:
     return [w for w in (slow_dtype_warning(resolve_dtype(cfg.model.dtype, device), device),) if w]
 
 
+def _validate_vllm(cfg: DictConfig) -> None:
+    """rollout.engine=vllm and algo.sampler_correction: what only they refuse."""
+    correction, engine = cfg.algo.get("sampler_correction", "none"), cfg.rollout.engine
+    if correction != "none" and engine != "vllm":
+        fail("algo.sampler_correction", correction, f"needs the sampler's own log-probs, which rollout.engine={engine} "
+             "does not give (it samples with the trainer's numerics); use rollout.engine=vllm or sampler_correction=none")
+    if correction != "none" and cfg.algo.objective == "vespo":
+        fail("algo.sampler_correction", correction, "is not applied to algo.objective=vespo (its weights are its own); "
+             "use algo.sampler_correction=none")
+    if engine == "vllm" and cfg.model.get("quantization") is not None:
+        fail("rollout.engine", "vllm", f"cannot serve a bitsandbytes-quantized base (model.quantization="
+             f"{cfg.model.quantization}) with its adapter; use rollout.engine=hf or model.quantization=null")
+
+
 def validate(cfg: DictConfig) -> list[str]:
     """Raise ConfigError on the first bad value; return warnings for legal but doubtful ones. What each key
     accepts is declared in schema.OPTIONS; the rules here relate several keys."""
@@ -217,6 +231,7 @@ def validate(cfg: DictConfig) -> list[str]:
     if "hidden_size" in tiny and "num_heads" in tiny and tiny.hidden_size % tiny.num_heads:
         fail("model.tiny.hidden_size", tiny.hidden_size, f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
     precision_warnings = check_precision(cfg)
+    _validate_vllm(cfg)
     quantization = cfg.model.get("quantization")
     if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
         fail("model.quantization", quantization, "needs bitsandbytes, which is not installed; pip install "

@@ -251,6 +251,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("algo.mask_truncated", BOOLEAN, "leave completions that hit max_new_tokens without EOS out of the loss",
       False),
     Option("algo.check", BOOLEAN, "live invariant checks (cheap)", True),
+    # ---- algo: the sampler correction (TRL's vllm_importance_sampling_*; docs/usage.md "vLLM")
+    Option("algo.sampler_correction", one_of("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+      "weigh each token's policy term by exp(trainer - sampler log-prob), per token or summed per sequence, "
+      "truncated to or masked outside the clip bounds (rollout.engine=vllm)", "none"),
+    Option("algo.sampler_clip_min", number(0), "lower bound of the sampler weight; null = none", None, nullable=True,
+      row="sampler clip"),
+    Option("algo.sampler_clip_max", number(0), "upper bound of the sampler weight; null = none", 3.0, nullable=True,
+      row="sampler clip"),
     # ---- rollout: sampling the completions
     Option("rollout.max_new_tokens", integer(1), "tokens per completion at most", 64),
     Option("rollout.min_new_tokens", integer(0), "tokens before EOS may end a completion (<= max_new_tokens)", 0),
@@ -284,6 +292,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("env._target_", DOTTED_PATH, "an environment class (TRL's environment_factory): one per episode, "
       "reset(**row) returns a string or None, public methods are tools, optional get_reward(); null = none", None,
       nullable=True),
+    # ---- rollout: the vllm engine (rollout.engine=vllm; README "vLLM", docs/usage.md "vLLM")
+    Option("rollout.vllm_dtype", one_of("auto", "float32", "bfloat16", "float16"), "vllm engine: the dtype it "
+      "samples in; auto = model.dtype", "auto", row="vllm"),
+    Option("rollout.vllm_max_model_len", integer(1), "vllm engine: longest prompt + completion it serves; null = "
+      "the model's context", None, nullable=True, row="vllm"),
+    Option("rollout.vllm_gpu_memory_utilization", number(0, 1, low_open=True), "vllm engine on CUDA: the share of "
+      "GPU memory it takes beside the trainer (weights and KV cache)", 0.3, row="vllm memory"),
+    Option("rollout.vllm_kv_cache_gib", number(0, low_open=True), "vllm engine on the CPU: KV cache size in GiB",
+      1.0, row="vllm memory"),
+    Option("rollout.vllm_sync", one_of("merged", "lora"), "vllm engine: the policy after each update as merged "
+      "weights reloaded in place, or as a LoRA request", "merged"),
     # ---- trainer: the loop, memory, checkpoints
     Option("trainer.max_steps", integer(1), "training steps (rollout batches)", 50),
     Option("trainer.seed", integer(0), "seed of sampling, data order and LoRA init", 0),

@@ -90,7 +90,8 @@ class Batch:
         rollout = dataclasses.replace(
             roll, prompt_ids=take(roll.prompt_ids, groups), prompt_mask=take(roll.prompt_mask, groups),
             completion_ids=take(roll.completion_ids, rows), completion_mask=take(roll.completion_mask, rows),
-            truncated=take(roll.truncated, rows), texts=[roll.texts[i] for i in rows])
+            truncated=take(roll.truncated, rows), texts=[roll.texts[i] for i in rows],
+            sampler_logprobs=None if roll.sampler_logprobs is None else take(roll.sampler_logprobs, rows))
         rollout = episodes.select_rows(roll, rollout, rows)
         return dataclasses.replace(
             self, rollout=rollout, prompts=[self.prompts[i] for i in rows], rewards=take(self.rewards, rows),
@@ -204,6 +205,7 @@ class GRPOTrainer:
         self.eps_high = self.algo.clip_eps_high if self.algo.clip_eps_high is not None else self.algo.clip_eps
         self.fresh_adapter = True
         self.entropy_control = algorithm.adaptive_entropy(self.algo)
+        self.sampler_correction = algorithm.SamplerCorrection.of(self.algo)
         self.skipped_in_a_row = 0
         self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
@@ -238,6 +240,7 @@ class GRPOTrainer:
         return Generation(roll, rows, getattr(roll, "prompts", None) or [t for t in enc.texts for _ in range(G)], stats={
             "gen_time_s": gen_time, "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9),
             "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped, "gen_compile_s": compile_s,
+            "gen_sync_s": self.engine.sync_s,  # of gen_time_s: bringing the updated policy into the engine
         })
 
     def score(self, generation: Generation) -> Scores | None:
@@ -316,6 +319,7 @@ class GRPOTrainer:
                 eps_high=self.eps_high, loss_type=aggregation, ratio_level=self.algo.ratio_level,
                 max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total, entropy=entropy,
                 settings=algorithm.loss_settings(self.algo, self.entropy_control and self.entropy_control.applied),
+                sampler_weights=self.sampler_correction.weights(logp, old, batch.rollout.sampler_logprobs, rows, mask, first_pass),
             )
             weight = algorithm.accumulation_weight(aggregation, rows=rows.stop - rows.start,
                                                    rows_total=mini.rows_total, micro_batches_total=mini.micro_total)
@@ -435,15 +439,13 @@ class GRPOTrainer:
             "truncated_frac": float(batch.rollout.truncated.float().mean()),
             "lr": self.lr_schedule.lr,
             "step_time_s": seconds,
-            "gen_tokens_per_s": batch.stats["gen_tokens_per_s"],
-            "gen_time_s": batch.stats["gen_time_s"],
-            "gen_compile_s": batch.stats.get("gen_compile_s", 0.0),
+            **{k: batch.stats.get(k, 0.0) for k in ("gen_tokens_per_s", "gen_time_s", "gen_compile_s", "gen_sync_s")},
             "reward_errors": batch.reward_errors,
             "skipped_updates": self.skipped_updates,
-            "prompts_truncated": batch.stats["prompts_truncated"],
-            "prompts_dropped": batch.stats["prompts_dropped"],
+            **{k: batch.stats[k] for k in ("prompts_truncated", "prompts_dropped")},
             **{k: v for k, v in batch.stats.items() if k.startswith("filter_")},
             **episodes.episode_metrics(batch.rollout),
+            **self.sampler_correction.metrics(),
         }
         if self.dist.enabled:  # every rank has as many rows: rank means average exactly; counts add up
             summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped")

@@ -39,6 +39,7 @@ class Rollout:
     texts: list[str]
     group_size: int
     interrupted: bool = False      # the caller's stop() fired during generation: partial, to be discarded
+    sampler_logprobs: torch.Tensor | None = None  # [N, T] the engine's own log-prob of each sampled token (vllm)
 
 
 def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int, overlong: str = "truncate") -> EncodedPrompts:
@@ -188,6 +189,7 @@ class Engine:
 
     name = "base"
     compile_s = 0.0  # seconds spent compiling so far (0 for engines that do not compile)
+    sync_s = 0.0     # seconds the last generate spent bringing the updated policy in (0 where nothing is copied)
 
     def __init__(self, model, tokenizer, device=None):
         self.model, self.tokenizer, self.device = model, tokenizer, device
