@@ -129,3 +129,20 @@ def test_two_step_run(tmp_path):
     assert rows[0]["gen_sync_s"] == 0.0 and rows[1]["gen_sync_s"] > 0  # step 1 samples the updated policy
     assert all(r["sampler/logp_diff_max"] < 1e-3 for r in rows)  # fp32 both sides: the same distribution
     assert (run / "adapter" / "adapter_config.json").is_file()
+
+
+def test_lora_sync_samples_the_policy(lm):
+    """rollout.vllm_sync=lora: vLLM holds the base and each request carries the saved adapter (built from a trained,
+    non-zero adapter: it is applied once, not on top of merged weights)."""
+    prompts, hf = chat_prompts(lm.tokenizer), HFEngine(lm.model, lm.tokenizer, lm.device)
+    engine = VLLMEngine(lm.model, lm.tokenizer, lm.device, dtype=torch.float32, max_model_len=256, kv_cache_gib=0.25,
+                        sync="lora")
+    try:
+        for seed in (11, 12):
+            randomise_lora(lm.model, 0.5, seed=seed)
+            engine.policy_changed()
+            got = engine.generate(prompts, 2, max_new_tokens=8, greedy=True)
+            assert torch.equal(got.completion_ids, hf.generate(prompts, 2, max_new_tokens=8, greedy=True).completion_ids)
+            assert engine.sync_s > 0
+    finally:
+        engine.close()

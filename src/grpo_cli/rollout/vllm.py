@@ -45,16 +45,18 @@ def adapted_layers(peft_model) -> dict:
 
 
 @torch.no_grad()
-def merged_weights(peft_model, dtype: torch.dtype, only_adapted: bool = False) -> dict[str, torch.Tensor]:
+def merged_weights(peft_model, dtype: torch.dtype, only_adapted: bool = False,
+                   with_adapter: bool = True) -> dict[str, torch.Tensor]:
     """The policy's weights as a plain checkpoint (transformers' names): each LoRA-wrapped linear weight is
-    `base + delta` of the active adapters (computed in float32, then cast to `dtype`), the rest as they are;
-    `only_adapted`: the merged tensors alone. New tensors: the policy's own are never written."""
+    `base + delta` of the active adapters (computed in float32, then cast to `dtype`; the base alone without
+    `with_adapter`), the rest as they are; `only_adapted`: the merged tensors alone. New tensors: the policy's
+    own are never written."""
     layers = adapted_layers(peft_model)
     state = {}
     for name, layer in layers.items():
         base = layer.get_base_layer().weight
         merged = base.float()
-        if not getattr(layer, "disable_adapters", False):
+        if with_adapter and not getattr(layer, "disable_adapters", False):
             for adapter in layer.active_adapters:
                 if adapter in getattr(layer, "lora_A", {}):
                     merged = merged + layer.get_delta_weight(adapter).float()
@@ -70,8 +72,9 @@ def merged_weights(peft_model, dtype: torch.dtype, only_adapted: bool = False) -
     return state
 
 
-def save_checkpoint(peft_model, tokenizer, folder: Path, dtype: torch.dtype) -> None:
-    """A dir vLLM can load: config, tokenizer, generation config and the merged weights in safetensors."""
+def save_checkpoint(peft_model, tokenizer, folder: Path, dtype: torch.dtype, with_adapter: bool = True) -> None:
+    """A dir vLLM can load: config, tokenizer, generation config and the merged weights (the base's alone
+    without `with_adapter`) in safetensors."""
     from safetensors.torch import save_file
 
     inner = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
@@ -82,7 +85,7 @@ def save_checkpoint(peft_model, tokenizer, folder: Path, dtype: torch.dtype) -> 
         inner.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     state, seen = {}, set()
-    for key, tensor in merged_weights(peft_model, dtype).items():
+    for key, tensor in merged_weights(peft_model, dtype, with_adapter=with_adapter).items():
         if tensor.data_ptr() not in seen:  # a tied tensor once
             seen.add(tensor.data_ptr())
             state[key] = tensor.contiguous()
@@ -119,13 +122,13 @@ class VLLMEngine(Engine):
         super().__init__(model, tokenizer, device)
         self.dtype, self.sync, self.stale, self.lora_version = dtype, sync, False, 0
         self.scratch = Path(tempfile.mkdtemp(prefix="grpo-vllm-"))
-        save_checkpoint(model, tokenizer, self.scratch / "policy", dtype)
+        save_checkpoint(model, tokenizer, self.scratch / "policy", dtype, with_adapter=sync == "merged")
         self.llm = build_llm(self.scratch / "policy", device, dtype=dtype, max_model_len=max_model_len,
                              gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
                              lora_rank=lora_rank(model) if sync == "lora" else None, seed=seed)
         self.lora_request = None
         if sync == "lora":
-            self.stale = True  # the engine holds base + adapter merged; requests carry the adapter from now on
+            self.stale = True  # the engine holds the base; every request carries the adapter
 
     @classmethod
     def from_config(cls, cfg_rollout, lm, max_prompt_tokens: int | None = None) -> VLLMEngine:
