@@ -95,6 +95,21 @@ def module_on_path(tmp_path_factory, name: str, source: str) -> dict:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
 
 
+def straight_and_resumed(args: list[str], tmp_path: Path, env: dict, from_step: int = 2) -> tuple[Path, Path]:
+    """Two grpo-train runs of `args`: one straight through, one resumed from the first's checkpoint at `from_step`
+    (copied into an empty run dir); both must exit 0. Returns their run dirs."""
+    import shutil
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    proc = run_cli([*args, f"hydra.run.dir={straight}"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = f"step-{from_step:06d}"
+    shutil.copytree(straight / "checkpoints" / step, resumed / "checkpoints" / step)
+    proc = run_cli([*args, f"hydra.run.dir={resumed}", "trainer.resume=auto"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return straight, resumed
+
+
 def finished_run(tmp_path_factory, label: str, args: list[str], env: dict) -> Path:
     """The run dir of a grpo-train run with `args` that finished (exit 0)."""
     run = tmp_path_factory.mktemp(label) / "run"

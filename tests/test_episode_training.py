@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_trainer, read_jsonl, run_cli
+from conftest import make_trainer, read_jsonl, run_cli, straight_and_resumed
 from test_episodes import ChoosingPolicy, ScriptedPolicy, call, script
 
 from grpo_cli.errors import ConfigError
@@ -173,12 +172,7 @@ TRAIN = ["+recipe=quickstart", "model=tiny", "plugins=[scripted_engine]", "rollo
 def test_a_run_with_tools_resumes_bitwise_and_samples_show_the_conversation(cli_env, tmp_path):
     data, env = cli_env
     args = [*TRAIN, "data=hf", f"data.path={data}"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    proc = run_cli([*args, f"hydra.run.dir={straight}"], tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shutil.copytree(straight / "checkpoints" / "step-000002", resumed / "checkpoints" / "step-000002")
-    proc = run_cli([*args, f"hydra.run.dir={resumed}", "trainer.resume=auto"], tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight, resumed = straight_and_resumed(args, tmp_path, env)
     a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     keep = ("reward", "loss", "episodes/tool_calls_per_episode", "episodes/failed_call_rate")
     assert [{k: r[k] for k in keep} for r in a] == [{k: r[k] for k in keep} for r in b]

@@ -5,13 +5,12 @@ unit, resume, and the clip-eps test on the embedded model."""
 from __future__ import annotations
 
 import os
-import shutil
 from functools import partial
 
 import pytest
 import torch
 from conftest import VARIED_REWARD as VARIED_BY_LENGTH
-from conftest import fixed_batch, make_trainer, read_jsonl, run_cli
+from conftest import fixed_batch, make_trainer, read_jsonl, straight_and_resumed
 
 from grpo_cli import algorithm
 from grpo_cli.optim import lr_factor
@@ -176,12 +175,7 @@ def test_resume_with_mini_batches_is_bitwise_identical(tmp_path):
             "algo.num_generations=4", "algo.mini_batches=2", "algo.num_iterations=2", "optimizer.lr=1e-2",
             "optimizer.schedule=cosine", "optimizer.warmup_steps=1", "trainer.max_steps=4", "trainer.save_every=2",
             "trainer.log_samples_every=0", "+reward.functions.varied._target_=my_rewards.varied"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    proc = run_cli([*args, f"hydra.run.dir={straight}"], tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shutil.copytree(straight / "checkpoints" / "step-000002", resumed / "checkpoints" / "step-000002")
-    proc = run_cli([*args, f"hydra.run.dir={resumed}", "trainer.resume=auto"], tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight, resumed = straight_and_resumed(args, tmp_path, env)
     a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     assert [r["lr"] for r in a] == [r["lr"] for r in b] and len({r["lr"] for r in a}) == 4

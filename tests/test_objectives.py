@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import fit, make_trainer, read_jsonl
+from conftest import fit, make_trainer, read_jsonl, straight_and_resumed
 
 from grpo_cli import algorithm
 from grpo_cli.algorithm import LossSettings, ObjectiveOptions, policy_loss
@@ -289,9 +289,7 @@ def test_resume_with_dynamic_sampling_and_adaptive_entropy_is_bitwise(tmp_path):
     """A run with algo.filter_groups, sapo and the adaptive entropy bonus, resumed from its step-2 checkpoint, ends
     with the same adapter and the same metrics as the straight run (extra rounds and the coefficient included)."""
     import os
-    import shutil
 
-    from conftest import run_cli
 
     (tmp_path / "my_rewards.py").write_text("def varied(prompts, completions, **_):\n"
                                             "    return [float(len(c) % 3) for c in completions]\n")
@@ -300,12 +298,7 @@ def test_resume_with_dynamic_sampling_and_adaptive_entropy_is_bitwise(tmp_path):
             "algo.num_generations=2", "algo.filter_groups=true", "algo.filter_max_draws=3", "algo.objective=sapo",
             "algo.entropy_coef=0.01", "algo.entropy_target=100.0", "optimizer.lr=1e-2", "trainer.max_steps=4",
             "trainer.save_every=2", "trainer.log_samples_every=0", "+reward.functions.varied._target_=my_rewards.varied"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    proc = run_cli([*args, f"hydra.run.dir={straight}"], tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shutil.copytree(straight / "checkpoints" / "step-000002", resumed / "checkpoints" / "step-000002")
-    proc = run_cli([*args, f"hydra.run.dir={resumed}", "trainer.resume=auto"], tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight, resumed = straight_and_resumed(args, tmp_path, env)
     a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     keep = ("reward", "loss", "entropy", "filter_draws", "filter_dropped_frac", "filter_groups_with_signal")
     assert [{k: r[k] for k in keep} for r in a] == [{k: r[k] for k in keep} for r in b]
