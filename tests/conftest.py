@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # the grpo-train processes the tests start import tests/varied_reward.py (VARIED_REWARD)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+# what .ci/run sets, set for a local run too: no hub, W&B offline; the console scripts the tests start get the same
+for key, value in {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                   "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(key, value)
 
 
 def pytest_configure(config):
@@ -45,14 +49,15 @@ def script(name: str) -> str:
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None, command: str = "grpo-train",
-            preexec_fn=None):
-    """Run a console script for real; returns CompletedProcess with text output. `preexec_fn` runs in the child
-    before the script starts (a resource limit, say)."""
+            rlimits: dict | None = None):
+    """Run a console script in a process of its own (a fork of the worker's prewarmed server: tests/prewarmed.py);
+    returns CompletedProcess with text output. `rlimits` ({"RLIMIT_FSIZE": (soft, hard)}, say) are set in the child
+    before the script starts."""
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     full_env.pop("WANDB_API_KEY", None)
-    return subprocess.run([script(command), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=preexec_fn)
+    return prewarmed.run([script(command), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                         timeout=timeout, rlimits=rlimits)
 
 
 # a reward that varies with the completion (tests/varied_reward.py): with the quickstart reward alone every completion

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import prewarmed
 import pytest
 import torch
 from conftest import REPO, fixed_batch, read_jsonl
@@ -232,7 +233,7 @@ def test_sigterm_stops_every_rank_at_the_same_point(tmp_path):
     from conftest import script
 
     run = tmp_path / "run"
-    child = subprocess.Popen([script("grpo-train"), "+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "trainer.nproc=2",
+    child = prewarmed.popen([script("grpo-train"), "+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "trainer.nproc=2",
                               "trainer.device=cpu",
                               "model.tiny.max_position_embeddings=200000", "rollout.max_new_tokens=100000",
                               "trainer.log_samples_every=0", f"hydra.run.dir={run}"], cwd=tmp_path, env=ENV,
@@ -265,12 +266,12 @@ def test_grpo_train_nproc_gives_every_rank_one_run_dir(tmp_path):
 
     args = [script("grpo-train"), "+recipe=quickstart", "model=tiny", "trainer.nproc=2", "trainer.device=cpu",
             "trainer.max_steps=2", "rollout.max_new_tokens=4", "trainer.log_samples_every=1"]
-    shown = subprocess.run([*args, "--cfg", "job"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    shown = prewarmed.run([*args, "--cfg", "job"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "  nproc: 2\n" in shown.stdout and "torch.distributed" not in shown.stderr
     assert not (tmp_path / "outputs").exists()
 
-    proc = subprocess.run(args, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = prewarmed.run(args, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.jsonl")]
     assert len(runs) == 1, list((tmp_path / "outputs").rglob("*"))

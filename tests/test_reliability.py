@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 
+import prewarmed
 import pytest
 import torch
 from conftest import TRAINED_TINY, VARIED_REWARD, assert_learned, read_jsonl, run_cli, script
@@ -212,7 +213,7 @@ def test_sigkill_and_resume_is_bitwise_identical(trained_tiny_run, tmp_path):
     with the same adapter bytes and rewards."""
     straight, crashed = trained_tiny_run, tmp_path / "crashed"
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    child = subprocess.Popen([script("grpo-train"), *TRAINED_TINY, f"hydra.run.dir={crashed}"], cwd=tmp_path, env=env,
+    child = prewarmed.popen([script("grpo-train"), *TRAINED_TINY, f"hydra.run.dir={crashed}"], cwd=tmp_path, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = crashed / "metrics.jsonl"
     deadline = time.time() + 300
@@ -237,7 +238,7 @@ def test_sigkill_and_resume_is_bitwise_identical(trained_tiny_run, tmp_path):
 def test_sigterm_checkpoints_and_exits_143(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    child = subprocess.Popen([script("grpo-train"), *TINY_RUN, "trainer.save_every=0", f"hydra.run.dir={run}"],
+    child = prewarmed.popen([script("grpo-train"), *TINY_RUN, "trainer.save_every=0", f"hydra.run.dir={run}"],
                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and not (run / "metrics.jsonl").exists():
@@ -279,7 +280,7 @@ def start(args: list[str], cwd) -> subprocess.Popen:
     """grpo-train in the background: stdout to cwd/stdout.txt (to watch), stderr to a pipe."""
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     with open(cwd / "stdout.txt", "w") as out:
-        return subprocess.Popen([script("grpo-train"), *args], cwd=cwd, env=env, stdout=out, stderr=subprocess.PIPE,
+        return prewarmed.popen([script("grpo-train"), *args], cwd=cwd, env=env, stdout=out, stderr=subprocess.PIPE,
                                 text=True)
 
 
@@ -413,7 +414,7 @@ def test_grpo_eval_stops_mid_generation(tmp_path):
     out = tmp_path / "eval"
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     with open(tmp_path / "stdout.txt", "w") as stdout:
-        child = subprocess.Popen([script("grpo-eval"), *HUGE_EVAL, f"hydra.run.dir={out}"], cwd=tmp_path, env=env,
+        child = prewarmed.popen([script("grpo-eval"), *HUGE_EVAL, f"hydra.run.dir={out}"], cwd=tmp_path, env=env,
                                  stdout=stdout, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: "evaluating base on 2 held-out prompts" in (tmp_path / "stdout.txt").read_text(), child)
     time.sleep(1)  # loaded and generating for hours

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import sys
 import threading
 import time
 
+import prewarmed
 import pytest
 from conftest import VARIED_REWARD, assert_learned, finished_run, module_on_path, read_jsonl, run_cli, script
 
@@ -226,7 +226,7 @@ def test_every_record_is_rolled_back_after_a_kill_and_resume(tmp_path, finished,
     step's metrics and samples appear once, as in the run that went straight through."""
     run = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **rewards_env, "REWARD_SLEEP_S": "0.5"}
-    child = subprocess.Popen([script("grpo-train"), *RUN, f"hydra.run.dir={run}"], cwd=tmp_path, env=env,
+    child = prewarmed.popen([script("grpo-train"), *RUN, f"hydra.run.dir={run}"], cwd=tmp_path, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and not (
@@ -252,7 +252,7 @@ def test_sigterm_stops_a_reward_that_never_returns_within_10_s(tmp_path, rewards
     called = tmp_path / "reward-called"
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **rewards_env, "REWARD_SLEEP_S": "3600",
            "REWARD_CALLED": str(called)}
-    child = subprocess.Popen([script("grpo-train"), *RUN, f"hydra.run.dir={run}"], cwd=tmp_path, env=env,
+    child = prewarmed.popen([script("grpo-train"), *RUN, f"hydra.run.dir={run}"], cwd=tmp_path, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not called.exists():
@@ -343,11 +343,9 @@ def test_grpo_eval_with_an_adapter_of_another_base_is_one_line(tmp_path, finishe
     one_line_exit_2(proc, "but base embedded:smollm2-135m has", "it was trained on another base", "model=NAME")
 
 
-def files_of_at_most_20_kb():
-    """In the child: a file may not grow past 20 kB, and a write past it fails (EFBIG) instead of killing the
-    process: a full disk as a test can have it."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+# a file may not grow past 20 kB, and a write past it fails (EFBIG; Python ignores SIGXFSZ) instead of killing the
+# process: a full disk as a test can have it
+FILES_OF_AT_MOST_20_KB = {"RLIMIT_FSIZE": (20_000, 20_000)}
 
 
 @pytest.mark.slow
@@ -358,7 +356,7 @@ def files_of_at_most_20_kb():
 def test_a_write_that_finds_no_room_is_one_line(tmp_path, write, code, words):
     run = tmp_path / "run"
     proc = run_cli(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "trainer.max_steps=3", write,
-                    f"hydra.run.dir={run}"], tmp_path, preexec_fn=files_of_at_most_20_kb)
+                    f"hydra.run.dir={run}"], tmp_path, rlimits=FILES_OF_AT_MOST_20_KB)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == code and len(lines) == 1, proc.stderr[-3000:]
     assert all(word in lines[0] for word in words), lines[0]

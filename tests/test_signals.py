@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import prewarmed
 import pytest
 from conftest import read_jsonl, run_cli, script
 from test_reliability import HUGE_EVAL, TINY_RUN, start, stderr_lines_after_signal, wait_for
@@ -78,7 +79,7 @@ def test_a_terminal_that_hangs_up_leaves_a_checkpoint_that_resumes(tmp_path):
 def test_grpo_eval_stops_on_sigterm_and_sighup_without_a_partial_result(tmp_path, signum):
     out = tmp_path / "eval"
     with open(tmp_path / "stdout.txt", "w") as stdout:
-        child = subprocess.Popen([script("grpo-eval"), *HUGE_EVAL, f"hydra.run.dir={out}"], cwd=tmp_path, env=ENV,
+        child = prewarmed.popen([script("grpo-eval"), *HUGE_EVAL, f"hydra.run.dir={out}"], cwd=tmp_path, env=ENV,
                                  stdout=stdout, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: "evaluating base on 2 held-out prompts" in (tmp_path / "stdout.txt").read_text(), child)
     time.sleep(1)  # generating for hours
@@ -108,7 +109,7 @@ def export_run(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_grpo_export_stops_in_one_line_and_leaves_nothing_partial(export_run, tmp_path, signum):
     out = tmp_path / "merged"
-    child = subprocess.Popen([script("grpo-export"), str(export_run), str(out)], cwd=tmp_path, env=ENV,
+    child = prewarmed.popen([script("grpo-export"), str(export_run), str(out)], cwd=tmp_path, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in child.stdout:
         if "[2/5]" in line:  # loading the base: the merge and the write are still to come
@@ -128,7 +129,7 @@ def test_sighup_stops_a_sweep_like_sigterm(tmp_path):
     command = [script("grpo-train"), "-m", "+recipe=quickstart", "model=tiny", "trainer.max_steps=3",
                "rollout.max_new_tokens=4", "algo.num_generations=2", "data.prompts_per_step=2", "trainer.device=cpu",
                "trainer.seed=0,1", f"hydra.sweep.dir={sweep_dir}"]
-    child = subprocess.Popen(command, cwd=tmp_path, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL,
+    child = prewarmed.popen(command, cwd=tmp_path, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     wait_for(lambda: (sweep_dir / "0" / "metrics.jsonl").exists(), child)
     os.killpg(child.pid, signal.SIGHUP)

@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import prewarmed
 import pytest
 import yaml
 from conftest import read_jsonl, run_cli, script
@@ -33,7 +34,7 @@ def _metrics_files(sweep_dir: Path, jobs) -> dict:
 def _stop_when(command: list[str], cwd: Path, ready: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `command`; SIGTERM its whole process group as soon as `ready` exists."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([script("grpo-train"), *command], cwd=cwd, env=env, start_new_session=True,
+    proc = prewarmed.popen([script("grpo-train"), *command], cwd=cwd, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:

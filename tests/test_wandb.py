@@ -20,6 +20,7 @@ import time
 import zlib
 from pathlib import Path
 
+import prewarmed
 import pytest
 from conftest import read_jsonl, script
 
@@ -99,7 +100,7 @@ def offline_run(tmp_path_factory):
     env = clean_env(WANDB_API_KEY=FAKE_KEY, WANDB_CACHE_DIR=str(cwd / "wb_cache"), WANDB_DATA_DIR=str(cwd / "wb_data"),
                     WANDB_CONFIG_DIR=str(cwd / "wb_config"))
     t0 = time.time()
-    proc = subprocess.run([script("grpo-train"), *TINY, "trainer.log_samples_every=1", "logger=wandb",
+    proc = prewarmed.run([script("grpo-train"), *TINY, "trainer.log_samples_every=1", "logger=wandb",
                            "logger.wandb.mode=offline", "logger.wandb.tags=[ci]", f"hydra.run.dir={run_dir}"],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -350,10 +351,10 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, offline_run):
                     WANDB_CONFIG_DIR=str(tmp_path / "wb_config"))
     args = [script("grpo-train"), "+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "data.prompts_per_step=2",
             "algo.num_generations=2", "logger=wandb", "logger.wandb.mode=offline", "trainer.save_every=1", "trainer.log_samples_every=0", f"hydra.run.dir={run_dir}"]
-    first = subprocess.run([*args, "trainer.max_steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    first = prewarmed.run([*args, "trainer.max_steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     run_id = (run_dir / "wandb_run_id").read_text().strip()
-    second = subprocess.run([*args, "trainer.max_steps=3", "trainer.resume=auto",
+    second = prewarmed.run([*args, "trainer.max_steps=3", "trainer.resume=auto",
                              "trainer.resume_allow_changes=[trainer.max_steps]"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
