@@ -10,7 +10,7 @@ the command runs exactly as installed, in a process of its own, with its own exi
 
 A fork cannot pretend a fresh interpreter where the environment changes what an import has already read (the
 hash seed, thread counts, cache folders, CUDA devices, LD_PRELOAD): a request whose environment differs from the
-server's in such a variable (IMPORT_TIME_ENV), a caller's preexec_fn or a terminal for stdio runs the script
+server's in such a variable (IMPORT_TIME_ENV), a run under torchrun (trainer.nproc > 1), a caller's preexec_fn or a terminal for stdio runs the script
 with a real exec (subprocess.Popen), as does `fresh=True`, and so does every request unless the worker runs torch
 with one thread (OMP_NUM_THREADS=1, as `make test`'s workers do): with more, torch's import starts threads, and a
 fork copies only the thread that forks.
@@ -103,6 +103,8 @@ def _forkable(args: list[str], env: dict, server: Server) -> bool:
     child gets it as a fresh process would, from those imports."""
     if Path(args[0]).name not in ENTRY_POINTS or Path(args[0]).parent != Path(sys.executable).parent:
         return False
+    if any(str(a).startswith("trainer.nproc=") and str(a) != "trainer.nproc=1" for a in args):
+        return False  # grpo-train execs torchrun, whose ranks start as fresh processes anyway
     base, imported = server.env, server.set_by_imports()
     changed = {k for k in set(env) | set(base) | set(imported) if env.get(k) != base.get(k, imported.get(k))
                and not (k in imported and k not in env)} - {"PYTHONPATH"}
