@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib.metadata
 import json
 import os
 import shutil
@@ -36,7 +37,9 @@ import threading
 import time
 from pathlib import Path
 
-ENTRY_POINTS = {"grpo-train": "train", "grpo-eval": "evaluate", "grpo-report": "report", "grpo-export": "export"}
+# the console scripts of pyproject.toml's [project.scripts], as installed: name -> "module:function"
+ENTRY_POINTS = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")
+                if e.value.startswith("grpo_cli.")}
 # environment variables that torch, transformers, huggingface_hub or Python read when imported or started
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
                    "CUDA", "LD_", "XDG_", "HOME", "TMPDIR", "LANG", "LC_", "TOKENIZERS", "TQDM", "NCCL", "RANK",
@@ -336,7 +339,8 @@ def become(request: dict) -> None:
     importlib.invalidate_caches()
     sys.argv = [script, *request["args"]]
     sys.orig_argv = [sys.executable, script, *request["args"]]
-    entry = getattr(importlib.import_module("grpo_cli.cli"), ENTRY_POINTS[os.path.basename(script)])
+    module, function = ENTRY_POINTS[os.path.basename(script)].split(":")
+    entry = getattr(importlib.import_module(module), function)
     sys.exit(entry())
 
 
