@@ -23,12 +23,15 @@ for key, value in {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT
 
 def pytest_configure(config):
     """Under pytest-xdist (`make test` runs two workers) each worker and the processes it starts get one torch
-    thread: two workers of two threads each on two cores spend their time waiting for each other."""
+    thread: two workers of two threads each on two cores spend their time waiting for each other. The controller
+    starts the prewarmed server that the workers share (tests/prewarmed.py) before it starts them."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
 
         torch.set_num_threads(1)
+    elif getattr(config.option, "numprocesses", None) and not config.option.collectonly:
+        prewarmed.start_shared({**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,8 +2,9 @@
 and Hydra, for the tests.
 
 A fresh `grpo-train` spends about 10 s of one core importing those libraries before it reads its first option, and
-the suite starts some hundred of them. Each pytest worker therefore starts one server process (`python
-prewarmed.py SOCKET`), which imports them once and then forks a child per request. The child is then set up as
+the suite starts some hundred of them. One server process (`python prewarmed.py SOCKET`) therefore imports them
+once and then forks a child per request: under pytest-xdist the controller starts it before the workers (`start_shared`,
+from conftest.py) and every worker uses it; without xdist the test process starts its own on first use. The child is then set up as
 exec would set up a new process: its own argv, cwd, environment, stdin/stdout/stderr (the caller's pipe ends,
 passed over the socket), signal dispositions and session, and it calls the console script's entry point, so
 the command runs exactly as installed, in a process of its own, with its own exit status and signals.
@@ -54,21 +55,34 @@ PRELOADED = ("grpo_cli.cli", "torch", "transformers", "peft", "safetensors.torch
 
 
 # ---- the caller's side (the pytest worker) ----------------------------------------------------------------------
-class Server:
-    """This worker's server process, started on first use with the environment `env`."""
+SHARED = "PREWARMED_SERVER"  # the folder of the server that the xdist controller started, for its workers
 
-    def __init__(self, env: dict):
-        self.env = {k: v for k, v in env.items() if k not in SET_ON_IMPORT}
-        self.folder = tempfile.mkdtemp(prefix="grpo-prewarmed-")
-        self.address = os.path.join(self.folder, "socket")
-        log = open(os.path.join(self.folder, "server.log"), "w")
-        self.process = subprocess.Popen([sys.executable, __file__, self.address], env=self.env, stdin=subprocess.PIPE,
-                                        stdout=log, stderr=log)
-        log.close()
-        atexit.register(self.close)
+
+class Server:
+    """A server process started with the environment `env` (`folder=None`), or the one already serving from
+    `folder` (its starter owns it: it stops it)."""
+
+    def __init__(self, env: dict | None = None, folder: str | None = None):
+        self.process = None
+        if folder is not None:
+            self.folder = folder
+            self.env = json.loads(Path(folder, "env.json").read_text())
+        else:
+            self.env = {k: v for k, v in env.items() if k not in SET_ON_IMPORT}
+            self.folder = tempfile.mkdtemp(prefix="grpo-prewarmed-")
+            Path(self.folder, "env.json").write_text(json.dumps(self.env))
+            log = open(os.path.join(self.folder, "server.log"), "w")
+            self.process = subprocess.Popen([sys.executable, __file__, self.address], env=self.env,
+                                            stdin=subprocess.PIPE, stdout=log, stderr=log)
+            log.close()
+            atexit.register(self.close)
+
+    @property
+    def address(self) -> str:
+        return os.path.join(self.folder, "socket")
 
     def connect(self) -> socket.socket:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
@@ -76,7 +90,8 @@ class Server:
                 return sock
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
-                if self.process.poll() is not None or time.monotonic() > deadline:
+                ended = self.process is not None and self.process.poll() is not None
+                if ended or time.monotonic() > deadline:
                     log = Path(self.folder, "server.log").read_text()[-3000:]
                     raise RuntimeError(f"the prewarmed server did not start: {log}") from None
                 time.sleep(0.05)
@@ -88,6 +103,8 @@ class Server:
         return self._set_by_imports
 
     def close(self) -> None:
+        if self.process is None:
+            return
         if self.process.poll() is None:
             self.process.stdin.close()  # its end of file: the server exits
             try:
@@ -98,6 +115,21 @@ class Server:
 
 
 _server: Server | None = None
+
+
+def start_shared(env: dict) -> Server:
+    """Start the server that the xdist workers (started after this, with this process's environment) share: its
+    imports run while they collect, and happen once, not once a worker. `env` is the workers' environment."""
+    server = Server(env)
+    os.environ[SHARED] = server.folder
+    return server
+
+
+def _this_runs_server() -> Server:
+    global _server
+    if _server is None:
+        _server = Server(folder=os.environ[SHARED]) if os.environ.get(SHARED) else Server(os.environ)
+    return _server
 
 
 def _forkable(args: list[str], env: dict, server: Server) -> bool:
@@ -183,17 +215,15 @@ def popen(args: list[str], cwd=None, env: dict | None = None, stdout=None, stder
     """A grpo-cli console script (`args[0]`, its path in this venv) as a forked child of this worker's server, or
     with subprocess.Popen where a fork would not be faithful (see the module's docstring). `rlimits` maps resource
     names (RLIMIT_FSIZE) to (soft, hard) limits of the child."""
-    global _server
     env = dict(os.environ if env is None else env)
     # torch starts its OpenMP threads when imported unless it has one thread (as under `make test`'s workers)
     forks = not fresh and not popen_only and os.environ.get("OMP_NUM_THREADS") == "1"
-    if forks and _server is None:
-        _server = Server(os.environ)
-    sock = _server.connect() if forks else None  # once it accepts, its imports are done
+    server = _this_runs_server() if forks else None
+    sock = server.connect() if forks else None  # once it accepts, its imports are done
     if os.environ.get("PREWARMED_LOG"):
         with open(os.environ["PREWARMED_LOG"], "a") as log:
-            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST')} forks={forks and _forkable(args, env, _server)} {args[0]}\n")
-    if not forks or not _forkable(args, env, _server):
+            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST')} forks={forks and _forkable(args, env, server)} {args[0]}\n")
+    if not forks or not _forkable(args, env, server):
         if sock is not None:
             sock.close()
         if rlimits:
@@ -248,7 +278,7 @@ def _set_rlimits(rlimits: dict) -> None:
 # ---- the server's side -------------------------------------------------------------------------------------------
 def serve(address: str) -> dict:
     """Import the libraries, then fork a child per request; returns (only in a child) the request to run. The
-    server exits when its stdin (the worker's pipe) ends."""
+    server exits when its stdin (its starter's pipe) ends."""
     import importlib
     import select
 
