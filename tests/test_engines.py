@@ -119,6 +119,7 @@ def test_a_decode_step_that_fails_to_compile_costs_the_speed_up_not_the_run(tiny
         strict.generate(prompts, 2, max_new_tokens=5, greedy=True)
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_compiled_engine_sizes_its_cache_once(tiny):
     """A smaller call reuses the first call's static cache (spare rows are padding) and still gives hf's tokens."""
     hf, compiled = engines(tiny, max_prompt_tokens=64)

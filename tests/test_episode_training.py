@@ -48,6 +48,7 @@ def plain(prompts, completions, **fields):
     return [0.0] * len(completions)
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_the_trainer_trains_on_episodes_and_counts_only_the_models_tokens(compose, tmp_path):
     trainer = scripted(make_trainer(compose, tmp_path, *TOOL, "algo.loss_type=dapo", "algo.mask_truncated=true",
                                     "algo.mini_batches=2", rows=rows_with_answers("12~~13", "7~~8")), ChoosingPolicy)

@@ -511,6 +511,7 @@ def _lora_grads(model):
     return torch.cat([p.grad.flatten() for n, p in model.named_parameters() if "lora_" in n])
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 @pytest.mark.parametrize("chunk", (3, None))
 def test_the_pass_attends_over_tool_tokens_and_matches_a_full_forward(policy_and_episodes, chunk):
     model, roll = policy_and_episodes
@@ -529,6 +530,7 @@ def test_the_pass_attends_over_tool_tokens_and_matches_a_full_forward(policy_and
     torch.testing.assert_close(_lora_grads(model), ref_grad, rtol=1e-4, atol=1e-5 * float(ref_grad.abs().max()))
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_a_tool_token_never_receives_gradient(policy_and_episodes):
     """The masked loss puts no gradient on the prediction of any tool token (its logits' gradient is exactly 0),
     while every model token's prediction gets one; tool tokens still shape the model tokens after them."""

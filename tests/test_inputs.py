@@ -142,6 +142,7 @@ def test_broken_interpolation_is_one_line(compose):
     check_interpolations(compose(["+recipe=quickstart", "eval.max_new_tokens=${rollout.max_new_tokens}"]))
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_prompts_per_step_must_divide_over_the_ranks(compose, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     validate(compose(["+recipe=quickstart", "trainer.nproc=2"]))  # 4 prompts over 2 ranks

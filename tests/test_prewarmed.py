@@ -53,6 +53,7 @@ def test_a_forked_child_has_its_own_pid_and_a_signal_ends_it_as_it_would_a_proce
     assert child.wait(timeout=60) == -signal.SIGKILL
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_an_environment_that_an_import_reads_gets_a_real_exec(tmp_path):
     env = {**os.environ, "PYTHONHASHSEED": "7"}
     child = prewarmed.popen([script("grpo-train"), "--help"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,

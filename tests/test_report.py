@@ -71,6 +71,7 @@ def test_run_dir(tmp_path: Path) -> None:
     assert "&lt;a &amp; b&gt;" in page and "Qwen/Qwen2.5-0.5B-Instruct" in page
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_run_dir_without_eval_and_out_dir(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", [])
     out = tmp_path / "out"

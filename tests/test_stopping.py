@@ -42,6 +42,7 @@ def test_first_sigint_sets_the_flag_second_ends_the_process_at_once():
         "Ctrl-C again to exit at once"]
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_sigint_after_sigterm_also_ends_it_but_a_repeated_sigterm_does_not():
     assert run_signalled("TERM", "INT").returncode == -signal.SIGINT
     proc = run_signalled("TERM", "TERM")
@@ -50,6 +51,7 @@ def test_sigint_after_sigterm_also_ends_it_but_a_repeated_sigterm_does_not():
     assert len(proc.stderr.splitlines()) == 1  # announced once
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_sighup_is_a_stop_request_like_sigterm():
     """What an ssh drop or a closed terminal sends: a stop at the next safe point, not the end of the process."""
     proc = run_signalled("HUP", "HUP")

@@ -252,6 +252,7 @@ def report_of(sweep_dir: Path) -> tuple[str, str]:
     return page, console.export_text()
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_report_of_a_seeded_sweep_ranks_cells(seeded):
     page, terminal = report_of(seeded)
     for name in ("sweep_heatmap.png", "sweep_cell_curves.png"):
