@@ -53,7 +53,7 @@ def script(name: str) -> str:
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None, command: str = "grpo-train",
             rlimits: dict | None = None):
-    """Run a console script in a process of its own (a fork of the worker's prewarmed server: tests/prewarmed.py);
+    """Run a console script in a process of its own (a fork of the prewarmed server: tests/prewarmed.py);
     returns CompletedProcess with text output. `rlimits` ({"RLIMIT_FSIZE": (soft, hard)}, say) are set in the child
     before the script starts."""
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
