@@ -29,17 +29,39 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OF
 
 WORKER = textwrap.dedent('''
     import json, os, sys, torch
+    import torch.distributed as dist
     from hydra import compose, initialize_config_dir
+    from grpo_cli import trainer as trainer_module
     from grpo_cli.config import CONF_DIR, register_recipes
     from grpo_cli.trainer import Batch, GRPOTrainer
     from grpo_cli.rollout import Rollout
 
-    out, cases = sys.argv[1], json.loads(sys.argv[2])
+    out, cases, order_overrides = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     register_recipes()
-    for name, overrides in cases.items():
+
+    def composed(overrides):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=overrides)
-        trainer = GRPOTrainer(cfg)
+            return compose("config", overrides=overrides)
+
+    # the first trainer of this process (trainer.device=auto): what held when its model loader ran
+    seen = {}
+    real_load_policy = trainer_module.load_policy
+
+    def recording_load_policy(cfg_model, device, seed=0):  # the real loader, with what held when it was called
+        seen.setdefault("first", dict(group_ready=dist.is_initialized(),
+                                      backend=dist.get_backend() if dist.is_initialized() else None, device=device))
+        return real_load_policy(cfg_model, device, seed=seed)
+
+    trainer_module.load_policy = recording_load_policy
+    first = GRPOTrainer(composed(order_overrides))
+    seen["first"].update(model_device=str(first.lm.device), rank=first.dist.rank, world=first.dist.world_size,
+                         current_cuda=torch.cuda.current_device() if torch.cuda.is_available() else None)
+    with open(f"{out}.order.rank{first.dist.rank}", "w") as f:
+        json.dump(seen["first"], f)
+    trainer_module.load_policy = real_load_policy
+
+    for name, overrides in cases.items():
+        trainer = GRPOTrainer(composed(overrides))
         full = torch.load(f"{out}.{name}.batch.pt", weights_only=False)
         rank, world = trainer.dist.rank, trainer.dist.world_size
         G, P = full.rollout.group_size, full.rollout.prompt_ids.shape[0]
@@ -53,6 +75,7 @@ WORKER = textwrap.dedent('''
         torch.save({"grads": torch.cat([q.grad.flatten() for q in trainer.params]),
                     "params": torch.cat([q.detach().flatten() for q in trainer.params]),
                     "clip_fraction": stats.clip_fraction, "loss": stats.loss}, f"{out}.{name}.rank{rank}")
+    dist.destroy_process_group()
 ''')
 
 BASE = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "algo.beta=0.04", "trainer.micro_batch_size=4",
@@ -92,17 +115,24 @@ def single_rank_batch_and_update(name: str, tmp_path):
             "clip_fraction": stats.clip_fraction, "loss": stats.loss}
 
 
+# the first trainer each rank builds (before the cases): trainer.device=auto, as a user leaves it (cpu where CUDA is
+# visible: two ranks may not share one GPU, and test_one_rank_binds_its_gpu_and_nccl_before_the_model_loads covers it)
+ORDER = ["+recipe=quickstart", "model=tiny", f"trainer.device={'cpu' if torch.cuda.is_available() else 'auto'}"]
+
+
 @pytest.fixture(scope="module")
 def two_ranks_and_one(tmp_path_factory):
-    """Every case on one rank (in this process) and on two ranks (one torchrun for all of them)."""
+    """Every case on one rank (in this process) and on two ranks (one torchrun for all of them, which first builds
+    an ORDER trainer on each rank and records what held when its model loader ran)."""
     tmp_path = tmp_path_factory.mktemp("dist")
     single = {name: single_rank_batch_and_update(name, tmp_path) for name in CASES}
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "grads"
-    proc = subprocess.run([*torchrun(), str(tmp_path / "worker.py"), str(out), json.dumps(CASES)],
+    proc = subprocess.run([*torchrun(), str(tmp_path / "worker.py"), str(out), json.dumps(CASES), json.dumps(ORDER)],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = {name: [torch.load(f"{out}.{name}.rank{r}") for r in (0, 1)] for name in CASES}
+    ranks["order"] = [json.loads(open(f"{out}.order.rank{r}").read()) for r in (0, 1)]
     return single, ranks
 
 
@@ -168,49 +198,21 @@ def test_placement_refuses_what_would_share_or_miss_a_gpu():
         placement("auto", torchrun_env(4, 2), cuda_devices=2)
 
 
-ORDER_WORKER = textwrap.dedent('''
-    import json, os, sys, torch
-    import torch.distributed as dist
-    from hydra import compose, initialize_config_dir
-    from grpo_cli import trainer as trainer_module
-    from grpo_cli.config import CONF_DIR, register_recipes
-
-    seen = {}
-    real_load_policy = trainer_module.load_policy
-
-    def recording_load_policy(cfg_model, device, seed=0):  # the real loader, with what held when it was called
-        seen.update(group_ready=dist.is_initialized(), backend=dist.get_backend() if dist.is_initialized() else None,
-                    device=device)
-        return real_load_policy(cfg_model, device, seed=seed)
-
-    trainer_module.load_policy = recording_load_policy
-    register_recipes()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=json.loads(sys.argv[2]))
-    trainer = trainer_module.GRPOTrainer(cfg)
-    seen.update(model_device=str(trainer.lm.device), current_cuda=torch.cuda.current_device() if torch.cuda.is_available() else None,
-                rank=trainer.dist.rank, world=trainer.dist.world_size)
-    with open(f"{sys.argv[1]}.rank{trainer.dist.rank}", "w") as f:
-        json.dump(seen, f)
-    dist.destroy_process_group()
-''')
-
-
 def run_order_worker(tmp_path, nproc: int, device: str) -> list[dict]:
-    (tmp_path / "order.py").write_text(ORDER_WORKER)
+    """WORKER with no cases: what held on each rank when its model loader ran, for trainer.device=`device`."""
+    (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "seen"
     overrides = ["+recipe=quickstart", "model=tiny", f"trainer.device={device}"]
-    command = [*torchrun(nproc), str(tmp_path / "order.py"), str(out), json.dumps(overrides)]
+    command = [*torchrun(nproc), str(tmp_path / "worker.py"), str(out), "{}", json.dumps(overrides)]
     proc = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(open(f"{out}.rank{rank}").read()) for rank in range(nproc)]
+    return [json.loads(open(f"{out}.order.rank{rank}").read()) for rank in range(nproc)]
 
 
 @pytest.mark.slow
-def test_process_group_is_joined_before_the_model_loads(tmp_path):
-    """Two real gloo ranks on the CPU: when the model loader runs, the group is up and the device decided."""
-    seen = run_order_worker(tmp_path, 2, "auto")
-    for rank, s in enumerate(seen):
+def test_process_group_is_joined_before_the_model_loads(two_ranks_and_one):
+    """Two real gloo ranks on the CPU: when the model loader first runs, the group is up and the device decided."""
+    for rank, s in enumerate(two_ranks_and_one[1]["order"]):
         assert s["rank"] == rank and s["world"] == 2
         assert s["group_ready"] and s["backend"] == "gloo"
         assert s["device"] == "cpu" and s["model_device"] == "cpu"
