@@ -20,9 +20,9 @@ from conftest import tiny_lora_policy
 from grpo_cli import algorithm
 from grpo_cli.rollout import Rollout, completion_logprobs
 
+# trl loads its names lazily: GRPOTrainer's own import (~5 s) waits for the first test that uses it, so collecting
+# this module (every xdist worker does, make test-fast too, which skips it) stays cheap
 trl = pytest.importorskip("trl")
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from trl.trainer.utils import entropy_from_logits, selective_log_softmax  # noqa: E402
 
 pytestmark = pytest.mark.slow  # 30 loss computations on the tiny model: a few seconds each pass
 P, G, T = 2, 4, 6
@@ -78,9 +78,9 @@ def trl_loss(setup, tmp_path, *, beta, loss_type="grpo", level="token", **args):
     """TRL's _compute_loss on our batch: the prompt repeated per completion, old and ref log-probs given."""
     lm, rollout, old, ref, adv = setup
     args.setdefault("use_bias_correction_kl", False)  # TRL's default is True; ours (the contract's plain k3) False
-    config = GRPOConfig(output_dir=str(tmp_path), beta=beta, loss_type=loss_type, importance_sampling_level=level,
+    config = trl.GRPOConfig(output_dir=str(tmp_path), beta=beta, loss_type=loss_type, importance_sampling_level=level,
                         report_to=[], use_cpu=True, max_completion_length=T, **args)
-    trainer = object.__new__(GRPOTrainer)
+    trainer = object.__new__(trl.GRPOTrainer)
     from accelerate import Accelerator
 
     trainer.__dict__.update(
@@ -173,7 +173,7 @@ def test_luspo_kl_term_differs_on_purpose(setup, tmp_path):
 
 def test_trl_defaults_to_the_bias_corrected_kl(setup, tmp_path):
     """TRL's GRPOConfig has use_bias_correction_kl=True; ours defaults to the contract's plain k3."""
-    assert GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True).use_bias_correction_kl is True
+    assert trl.GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True).use_bias_correction_kl is True
     want, _ = trl_loss(setup, tmp_path, beta=0.1, use_bias_correction_kl=True)
     got, _ = ours(setup, beta=0.1)
     assert abs(got - want) / abs(want) > 1e-3
@@ -182,6 +182,8 @@ def test_trl_defaults_to_the_bias_corrected_kl(setup, tmp_path):
 def test_trl_logprobs_equal_ours(setup):
     """TRL's log-prob and entropy functions on the model's logits over prompt + completion (left-padded, position ids
     from the attention mask) equal our completion_logprobs."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
     lm, rollout, *_ = setup
     with torch.no_grad():
         logp, entropy = completion_logprobs(lm.model, rollout, slice(0, P * G), 1.0, None, with_entropy=True)
