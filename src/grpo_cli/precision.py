@@ -13,8 +13,8 @@ from grpo_cli.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHOICES = ("auto", *DTYPES)
-# Whether `auto` picks bf16 on a CPU with bf16 matrix instructions. Off until the fp32-vs-bf16 learning table in
-# docs/results.md shows the quickstart learning the same in bf16: a default may not change what a run learns.
+# Whether `auto` picks bf16 on a CPU with bf16 matrix instructions. Off: in the fp32-vs-bf16 learning table of
+# docs/results.md, bf16's rise fell outside fp32's spread, and a default may not change what a run learns.
 CPU_AUTO_BF16 = False
 
 
