@@ -48,16 +48,16 @@ WORKER = textwrap.dedent('''
     real_load_policy = trainer_module.load_policy
 
     def recording_load_policy(cfg_model, device, seed=0):  # the real loader, with what held when it was called
-        seen.setdefault("first", dict(group_ready=dist.is_initialized(),
-                                      backend=dist.get_backend() if dist.is_initialized() else None, device=device))
+        seen.update(group_ready=dist.is_initialized(), backend=dist.get_backend() if dist.is_initialized() else None,
+                    device=device)
         return real_load_policy(cfg_model, device, seed=seed)
 
     trainer_module.load_policy = recording_load_policy
     first = GRPOTrainer(composed(order_overrides))
-    seen["first"].update(model_device=str(first.lm.device), rank=first.dist.rank, world=first.dist.world_size,
-                         current_cuda=torch.cuda.current_device() if torch.cuda.is_available() else None)
+    seen.update(model_device=str(first.lm.device), rank=first.dist.rank, world=first.dist.world_size,
+                current_cuda=torch.cuda.current_device() if torch.cuda.is_available() else None)
     with open(f"{out}.order.rank{first.dist.rank}", "w") as f:
-        json.dump(seen["first"], f)
+        json.dump(seen, f)
     trainer_module.load_policy = real_load_policy
 
     for name, overrides in cases.items():
@@ -117,7 +117,11 @@ def single_rank_batch_and_update(name: str, tmp_path):
 
 # the first trainer each rank builds (before the cases): trainer.device=auto, as a user leaves it (cpu where CUDA is
 # visible: two ranks may not share one GPU, and test_one_rank_binds_its_gpu_and_nccl_before_the_model_loads covers it)
-ORDER = ["+recipe=quickstart", "model=tiny", f"trainer.device={'cpu' if torch.cuda.is_available() else 'auto'}"]
+def order_overrides(device: str) -> list[str]:
+    return ["+recipe=quickstart", "model=tiny", f"trainer.device={device}"]
+
+
+ORDER = order_overrides("cpu" if torch.cuda.is_available() else "auto")
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +206,7 @@ def run_order_worker(tmp_path, nproc: int, device: str) -> list[dict]:
     """WORKER with no cases: what held on each rank when its model loader ran, for trainer.device=`device`."""
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "seen"
-    overrides = ["+recipe=quickstart", "model=tiny", f"trainer.device={device}"]
-    command = [*torchrun(nproc), str(tmp_path / "worker.py"), str(out), "{}", json.dumps(overrides)]
+    command = [*torchrun(nproc), str(tmp_path / "worker.py"), str(out), "{}", json.dumps(order_overrides(device))]
     proc = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(open(f"{out}.order.rank{rank}").read()) for rank in range(nproc)]

@@ -79,7 +79,7 @@ def trl_loss(setup, tmp_path, *, beta, loss_type="grpo", level="token", **args):
     lm, rollout, old, ref, adv = setup
     args.setdefault("use_bias_correction_kl", False)  # TRL's default is True; ours (the contract's plain k3) False
     config = trl.GRPOConfig(output_dir=str(tmp_path), beta=beta, loss_type=loss_type, importance_sampling_level=level,
-                        report_to=[], use_cpu=True, max_completion_length=T, **args)
+                            report_to=[], use_cpu=True, max_completion_length=T, **args)
     trainer = object.__new__(trl.GRPOTrainer)
     from accelerate import Accelerator
 
