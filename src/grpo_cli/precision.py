@@ -2,7 +2,7 @@
 
 Only the frozen base (and its generation) takes this dtype. peft keeps the LoRA weights in float32 on a
 half-precision base, so their gradients and the optimizer state are float32 too; the log-softmax, KL and loss
-are computed in float32 from the head's logits whatever the base's dtype (algorithm.py).
+are computed in float32 from the head's logits whatever the base's dtype (algorithm/logprobs.py).
 """
 
 from __future__ import annotations
