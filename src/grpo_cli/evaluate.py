@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from grpo_cli.adapter_fit import check_base_name, check_shapes
 from grpo_cli.console import print_table
 from grpo_cli.data import load_rows, source_of
 from grpo_cli.errors import ConfigError, Interrupted
@@ -163,8 +164,6 @@ def episode_use(calls: list[tuple[int, int]]) -> dict[str, float]:
 
 def _fits_base(cfg, base, adapter: Path) -> None:
     """An adapter trained on another base is refused in one line, as grpo-export refuses it."""
-    from grpo_cli.export import check_base_name, check_shapes
-
     fix = "pick the model it was trained on (model=NAME)"
     check_base_name(adapter, str(cfg.model.name_or_path), base, fix)
     check_shapes(base, adapter, str(cfg.model.name_or_path), fix)

@@ -30,12 +30,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from grpo_cli.adapter_fit import check_base_name, check_shapes
 from grpo_cli.errors import CheckpointError, ExportError, error_line, one_line
 
 PROG = "grpo-export"
 DTYPES = ("bf16", "fp16", "fp32")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -92,57 +92,6 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
         if not (adapter_dir / name).is_file():
             raise CheckpointError(f"{adapter_dir / name} is missing; the adapter is incomplete, export another checkpoint")
     return Source(run_dir, adapter_dir, cfg, label)
-
-
-# ---- checking the adapter against the base -------------------------------------------------------
-def _adapter_shapes(adapter_dir: Path) -> dict[str, list[int]]:
-    from safetensors import safe_open
-
-    with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
-        return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
-
-
-def check_shapes(model, adapter_dir: Path, base_name: str, fix: str = "pass the right one with --base") -> None:
-    """Every LoRA layer of the adapter must sit on a layer of the base with matching in/out features."""
-    for key, shape in _adapter_shapes(adapter_dir).items():
-        for part, dim, feature in ((".lora_A.", 1, "in_features"), (".lora_B.", 0, "out_features")):
-            if part not in key:
-                continue
-            module_name = key.split(part)[0].removeprefix(PEFT_PREFIX)
-            try:
-                layer = model.get_submodule(module_name)
-            except AttributeError:
-                raise ExportError(f"the adapter targets layer {module_name}, which base {base_name} lacks: it was "
-                                  f"trained on another base; {fix}") from None
-            expected = getattr(layer, feature, None)
-            if expected is not None and expected != shape[dim]:
-                raise ExportError(f"the adapter's {module_name} has {feature}={shape[dim]} but base {base_name} has "
-                                  f"{expected}: it was trained on another base; {fix}")
-
-
-def _recorded_base(adapter_dir: Path) -> str | None:
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    return config.get("base_model_name_or_path") or None
-
-
-def check_base_name(adapter_dir: Path, base_name: str, model, fix: str = "pass the base it was trained on with --base") -> None:
-    """The base the adapter recorded must be the run's configured base (a path to the same embedded model
-    on another machine counts as the same)."""
-    from grpo_cli.models import EMBEDDED_PREFIX
-
-    recorded = _recorded_base(adapter_dir)
-    if recorded is None:
-        return
-    loaded = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
-    same = {base_name, loaded}
-    if base_name.startswith(EMBEDDED_PREFIX) and loaded:
-        same.add(Path(loaded).name)
-        recorded_name = Path(recorded).name
-    else:
-        recorded_name = recorded
-    if recorded not in same and recorded_name not in same:
-        raise ExportError(f"the adapter {adapter_dir} was trained on base {recorded} but the config says "
-                          f"model.name_or_path={base_name}; {fix}")
 
 
 # ---- the export ----------------------------------------------------------------------------------
