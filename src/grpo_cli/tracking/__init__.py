@@ -1,0 +1,223 @@
+"""Metric sinks behind one protocol: metrics.jsonl and samples.jsonl (always), the rich console (always), and
+the sink of the logger `logger.backend` names (LOGGERS: none, wandb, or a user's own).
+
+    tracker = open_tracker(run_dir, cfg.logger, config, total_steps, start_step, resume)
+    tracker.log(row); tracker.samples(step, rows); tracker.warn(text); tracker.close(summary)
+
+`Tracker` fans each call out to its sinks (none on ranks other than 0). metrics.jsonl is the source of truth;
+W&B and the console are best effort: a W&B failure (no credentials, a server that cannot be reached or is
+slow) is a warning, never the end of a run. While a Tracker is open, errors.warn() shows on its console.
+
+A new logger is one module with a sink factory `(cfg_logger: dict, run: RunInfo) -> MetricSink | None`
+registered as `@LOGGERS.register("NAME")`, plus conf/logger/NAME.yaml.
+
+The package: sinks.py holds the protocol, LOGGERS and the record files (what a logger builds on), wandb_sink.py
+the W&B logger; here the console view, the fan-out (`Tracker`) and `open_tracker`. Every public name of both is
+re-exported here: callers (and users' loggers) import from `grpo_cli.tracking` alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from grpo_cli.errors import send_warnings_to, warn, warnings_listener
+from grpo_cli.tracking.sinks import (
+    LOGGERS,
+    REDACTED,
+    JsonlSink,
+    MetricSink,
+    NullSink,
+    RunInfo,
+    _plain,
+    is_secret_key,
+    redact,
+    scrub_secrets,
+    secret_values,
+)
+from grpo_cli.tracking.wandb_sink import (  # importing it registers the wandb logger
+    DEFAULT_PROJECT,
+    WANDB_ID_FILE,
+    WANDB_MODES,
+    WandbSink,
+    _hydra_names,
+    has_wandb_credentials,
+    resolve_wandb_mode,
+    wandb_run_id,
+    wandb_sink,
+)
+
+__all__ = [
+    "DEFAULT_PROJECT", "LOGGERS", "REDACTED", "WANDB_ID_FILE", "WANDB_MODES", "ConsoleView", "JsonlSink", "MetricSink",
+    "NullSink", "RunInfo", "Tracker", "WandbSink", "_hydra_names", "has_wandb_credentials", "is_secret_key",
+    "open_tracker", "redact", "resolve_wandb_mode", "scrub_secrets", "secret_values", "wandb_run_id", "wandb_sink",
+]
+
+
+# ---- console -------------------------------------------------------------------------------------
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+SUMMARY_LABELS = {
+    "steps": "steps",
+    "first_reward": "reward, first 10 steps",
+    "last_reward": "reward, last 10 steps",
+    "final_reward": "final reward (last 10%)",
+    "time_s": "total time",
+    "adapter": "adapter",
+}
+
+
+def _default_console() -> Console:
+    """stdout; off a terminal (CI, a scheduler's log) 200 columns unless COLUMNS says otherwise, so that paths and
+    the summary table are not folded at 80."""
+    console = Console(stderr=False)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=False, width=200)
+    return console
+
+
+class ConsoleView(NullSink):
+    """The console sink: a live progress bar on a terminal; one plain line per step otherwise (CI, scheduler logs);
+    the summary table at the end."""
+
+    def __init__(self, total_steps: int, start_step: int, console: Console | None = None):
+        self.console = console or _default_console()
+        self.live = self.console.is_terminal
+        self.total, self.start_step = total_steps, start_step
+        self.start = time.time()
+        self.progress = None
+        if self.live:
+            # the text needs ~75 columns; the bar gets what is left (5 to 40), so an 80-column terminal keeps the numbers
+            bar = max(5, min(40, self.console.width - 75))
+            self.progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=bar),
+                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                console=self.console, refresh_per_second=4,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+            self.progress.start()
+            atexit.register(self._stop)  # an exception or a signal mid-run still gives the terminal back
+
+    @staticmethod
+    def stats(row: dict) -> str:
+        def num(key, fmt):
+            value = row.get(key)
+            return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+        text = (f"reward {num('reward', '.3f')} kl {num('kl', '.4f')} clip {num('clip_fraction', '.3f')} "
+                f"{num('gen_tokens_per_s', '.0f')} tok/s")
+        if "eval/accuracy" in row:
+            text += f" eval {num('eval/accuracy', '.3f')}"
+        return text
+
+    def log(self, row: dict) -> None:
+        stats = self.stats(row)
+        done = int(row["step"]) + 1
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done, stats=stats)
+            return
+        elapsed = time.time() - self.start
+        per_step = elapsed / max(1, done - self.start_step)
+        eta = _duration(per_step * max(0, self.total - done))
+        step_time = row.get("step_time_s")
+        step_time = f"{step_time:.1f}s" if isinstance(step_time, (int, float)) else "-"
+        self.console.print(f"step {done}/{self.total}  {stats}  {step_time}  eta {eta}", markup=False, highlight=False,
+                           soft_wrap=True)
+
+    def say(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def warn(self, text: str) -> None:
+        self.console.print(f"[yellow]warning:[/] {escape(redact(text))}", highlight=False, soft_wrap=True)
+
+    def _stop(self) -> None:
+        if self.progress is not None:
+            try:
+                self.progress.stop()
+            finally:
+                self.progress = None
+
+    def close(self, summary: dict) -> None:
+        self._stop()
+        table = Table(title="grpo-train", show_header=False)
+        table.add_column(style="bold")
+        table.add_column(overflow="fold")
+        for key, value in summary.items():
+            if key == "time_s" and isinstance(value, (int, float)):
+                text = f"{_duration(value)} ({value:.1f} s)"
+            elif isinstance(value, float):
+                text = f"{value:.4f}"
+            else:
+                text = str(value)
+            table.add_row(SUMMARY_LABELS.get(key, key), escape(redact(text)))
+        self.console.print(table)
+
+# ---- the fan-out ---------------------------------------------------------------------------------
+class Tracker:
+    """Fans each call out to its sinks, in order (the console last); with no sinks (ranks other than 0) it
+    drops everything. From its opening to `close` it is where errors.warn() sends warnings."""
+
+    def __init__(self, sinks: list[MetricSink], say: Callable[[str], None] | None = None):
+        self.sinks = list(sinks)
+        self.say = say or (lambda text: None)  # a line for the user (the console), not a record
+        send_warnings_to(self._show_warning)
+
+    def log(self, row: dict) -> None:
+        for sink in self.sinks:
+            sink.log(row)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        for sink in self.sinks:
+            sink.samples(step, rows)
+
+    def warn(self, text: str) -> None:
+        warn(text)
+
+    def _show_warning(self, text: str) -> None:
+        for sink in self.sinks:
+            sink.warn(text)
+
+    def close(self, summary: dict) -> None:
+        """Each sink closes in turn and sees the summary with what the sinks before it added; then warnings go
+        to stderr again."""
+        try:
+            for sink in self.sinks:
+                summary = {**summary, **(sink.close(summary) or {})}
+        finally:
+            if warnings_listener() == self._show_warning:
+                send_warnings_to(None)
+
+
+def open_tracker(run_dir: Path, cfg_logger, config: dict, total_steps: int, start_step: int = 0,
+                 resume: bool = False) -> Tracker:
+    """The run's tracker: metrics.jsonl and samples.jsonl, the sink of `logger.backend` (if it gives one), the
+    console; warnings go to it from here on."""
+    console = ConsoleView(total_steps, start_step)
+    files = JsonlSink(run_dir)
+    tracker = Tracker([files, console], say=console.say)  # takes the warnings already: a logger that cannot start says so here
+    cfg_logger = _plain(cfg_logger) or {}
+    run = RunInfo(Path(run_dir), _plain(config), total_steps, start_step, resume, say=console.say)
+    logger = LOGGERS.lookup(str(cfg_logger.get("backend") or "none"))(cfg_logger, run)
+    if logger is not None:
+        tracker.sinks.insert(1, logger)
+    where = (f"training {total_steps} steps" if not start_step else
+             f"resuming at step {start_step + 1} of {total_steps}" if start_step < total_steps else
+             f"resuming after the last of {total_steps} steps")
+    console.say(f"{where}; Ctrl-C stops and keeps a checkpoint (twice: exits at once)")
+    return tracker
