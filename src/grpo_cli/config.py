@@ -1,6 +1,8 @@
 """Composing the config (recipes, resolvers, the schema's root defaults in Hydra's ConfigStore) and validating
 it: every bad value is caught here, before any model loads. What each key accepts is declared in schema.py;
-the rules here relate several keys."""
+the rules here relate several keys, and `validate` asks each component what it accepts (the algorithm's
+settings, the optimizer's keys, the reward functions' options, model.dtype on the device). That is why this
+module sits above the step (docs/architecture.md): the rules the step itself needs are in config_rules.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 
+from grpo_cli.config_rules import check_context_length as check_context_length  # re-exported: one of the config's rules
+from grpo_cli.config_rules import is_on_policy
 from grpo_cli.errors import ConfigError
 from grpo_cli.overrides import override_key
 from grpo_cli.schema import (
@@ -21,7 +25,6 @@ from grpo_cli.schema import (
     options_markdown,
     raw_value,
     root_defaults,
-    view,
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -171,20 +174,6 @@ def ranks(cfg: DictConfig) -> int:
     return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else int(cfg.trainer.nproc)
 
 
-def check_context_length(cfg: DictConfig, context: int | None, keys: tuple[str, ...]) -> None:
-    """max_new_tokens plus the longest prompt (data.max_prompt_tokens) must fit the model's context."""
-    if not context:
-        return
-    prompt = int(cfg.data.max_prompt_tokens)
-    for key in keys:
-        new = int(OmegaConf.select(cfg, key))
-        if new + prompt > context:
-            fix = (f"use {key}<={context - prompt} or lower data.max_prompt_tokens" if context > prompt
-                   else f"lower data.max_prompt_tokens below {context}")
-            fail(key, new, f"with data.max_prompt_tokens={prompt} a sequence reaches {new + prompt} tokens, beyond "
-                            f"the {context}-token context of {cfg.model.name_or_path}; {fix}")
-
-
 def check_precision(cfg: DictConfig) -> list[str]:
     """model.dtype runs on trainer.device (ConfigError in one line if not), known before any weights load; a
     warning where it runs but slowly."""
@@ -280,13 +269,6 @@ def check_mini_batches(cfg: DictConfig, world_size: int = 1) -> None:
     if mbs is not None and mbs < completions and completions % mbs:
         fail("trainer.micro_batch_size", mbs, f"must divide the completions of one mini-batch on one rank ({what} x "
                                               f"algo.num_generations = {completions}) or be at least that many")
-
-
-def is_on_policy(algo) -> bool:
-    """One optimizer update per rollout batch (of the `algo` section, or the whole config): the ratio is exactly
-    1, so clipping never acts; with more, old log-probs are needed and clipping acts."""
-    algo = view(algo.algo if isinstance(algo, DictConfig) and "algo" in algo else algo, "algo")
-    return algo.mini_batches == 1 and algo.num_iterations == 1
 
 
 def sampling_reshapes(rollout: DictConfig) -> list[str]:

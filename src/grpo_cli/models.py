@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from grpo_cli.config_rules import check_context_length
 from grpo_cli.errors import ModelLoadError, error_line
 from grpo_cli.precision import device_of, resolve_dtype
 
@@ -382,8 +383,6 @@ def load_within_context(cfg, length_keys: tuple[str, ...], load: Callable[[], Lo
     """`load()`, once the longest prompt plus each of `length_keys` (max_new_tokens settings) is known to fit the
     model's context: from its config before the weights load when that declares it, else (the embedded model)
     from the loaded model's config, still before anything is generated."""
-    from grpo_cli.config import check_context_length
-
     context = declared_context_length(cfg.model)
     check_context_length(cfg, context, length_keys)
     lm = load()

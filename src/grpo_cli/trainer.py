@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from grpo_cli import algorithm, distributed, dynamic_sampling
-from grpo_cli.config import is_on_policy
+from grpo_cli.config_rules import is_on_policy
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.evaluate import final_eval_on

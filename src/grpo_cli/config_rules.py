@@ -1,0 +1,31 @@
+"""The rules relating several config keys that the step asks while it runs: whether an update is on-policy (the
+trainer), whether a prompt plus its completion fits the model's context (the model loader). They need no
+component, so they sit on the ground: config.py, which also asks every component what it accepts, sits above
+the step and uses them too."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_cli.schema import fail, view
+
+
+def is_on_policy(algo) -> bool:
+    """One optimizer update per rollout batch (of the `algo` section, or the whole config): the ratio is exactly
+    1, so clipping never acts; with more, old log-probs are needed and clipping acts."""
+    algo = view(algo.algo if isinstance(algo, DictConfig) and "algo" in algo else algo, "algo")
+    return algo.mini_batches == 1 and algo.num_iterations == 1
+
+
+def check_context_length(cfg: DictConfig, context: int | None, keys: tuple[str, ...]) -> None:
+    """max_new_tokens plus the longest prompt (data.max_prompt_tokens) must fit the model's context."""
+    if not context:
+        return
+    prompt = int(cfg.data.max_prompt_tokens)
+    for key in keys:
+        new = int(OmegaConf.select(cfg, key))
+        if new + prompt > context:
+            fix = (f"use {key}<={context - prompt} or lower data.max_prompt_tokens" if context > prompt
+                   else f"lower data.max_prompt_tokens below {context}")
+            fail(key, new, f"with data.max_prompt_tokens={prompt} a sequence reaches {new + prompt} tokens, beyond "
+                            f"the {context}-token context of {cfg.model.name_or_path}; {fix}")
