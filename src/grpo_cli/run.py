@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import grpo_cli.config  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
 from grpo_cli import algorithm, checkpoint, distributed, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.errors import Interrupted, InvariantError
