@@ -1,5 +1,7 @@
 """No module of grpo_cli imports a module that imports it back, directly or through others, at module level or
-inside a function: the import graph of src/grpo_cli has no cycle."""
+inside a function: the import graph of src/grpo_cli has no cycle. And no import runs back up a floor: each
+module sits on one of the floors of docs/architecture.md (entry points, the run, the step, the ground) and
+imports only from its own floor or those below."""
 
 from __future__ import annotations
 
@@ -89,3 +91,37 @@ def test_the_graph_sees_imports_inside_functions_and_parent_packages():
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The floors of docs/architecture.md ("The modules and what each owns"), by the name under grpo_cli; a package's
+# modules share its floor, and "" is the package's own __init__. A module missing here fails the test below: a
+# new module is placed on a floor, and the docs list it there.
+ENTRY, RUN, STEP, GROUND = 3, 2, 1, 0
+FLOOR_NAMES = {ENTRY: "entry points", RUN: "the run", STEP: "the step", GROUND: "the ground"}
+FLOORS = {
+    "cli": ENTRY, "train": ENTRY, "export": ENTRY, "report": ENTRY,
+    "run": RUN, "rundir": RUN, "checkpoint": RUN, "tracking": RUN, "sweep": RUN, "sweep_summary": RUN,
+    "sweep_rerun": RUN, "sweep_stats": RUN, "config": RUN,
+    "trainer": STEP, "rollout": STEP, "algorithm": STEP, "dynamic_sampling": STEP, "calculator": STEP,
+    "rewards": STEP, "data": STEP, "models": STEP, "adapter_fit": STEP, "precision": STEP, "optim": STEP,
+    "evaluate": STEP, "distributed": STEP, "stopping": STEP,
+    "": GROUND, "config_rules": GROUND, "schema": GROUND, "option_table": GROUND, "metrics": GROUND,
+    "registry": GROUND, "errors": GROUND, "console": GROUND, "overrides": GROUND, "ranks": GROUND,
+}
+
+
+def placed_as(module: str) -> str:
+    """The name FLOORS knows `module` by: grpo_cli.rollout.hf -> rollout, grpo_cli -> ""."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_no_import_runs_back_up_a_floor():
+    graph = import_graph()
+    unplaced = sorted(m for m in graph if placed_as(m) not in FLOORS)
+    assert not unplaced, f"put each on a floor in FLOORS and in docs/architecture.md's module list: {unplaced}"
+    assert set(FLOORS) <= {placed_as(m) for m in graph}, "FLOORS names a module that is gone"
+    upward = sorted(f"{importer} ({FLOOR_NAMES[FLOORS[placed_as(importer)]]}) -> {target} "
+                    f"({FLOOR_NAMES[FLOORS[placed_as(target)]]})"
+                    for importer, targets in graph.items() for target in targets
+                    if FLOORS[placed_as(target)] > FLOORS[placed_as(importer)])
+    assert not upward, "imports that run back up a floor: " + "; ".join(upward)
