@@ -5,7 +5,8 @@ Validation (`check_options`), the option list of `grpo-train --help` (`options_h
 configuration table (`options_markdown`) are all read from `OPTIONS`. The keys of the config groups (model,
 data, optimizer, logger, reward) take their values from the group option picked (`conf/GROUP/OPTION.yaml`);
 the root sections take theirs from here (`root_defaults`, stored in Hydra's ConfigStore as `grpo_defaults`,
-which conf/config.yaml composes). Rules that relate several keys live in config.py.
+which conf/config.yaml composes). Rules that relate several keys live in config.py, and those the step
+asks in config_rules.py.
 
 This module holds the declarations and the rules only grpo-cli's options use; the vocabulary of a declaration
 (Option, Rule, integer, number, one_of, ...) and the machinery over the declared options (OptionTable: checks,
