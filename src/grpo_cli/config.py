@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 
-from grpo_cli.config_rules import check_context_length as check_context_length  # re-exported: one of the config's rules
+from grpo_cli.config_rules import check_context_length as check_context_length  # re-exported: a config rule
 from grpo_cli.config_rules import is_on_policy
 from grpo_cli.errors import ConfigError
 from grpo_cli.overrides import override_key
