@@ -146,7 +146,7 @@ def default_config() -> DictConfig:
 
 
 def options_table() -> str:
-    """The README's configuration table (`python -m grpo_cli.config --markdown` prints it)."""
+    """The table of every option in docs/options.md (`python -m grpo_cli.config --markdown` prints it)."""
     return options_markdown(default_config())
 
 
@@ -374,5 +374,5 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["--markdown"]:
-        sys.exit("usage: python -m grpo_cli.config --markdown   (prints the README's configuration table)")
+        sys.exit("usage: python -m grpo_cli.config --markdown   (prints the table of docs/options.md)")
     print(options_table())

@@ -108,7 +108,7 @@ class Option:
     nullable: bool = False
     optional: bool = False
     free: bool = False
-    row: str = ""  # options of one section with the same row share a line of the README table
+    row: str = ""  # options of one section with the same row share a line of the options table (docs/options.md)
 
     @property
     def rules(self) -> tuple[Rule, ...]:

@@ -155,7 +155,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("algo.vespo_lambda_pos", number(0), "vespo: gamma rate lambda where A >= 0", 3.0, row="vespo"),
     Option("algo.vespo_k_neg", number(0), "vespo: gamma shape k where A < 0", 3.0, row="vespo"),
     Option("algo.vespo_lambda_neg", number(0), "vespo: gamma rate lambda where A < 0", 2.0, row="vespo"),
-    Option("algo.kl_estimator", one_of("k3", "k1", "k2", "abs", "low_var_kl"),
+    Option("algo.kl_estimator", one_of(names=registry_names("grpo_cli.algorithm", "KL_ESTIMATORS")),
       "per-token KL estimate in the beta term (verl's names); k3 is the contract's", "k3"),
     Option("algo.use_bias_correction_kl", BOOLEAN, "multiply the KL term by the importance ratio (TRL's default is "
       "true; ours false: plain k3)", False),
