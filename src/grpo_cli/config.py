@@ -180,7 +180,14 @@ def check_precision(cfg: DictConfig) -> list[str]:
     from grpo_cli.precision import device_of, resolve_dtype, slow_dtype_warning
 
     device = device_of(cfg.trainer.device)
-    return [w for w in (slow_dtype_warning(resolve_dtype(cfg.model.dtype, device), device),) if w]
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if cfg.model.get("prepack", "auto") is True:
+        from grpo_cli.prepack import wanted
+
+        if not wanted(True, device, dtype, cfg.model.get("quantization")):
+            fail("model.prepack", True, f"needs the CPU, an unquantized base and oneDNN's packed linear for {dtype} in "
+                                        "this torch build; use model.prepack=auto")
+    return [w for w in (slow_dtype_warning(dtype, device),) if w]
 
 
 def _validate_vllm(cfg: DictConfig) -> None:

@@ -358,6 +358,7 @@ def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
     tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed)
     lora, quantization = cfg_model.lora, cfg_model.get("quantization")
     model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules), device, quantization)
+    _prepack(model, cfg_model, device, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization)
 
 
@@ -375,8 +376,17 @@ def load_trained(cfg_model, device_name: str, adapter: str | Path | None, seed: 
             check_fit(model, adapter)
         model = PeftModel.from_pretrained(model, adapter)
     quantization = cfg_model.get("quantization")
-    return LoadedModel(model=_on_device(model, device, quantization).eval(), tokenizer=tokenizer, device=device,
-                       dtype=dtype, quantization=quantization)
+    model = _on_device(model, device, quantization).eval()
+    _prepack(model, cfg_model, device, dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization)
+
+
+def _prepack(model, cfg_model, device: torch.device, dtype: torch.dtype) -> None:
+    """`model.prepack`: the frozen linear layers on oneDNN-prepacked weights (prepack.py), once they are in place."""
+    from grpo_cli import prepack
+
+    if prepack.wanted(cfg_model.get("prepack", "auto"), device, dtype, cfg_model.get("quantization")):
+        prepack.prepack_frozen_linears(model)
 
 
 def load_within_context(cfg, length_keys: tuple[str, ...], load: Callable[[], LoadedModel]) -> LoadedModel:

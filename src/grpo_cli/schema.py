@@ -288,6 +288,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.dtype", one_of("auto", "float32", "bfloat16", "float16"), "precision of the frozen base and its "
       "generation (LoRA weights, optimizer state, log-softmax and loss stay float32); auto = bfloat16 on CUDA, "
       "float32 on the CPU"),
+    Option("model.prepack", AUTO_OR_BOOLEAN, "the frozen linear layers multiply through oneDNN-prepacked weights "
+      "(faster on the CPU; one more copy of those weights, two while training); auto = on the CPU, unquantized",
+      "auto", optional=True),
     # ---- data=NAME
     Option("data.source", one_of(names=registry_names("grpo_cli.data", "SOURCES")), "where prompts come from (hf: a hub id or local "
       "files through `datasets`; jsonl: the same reader, named for a .jsonl data.path)"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli import algorithm
+from grpo_cli.prepack import PackedLinear
 from grpo_cli.rollout.common import Rollout, cache_kwarg, hf_model, output_cache, positions, prefill
 
 
@@ -77,7 +78,7 @@ def plain_head(model) -> torch.nn.Linear | None:
     inner = hf_model(model)
     head = inner.get_output_embeddings()
     config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
-    if type(head) is not torch.nn.Linear or head.weight.requires_grad:
+    if type(head) not in (torch.nn.Linear, PackedLinear) or head.weight.requires_grad:
         return None
     if (head.bias is not None and head.bias.requires_grad) or getattr(config, "final_logit_softcapping", None) \
             or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
