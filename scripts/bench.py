@@ -2,6 +2,7 @@
 """Benchmark one GRPO step: ours (grpo_cli's GRPOTrainer.step) against TRL's GRPOTrainer, at equal precision.
 
     python scripts/bench.py --mode compare            # ours vs TRL in fp32 and in bf16, A B A B, ratios (make bench)
+    python scripts/bench.py --mode phases --engines hf,vllm --prepacks auto,false   # where our step's time goes
     python scripts/bench.py --mode scaling            # ours alone over G x max_new_tokens (make bench-scaling)
     python scripts/bench.py --mode memory             # our peak memory with the base in fp32, bf16, nf4
     python scripts/bench.py --mode compare --device cuda --model qwen-shape --precisions bf16   # GPU figures
@@ -116,6 +117,8 @@ def summarise(runs: list[dict], spec: dict) -> dict:
            "train_peak_mb": max((r["train_peak_mb"] for r in runs if r["train_peak_mb"] is not None), default=None),
            "compile_s": max(r.get("compile_s", 0.0) for r in runs), "engine": runs[0].get("engine", "-"),
            "weight_bytes": runs[0]["weight_bytes"], "dtype": runs[0]["dtype"], "steps": len(steps)}
+    if all("phases" in s for s in steps):
+        out["phases"] = {name: med([s["phases"].get(name, 0.0) for s in steps]) for name in steps[0]["phases"]}
     if spec["device"] == "cuda":
         out["h200_bw_fraction"] = out["weight_bytes"] * spec["max_new_tokens"] / gen_s / H200_BANDWIDTH
     return out
@@ -221,6 +224,39 @@ def compare_engines(args, device: str, log_dir: Path) -> dict:
     return {"mode": "compare", "engines": args.engines, "by_precision": results}
 
 
+PHASE_ROWS = ("generate", "reference", "policy forward+backward", "optimizer", "other")
+
+
+def phases(args, device: str, log_dir: Path) -> dict:
+    """Where our step's time goes: each phase's median seconds, per precision x engine x model.prepack, the
+    subprocesses alternating in each round (`--engines hf,vllm`, `--prepacks auto,false`)."""
+    cells = [(p, e, pk) for p in args.precisions for e in (args.engines or [args.engine]) for pk in args.prepacks]
+    runs: dict[tuple, list] = {c: [] for c in cells}
+    for r in range(args.rounds):
+        for precision, engine, prepack in cells:
+            spec = {**base_spec(args, device), "precision": precision, "engine": engine, "prepack": prepack}
+            note(f"bench: phases round {r + 1}/{args.rounds}: {precision}, engine {engine}, prepack {prepack}")
+            runs[(precision, engine, prepack)].append(spawn("ours", spec, log_dir, f"phases-{precision}-{engine}-"
+                                                            f"{prepack}-r{r}", WORKER_TIMEOUT_S,
+                                                            args.vllm_python if engine == "vllm" else None))
+    table = {}
+    for cell, rs in runs.items():
+        spec = {**base_spec(args, device), "precision": cell[0]}
+        summary = summarise(rs, spec)
+        by_phase = {"generate": summary["gen_s"], **summary["phases"]}
+        by_phase["other"] = summary["s_per_step"] - sum(by_phase.values())
+        table[cell] = {"s_per_step": summary["s_per_step"], "phases": by_phase, "peak_mb": summary["peak_mb"]}
+    columns = [f"{p}, {e}, prepack {pk}" for p, e, pk in cells]
+    rows = [[name, *(fmt(table[c]["phases"].get(name), ".2f") for c in cells)] for name in PHASE_ROWS]
+    rows += [["step", *(fmt(table[c]["s_per_step"], ".2f") for c in cells)],
+             ["peak RSS MB", *(fmt(table[c]["peak_mb"], ".0f") for c in cells)]]
+    print_table(f"our GRPO step by phase (s, median of {args.rounds} x {args.steps} steps): {args.model}, {device}, "
+                f"threads={args.threads or 'default'}, P={args.prompts} G={args.G} T={args.max_new_tokens}",
+                ["phase", *columns], rows)
+    return {"mode": "phases", "cells": [{"precision": p, "engine": e, "prepack": pk, **table[(p, e, pk)]}
+                                        for p, e, pk in cells]}
+
+
 def scaling(args, device: str, log_dir: Path) -> dict:
     grid = QUICK_CELLS if args.quick else tuple((G, T) for T in SCALING_T for G in SCALING_G)
     cells, rows = [], []
@@ -263,7 +299,7 @@ def memory(args, device: str, log_dir: Path) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("compare", "scaling", "memory"), default="compare")
+    p.add_argument("--mode", choices=("compare", "phases", "scaling", "memory"), default="compare")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--model", default="embedded", choices=("embedded", "qwen-shape", "tiny"),
                    help="embedded: SmolLM2-135M (model=smollm2-135m); qwen-shape: random weights in Qwen2.5-0.5B's "
@@ -281,6 +317,8 @@ def main(argv=None) -> None:
                    help="= min_new_tokens: every completion is this long")
     p.add_argument("--threads", type=int, default=None, help="torch threads per subprocess; default 1 on the CPU")
     p.add_argument("--engine", default="auto", choices=("auto", "hf", "compiled"), help="our rollout.engine")
+    p.add_argument("--prepacks", type=lambda v: [x if x == "auto" else x == "true" for x in v.split(",")],
+                   default=["auto"], help="phases: model.prepack values (auto, true, false), e.g. auto,false")
     p.add_argument("--engines", type=lambda v: v.split(","), default=None,
                    help="compare: our step with each of these engines (e.g. hf,vllm) and TRL's, side by side")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"),
@@ -291,8 +329,8 @@ def main(argv=None) -> None:
     p.add_argument("--log-dir", type=Path, default=None, help="subprocess logs and results (default: a temp dir)")
     args = p.parse_args(argv)
     import torch
-    args.steps = args.steps or {"compare": 3, "scaling": 2, "memory": 1}[args.mode]
-    args.precisions = args.precisions or {"compare": ["fp32", "bf16"], "scaling": ["auto"],
+    args.steps = args.steps or {"compare": 3, "phases": 2, "scaling": 2, "memory": 1}[args.mode]
+    args.precisions = args.precisions or {"compare": ["fp32", "bf16"], "phases": ["fp32", "bf16"], "scaling": ["auto"],
                                           "memory": ["fp32", "bf16", "nf4"]}[args.mode]
     allowed = (*PRECISIONS, *QUANTIZED) if args.mode == "memory" else tuple(PRECISIONS)
     if args.steps < 1 or args.rounds < 1 or not set(args.precisions) <= set(allowed):
@@ -307,7 +345,7 @@ def main(argv=None) -> None:
     args.model_dir = str(qwen_shape_dir(log_dir / "qwen-shape")) if args.model == "qwen-shape" else None
     load_before = os.getloadavg()
     run = compare_engines if args.mode == "compare" and args.engines else \
-        {"compare": compare, "scaling": scaling, "memory": memory}[args.mode]
+        {"compare": compare, "phases": phases, "scaling": scaling, "memory": memory}[args.mode]
     result = run(args, device, log_dir)
     result.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                    "device": device if device != "cuda" else f"cuda ({torch.cuda.get_device_name(0)})",

@@ -45,6 +45,7 @@ def compose_cfg(spec: dict):
         "trainer.log_samples_every=0", f"optimizer.lr={spec['lr']}", f"model.lora.r={spec['lora_r']}",
         f"model.lora.alpha={spec['lora_alpha']}", "model.lora.dropout=0.0", "model.lora.target_modules=all-linear",
         f"model.quantization={precision}" if precision in QUANTIZED else f"model.dtype={PRECISIONS[precision]}",
+        f"model.prepack={str(spec.get('prepack', 'auto')).lower()}",
     ]
     if spec["engine"] == "vllm":  # vLLM's CPU attention has no head_dim 16 kernel (the tiny model's default)
         overrides += ["rollout.vllm_kv_cache_gib=1", *(["model.tiny.num_heads=1"] if spec["model"] == "tiny" else [])]
@@ -100,6 +101,30 @@ def sync(device) -> None:
 
 
 # ---- worker: ours ----------------------------------------------------------------------------------
+PHASES = {"reference": "_no_grad_logprobs", "policy forward+backward": "backward", "optimizer": "optimizer_step"}
+
+
+def time_phases(trainer, device) -> dict:
+    """Seconds per phase of each step, summed over its calls: the trainer's own methods, timed from outside.
+    `generate` is the step's rollout (gen_time_s); `reference` the no-grad passes (reference, and old log-probs when
+    off-policy); `policy forward+backward` the gradient passes of every micro-batch; `optimizer` clip + step."""
+    seconds: dict[str, float] = {}
+
+    def timed(name, method):
+        def run(*args, **kwargs):
+            sync(device)
+            t0 = time.perf_counter()
+            out = method(*args, **kwargs)
+            sync(device)
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return run
+
+    for name, attribute in PHASES.items():
+        setattr(trainer, attribute, timed(name, getattr(trainer, attribute)))
+    return seconds
+
+
 def worker_ours(spec: dict) -> dict:
     import torch
     cfg = compose_cfg(spec)
@@ -112,15 +137,18 @@ def worker_ours(spec: dict) -> dict:
     mem = Memory(lm.device)
     mem.reset()
     steps, prompts = [], []
+    phases = time_phases(trainer, lm.device)
     for k in range(n_steps):
         sync(lm.device)
+        phases.clear()
         t0 = time.perf_counter()
         metrics, batch = trainer.step(k)
         sync(lm.device)
         roll = batch.rollout
         prompts += [lm.tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(roll.prompt_ids, roll.prompt_mask, strict=True)]
         steps.append({"s": time.perf_counter() - t0, "gen_s": metrics["gen_time_s"], "compile_s": metrics["gen_compile_s"],
-                      "completion_tokens": int(roll.completion_ids.numel()), "prompt_width": int(roll.prompt_ids.shape[1])})
+                      "completion_tokens": int(roll.completion_ids.numel()), "prompt_width": int(roll.prompt_ids.shape[1]),
+                      "phases": dict(phases)})
     return {"side": "ours", "engine": cfg.rollout.engine if cfg.rollout.engine != "auto" else trainer.engine.name,
             "load_s": load_s, "warmup": steps[0], "steps": steps[1:], "prompts": prompts,
             "compile_s": sum(st["compile_s"] for st in steps), "weight_bytes": weight_bytes(lm.model),
