@@ -189,8 +189,21 @@ def compare(args, device: str, log_dir: Path) -> dict:
         met = "met" if res["ratio"] <= args.target_ratio else "NOT met"
         print(f"targets, {p}: ours/TRL time {res['ratio']:.3f} (target <= {args.target_ratio}: {met}); "
               f"peak memory {res['peak_mb_ratio']:.3f}")
+    default = default_precision(device)
+    if default in results and args.engine == "auto":
+        res = results[default]
+        print(f"the default here (model.dtype=auto = {default}, rollout.engine=auto = {res['ours']['engine']}, "
+              f"model.prepack=auto): ours/TRL time {res['ratio']:.3f}, per round {[round(x, 3) for x in res['round_ratios']]}")
     return {"mode": "compare", "ratios": {p: r["ratio"] for p, r in results.items()}, "by_precision": results,
-            "wall_s": time.perf_counter() - t_all}
+            "default_precision": default, "wall_s": time.perf_counter() - t_all}
+
+
+def default_precision(device: str) -> str:
+    """The bench's name for what model.dtype=auto resolves to on `device`."""
+    import torch
+
+    from grpo_cli.precision import resolve_dtype
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(resolve_dtype("auto", torch.device(device)), "auto")
 
 
 def compare_engines(args, device: str, log_dir: Path) -> dict:

@@ -117,6 +117,7 @@ def test_policy_reference_and_gradients_equal_the_unpacked_model():
     torch.testing.assert_close(ref1, ref0, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)
     assert not torch.equal(lp1, ref1)  # the adapter acts: these are two policies
+    assert lm_packed.model.get_output_embeddings()._packs.keys() == {"forward", "backward"}  # the head pass's products
 
 
 def test_a_fresh_adapter_is_exactly_the_reference_with_packing():

@@ -53,14 +53,14 @@ class _FrozenLinear(torch.autograd.Function):
     """y = x W^T + b through the packed W; dx = dy W through the packed W^T; no gradient for W or b (frozen)."""
 
     @staticmethod
-    def forward(ctx, x, layer, bias):  # type: ignore[override]
+    def forward(ctx, x, layer):  # type: ignore[override]
         ctx.layer = layer
-        return _packed_product(x, layer.packed("forward"), bias)
+        return layer.product(x)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):  # type: ignore[override]
-        return _packed_product(dy.contiguous(), ctx.layer.packed("backward"), None), None, None
+        return ctx.layer.product_back(dy), None
 
 
 class PackedLinear(torch.nn.Linear):
@@ -86,6 +86,14 @@ class PackedLinear(torch.nn.Linear):
             self._packs[direction] = found
         return found[2]
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b through the packed weight (a frozen layer on the CPU only)."""
+        return _packed_product(x, self.packed("forward"), self.bias)
+
+    def product_back(self, d: torch.Tensor) -> torch.Tensor:
+        """d W through the packed transposed weight (a frozen layer on the CPU only)."""
+        return _packed_product(d.contiguous(), self.packed("backward"), None)
+
     def frozen_on_cpu(self, x: torch.Tensor) -> bool:
         w, b = self.weight, self.bias
         return (not w.requires_grad and (b is None or not b.requires_grad) and w.device.type == "cpu"
@@ -95,8 +103,8 @@ class PackedLinear(torch.nn.Linear):
         if not self.frozen_on_cpu(x):
             return super().forward(x)
         if torch.is_grad_enabled() and x.requires_grad:
-            return _FrozenLinear.apply(x, self, self.bias)
-        return _packed_product(x, self.packed("forward"), self.bias)
+            return _FrozenLinear.apply(x, self)
+        return self.product(x)
 
     def __deepcopy__(self, memo):
         """A copy without the packed tensors (oneDNN's opaque tensors cannot be copied): it packs its own."""

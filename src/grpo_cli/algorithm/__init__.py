@@ -58,7 +58,13 @@ from grpo_cli.algorithm.kl import (
     kl_k3,
     register_kl_estimator,
 )
-from grpo_cli.algorithm.logprobs import head_token_logprobs, token_logprobs, token_logprobs_and_entropy
+from grpo_cli.algorithm.logprobs import (
+    HeadProducts,
+    head_token_logprobs,
+    plain_head_products,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from grpo_cli.algorithm.loss import LossSettings, policy_loss
 from grpo_cli.algorithm.policy_losses import (
     OBJECTIVES,
@@ -101,7 +107,7 @@ __all__ = [
     "group_std_mean", "grpo_advantages", "grpo_passk_advantages", "opo_advantages", "register_advantage",
     "reinforce_plus_plus_baseline_advantages", "rloo_advantages", "zero_std_group_fraction",
     # log-probs
-    "head_token_logprobs", "token_logprobs", "token_logprobs_and_entropy",
+    "HeadProducts", "head_token_logprobs", "plain_head_products", "token_logprobs", "token_logprobs_and_entropy",
     # KL
     "KL_ESTIMATORS", "KLEstimator", "kl_estimate", "kl_estimators_table", "kl_k3", "register_kl_estimator",
     # policy losses

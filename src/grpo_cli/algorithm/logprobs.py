@@ -4,6 +4,8 @@ tensor is ever held.
 """
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -168,6 +170,20 @@ def _check_head_args(hidden, weight, bias, tokens, temperature, chunk_size) -> N
     _check_logits_tokens(hidden, tokens, temperature, chunk_size)
 
 
+@dataclass(frozen=True)
+class HeadProducts:
+    """The two products with the LM head's weight that the log-prob pass makes: ``logits(h) = h W^T + b`` and
+    ``back(d) = d W``. :func:`plain_head_products` is ``F.linear`` and a matmul; a caller may give others with the
+    same numbers to rounding (``model.prepack``'s packed weights for a frozen head)."""
+
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    back: Callable[[torch.Tensor], torch.Tensor]
+
+
+def plain_head_products(weight: torch.Tensor, bias: torch.Tensor | None) -> HeadProducts:
+    return HeadProducts(lambda h: torch.nn.functional.linear(h, weight, bias), lambda d: d @ weight)
+
+
 class _ChunkedHeadLogprobs(torch.autograd.Function):
     """LM head, log-softmax (+ entropy) and gather over blocks of ``chunk`` positions of the flattened
     ``hidden [N, H]``; no more than one block's fp32 logits ``[chunk, V]`` exist at any time.
@@ -180,7 +196,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk_size, with_entropy, keep_grad):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk_size, with_entropy, keep_grad, products):  # type: ignore[override]
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
@@ -188,7 +204,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         u = torch.empty_like(hidden) if keep_grad else None
         for start in range(0, n, chunk_size):
             rows = slice(start, min(start + chunk_size, n))
-            z = torch.nn.functional.linear(hidden[rows], weight, bias).float()
+            z = products.logits(hidden[rows]).float()
             if temperature != 1.0:
                 z.div_(temperature)
             c_lse = torch.logsumexp(z, dim=-1)
@@ -203,8 +219,8 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
                 ent[rows] = -(p * logp_all.clamp_min_(_NEG_BIG)).sum(-1)
             if keep_grad:
                 d = p.neg_().scatter_add_(-1, y, torch.ones_like(y, dtype=p.dtype))  # onehot_y - p
-                u[rows] = d.to(weight.dtype) @ weight
-        ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+                u[rows] = products.back(d.to(weight.dtype))
+        ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.products = temperature, chunk_size, with_entropy, products
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent, u)
         ctx.set_materialize_grads(False)
         return _outputs(ctx, logp, ent, with_entropy)
@@ -214,9 +230,9 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):  # type: ignore[override]
         hidden, weight, bias, tokens, lse, ent, u = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        tau = ctx.temperature
+        tau, products = ctx.temperature, ctx.products
         g_ent = g_ent if ctx.with_entropy else None
-        none = (None,) * 5
+        none = (None,) * 6
         if g_logp is None and g_ent is None:
             return None, None, None, *none
         if u is not None and g_ent is None and not (need_w or need_b):
@@ -229,7 +245,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         for start in range(0, n, ctx.chunk_size):
             rows = slice(start, min(start + ctx.chunk_size, n))
             # d logp_y / d z_j = 1[j=y] - p_j ;  d H / d z_j = -p_j (log p_j + H) ;  z = (h W^T + b) / tau
-            z = torch.nn.functional.linear(hidden[rows], weight, bias).float()
+            z = products.logits(hidden[rows]).float()
             logp_all = z.div_(tau).sub_(lse[rows].unsqueeze(-1))
             p = logp_all.exp()
             gz = torch.zeros_like(p)
@@ -241,7 +257,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
                 gz.sub_(p.mul_(logp_all.clamp_min_(_NEG_BIG).add_(ent[rows].unsqueeze(-1))).mul_(ge))
             gz = gz.div_(tau).to(weight.dtype)
             if need_h:
-                grad_h[rows] = gz @ weight
+                grad_h[rows] = products.back(gz)
             if need_w:
                 grad_w += (gz.t() @ hidden[rows].to(weight.dtype)).float()
             if need_b:
@@ -259,6 +275,7 @@ def head_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    products: HeadProducts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token ``(logp [B, T], entropy [B, T] or None)`` of ``tokens`` from the hidden states that feed the LM
     head, never holding the logits of more than ``chunk_size`` positions (``None``: all at once)::
@@ -268,7 +285,8 @@ def head_token_logprobs(
     ``hidden [B, T, H]`` is aligned with ``tokens`` (``hidden[:, t]`` predicts ``tokens[:, t]``), ``weight
     [V, H]`` and ``bias [V]`` are the head's. Equal to :func:`token_logprobs_and_entropy` of
     ``F.linear(hidden, weight, bias)``, and so is the gradient, which flows to ``hidden`` (and to ``weight``
-    and ``bias`` when they require it). Both outputs are float32.
+    and ``bias`` when they require it). Both outputs are float32. ``products`` computes the two matmuls with the
+    head (default :func:`plain_head_products`; give others only for a frozen head).
     """
     _check_head_args(hidden, weight, bias, tokens, temperature, chunk_size)
     b, t, h = hidden.shape
@@ -276,5 +294,5 @@ def head_token_logprobs(
     chunk = chunk_size or max(1, b * t)
     keep_grad = torch.is_grad_enabled() and hidden.requires_grad
     logp, ent = _ChunkedHeadLogprobs.apply(flat, weight, bias, tokens.reshape(-1).long(), float(temperature), chunk,
-                                           with_entropy, keep_grad)
+                                           with_entropy, keep_grad, products or plain_head_products(weight, bias))
     return logp.view(b, t), (ent.view(b, t) if with_entropy else None)

@@ -129,5 +129,7 @@ def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float
             return algorithm.token_logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=chunk_size)
         return algorithm.token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size), None
     hidden = completion_hidden(model, rollout, rows)
+    products = algorithm.HeadProducts(head.product, head.product_back) \
+        if isinstance(head, PackedLinear) and head.frozen_on_cpu(hidden) else None
     return algorithm.head_token_logprobs(hidden, head.weight, tokens, bias=head.bias, temperature=temperature,
-                                         chunk_size=chunk_size, with_entropy=with_entropy)
+                                         chunk_size=chunk_size, with_entropy=with_entropy, products=products)
