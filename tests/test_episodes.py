@@ -586,9 +586,10 @@ def test_the_embedded_model_calls_a_tool_when_the_call_opener_is_prefilled():
     fmt = ToolFormat(lm.tokenizer, opener='<tool_call>{"name": "multiply", "arguments": {"a": ')
     torch.manual_seed(0)
     rows = [{"messages": [{"role": "user", "content": "What is 347 * 29? Use the multiply tool."}]}]
-    roll = run_episodes(HFEngine(lm.model, lm.tokenizer), fmt, rows, 4, max_new_tokens=40, max_tool_calls=1,
+    roll = run_episodes(HFEngine(lm.model, lm.tokenizer), fmt, rows, 8, max_new_tokens=40, max_tool_calls=1,
                         tools=[multiply], temperature=1.0, stop_strings=("}}",))  # flat arguments end the call
-    ran = [i for i in range(4) if roll.tool_calls[i] > roll.failed_calls[i]]
+    # a call closed within the budget leaves room to answer (one whose "}}" comes late runs, then the budget ends)
+    ran = [i for i in range(8) if roll.tool_calls[i] > roll.failed_calls[i] and roll.turns[i] == 2]
     assert ran, roll.messages
     i = ran[0]
     assert roll.turns[i] == 2 and roll.messages[i][2]["role"] == "tool"

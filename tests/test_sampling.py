@@ -225,3 +225,26 @@ def test_a_bad_stop_string_is_one_line_and_exit_2(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "grpo-train: rollout.stop=[''] is invalid: needs a list of non-empty strings, e.g. "
         "'rollout.stop=[\"</answer>\"]' (quoted for the shell)"]
+
+
+def test_the_cpu_draw_is_a_sample_of_the_warped_distribution():
+    """On the CPU generate runs greedy over transformers' warpers and GumbelSample's noise: argmax(scores + Gumbel)
+    is distributed as softmax(scores), which torch.multinomial draws elsewhere; a token a warper removed never comes."""
+    from transformers import LogitsProcessorList
+
+    from grpo_cli.rollout.common import GumbelSample, sampling_kwargs
+
+    kwargs = sampling_kwargs(temperature=0.5, top_k=3, device=torch.device("cpu"))
+    assert kwargs["do_sample"] is False and isinstance(kwargs["logits_processor"][-1], GumbelSample)
+    assert sampling_kwargs(temperature=0.5, device=torch.device("meta"))["do_sample"] is True  # elsewhere: multinomial
+    processors = LogitsProcessorList(kwargs["logits_processor"])
+    logits = torch.tensor([[2.0, 1.0, 0.5, 3.0, -1.0]])
+    torch.manual_seed(0)
+    n = 20000
+    draws = processors(None, logits.expand(n, 5).clone()).argmax(-1)
+    freq = torch.bincount(draws, minlength=5).float() / n
+    want = torch.zeros(5)
+    top3 = logits[0].topk(3).indices
+    want[top3] = torch.softmax(logits[0, top3] / 0.5, -1)
+    assert freq[4] == 0 and freq[2] == 0  # outside the top 3
+    assert (freq - want).abs().max() < 0.01, (freq, want)  # 4 binomial standard errors at n = 20000

@@ -225,14 +225,44 @@ class AutoEngine:
 
 
 def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                    min_p: float = 0.0, repetition_penalty: float = 1.0) -> dict:
+                    min_p: float = 0.0, repetition_penalty: float = 1.0, *, device: torch.device | None = None) -> dict:
     """transformers' generate arguments for our sampling, each one given even when off, so that a model's own
     generation_config (a hub model's top_k=20 or repetition_penalty) never adds to it. Greedy is the argmax of
-    the model's distribution, unpenalised."""
+    the model's distribution, unpenalised.
+
+    On the CPU the draw itself is `GumbelSample`'s: transformers' own warpers (temperature, top_k, top_p, min_p, in
+    generate's order) then the argmax of scores plus Gumbel noise, the same distribution as generate's
+    `torch.multinomial`, whose CPU kernel draws an exponential per vocabulary entry (16 ms a decode step for 16
+    rows of a 49k vocabulary, against 4 ms here)."""
     if greedy:
         return {"do_sample": False, "repetition_penalty": 1.0}
-    return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k or 0,
-            "min_p": min_p or None, "repetition_penalty": repetition_penalty}
+    if device is None or device.type != "cpu":
+        return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k or 0,
+                "min_p": min_p or None, "repetition_penalty": repetition_penalty}
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    warpers += [MinPLogitsWarper(min_p)] if min_p else []
+    return {"do_sample": False, "repetition_penalty": repetition_penalty,
+            "logits_processor": LogitsProcessorList([*warpers, GumbelSample()])}
+
+
+class GumbelSample:
+    """A transformers logits processor, last in the list of a `do_sample=False` generate: `scores + g` with `g`
+    standard Gumbel noise, so that generate's argmax is a draw from `softmax(scores)` (the Gumbel-max trick), from
+    the global torch RNG."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        u = torch.rand_like(scores).clamp_(min=torch.finfo(scores.dtype).tiny)
+        return scores - u.log_().neg_().log_()
 
 
 ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}

@@ -162,7 +162,7 @@ class CompiledEngine(Engine):
             cache.reset()
             criteria, fired = stop_criteria(stop, stop_strings, self.tokenizer, ids.shape[1])
             out = model.generate(**common, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                 stopping_criteria=criteria, **sampling_kwargs(**sampling))
+                                 stopping_criteria=criteria, **sampling_kwargs(**sampling, device=self.device))
         finally:
             model.train(was_training)
         return finish_rollout(self.tokenizer, eos, ids, mask, out[:rows, ids.shape[1]:], num_generations, fired(),

@@ -47,7 +47,7 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: 
             input_ids=ids.repeat_interleave(num_generations, dim=0),
             attention_mask=mask.repeat_interleave(num_generations, dim=0), **cache,
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos, stopping_criteria=criteria, **sampling_kwargs(**sampling),
+            eos_token_id=eos, stopping_criteria=criteria, **sampling_kwargs(**sampling, device=device),
         )
     finally:
         model.train(was_training)
