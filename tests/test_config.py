@@ -174,7 +174,7 @@ def test_clip_eps_on_the_command_line_of_an_on_policy_run_warns():
     ("algo.beta=inf", "needs beta >= 0"),
     ("algo.clip_eps=abc", "needs 0 < clip_eps < 1"),
     ("trainer.max_steps=abc", "needs an integer >= 1"),
-    ("rollout.engine=sglang", "use one of auto, compiled, hf, vllm"),
+    ("rollout.engine=sglang", "use one of auto, compiled, hf, merged, vllm"),
     ("optimizer.name=adam", "use one of adamw, sgd"),
     ("algo.check=maybe", "use true or false"),
     ("trainer.logprob_chunk_size=0", "needs an integer >= 1, or null"),

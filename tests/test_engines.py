@@ -56,7 +56,7 @@ def test_engine_choice_from_config(compose, tiny):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("rollout.engine=sglang", "rollout.engine=sglang is invalid: use one of auto, compiled, hf, vllm"),
+    ("rollout.engine=sglang", "rollout.engine=sglang is invalid: use one of auto, compiled, hf, merged, vllm"),
     ("rollout.compile=sometimes", "rollout.compile=sometimes is invalid: use auto, true or false"),
     ("trainer.gradient_checkpointing=3", "trainer.gradient_checkpointing=3 is invalid: use true or false"),
 ])
@@ -320,3 +320,52 @@ def test_cuda_embedded_model_greedy_through_compiled(compose):
 def test_cuda_grpo_train_three_steps_compiled(tmp_path):
     _, rows = train_compiled(tmp_path, CUDA_TINY, 3)
     assert rows[0]["gen_compile_s"] > 0 and rows[1]["gen_compile_s"] == 0.0 and rows[2]["gen_compile_s"] == 0.0
+
+
+# ---- merged: hf's generation on the inference copy (the CPU default) ------------------------------------------
+def test_auto_on_the_cpu_is_merged_and_an_unmergeable_adapter_falls_back_to_hf(compose):
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_cli.models import load_base_model, load_tokenizer
+    from grpo_cli.rollout import MergedEngine
+
+    lm = tiny_lora_policy()
+    assert type(make_engine(compose(TINY).rollout, lm)) is MergedEngine
+    tokenizer = load_tokenizer("tiny-random")
+    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny={"hidden_size": 64, "num_layers": 2, "num_heads": 4})
+    dora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True))
+    assert type(make_engine(compose(TINY).rollout, dataclasses.replace(lm, model=dora))) is HFEngine
+
+
+def test_merged_samples_what_hf_samples_and_follows_the_policy():
+    """Same seed, same tokens as hf (greedy and sampled); after the adapter changes, policy_changed() refreshes the
+    copy and the tokens follow; the frozen base and the policy's own weights are never written."""
+    from grpo_cli.rollout import MergedEngine
+
+    lm = tiny_lora_policy()
+    hf, merged = HFEngine(lm.model, lm.tokenizer, lm.device), MergedEngine(lm.model, lm.tokenizer, lm.device)
+    prompts = chat_prompts(lm.tokenizer)
+    before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
+
+    def both(**options):
+        out = []
+        for engine in (hf, merged):
+            torch.manual_seed(5)
+            out.append(engine.generate(prompts, 3, max_new_tokens=10, **options))
+        return out
+
+    for options in ({"greedy": True}, {"temperature": 0.9, "top_p": 0.95}):
+        assert_same_rollout(*both(**options))
+    first = both(greedy=True)[1]
+    randomise_lora(lm.model, scale=0.2, seed=1)  # as an optimizer step would
+    stale = both(greedy=True)[1]
+    assert torch.equal(stale.completion_ids, first.completion_ids)  # not refreshed yet: the old policy's tokens
+    merged.policy_changed()
+    now_hf, now_merged = both(greedy=True)
+    assert_same_rollout(now_hf, now_merged)
+    assert not torch.equal(now_merged.completion_ids, first.completion_ids)
+    assert merged.sync_s > 0
+    after = dict(lm.model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in before.items() if "lora_" not in n)

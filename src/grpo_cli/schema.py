@@ -204,7 +204,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("rollout.stop", STOP_STRINGS, "a completion ends at the first of these strings, which stays in it (and in "
       "the loss); \\n and \\t read as newline and tab", []),
     Option("rollout.engine", one_of(names=registry_names("grpo_cli.rollout", "ENGINES", auto=True)),
-      "auto = compiled on CUDA, hf on the CPU", "auto"),
+      "auto = compiled on CUDA, merged on the CPU, hf for a quantized base", "auto"),
     Option("rollout.compile", AUTO_OR_BOOLEAN, "compiled engine: compile the decode step; auto = on CUDA, "
       "warn and go on if it fails; true = anywhere, fail if it fails", "auto"),
     # ---- rollout: tools and environments (multi-turn episodes; docs/usage.md "Tools and environments")

@@ -29,12 +29,15 @@ from grpo_cli.rollout.common import (
 )
 from grpo_cli.rollout.compiled import CompiledEngine
 from grpo_cli.rollout.hf import HFEngine, generate
+from grpo_cli.rollout.inference_copy import InferenceCopy
 from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, completion_logprobs
+from grpo_cli.rollout.merged import MergedEngine
 from grpo_cli.rollout.vllm import VLLMEngine  # rollout.engine=vllm; imports vllm only when an engine is built
 from grpo_cli.schema import view
 
 __all__ = [
-    "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "HFEngine", "Rollout", "StopFn", "as_engine",
+    "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "HFEngine", "InferenceCopy", "MergedEngine", "Rollout",
+    "StopFn", "as_engine",
     "completion_hidden", "completion_logits", "completion_logprobs", "completion_masks", "encode_prompts",
     "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill", "sampling_options", "VLLMEngine",
 ]

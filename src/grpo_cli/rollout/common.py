@@ -215,13 +215,20 @@ class Engine:
 
 @ENGINES.register("auto")
 class AutoEngine:
-    """`rollout.engine=auto`: `compiled` on CUDA (where it pays), `hf` elsewhere and for a quantized base (the
-    compiled engine's merged inference copy needs plain weights)."""
+    """`rollout.engine=auto`: `compiled` on CUDA (where it pays), `merged` on the CPU, `hf` for a quantized base and
+    for an adapter the inference copy cannot merge (both other engines generate from merged plain weights)."""
 
     @staticmethod
     def from_config(cfg_rollout, lm, max_prompt_tokens: int | None = None) -> Engine:
-        name = "compiled" if lm.device.type == "cuda" and getattr(lm, "quantization", None) is None else "hf"
-        return ENGINES[name].from_config(cfg_rollout, lm, max_prompt_tokens)
+        from grpo_cli.errors import ModelLoadError
+
+        if getattr(lm, "quantization", None) is not None:
+            return ENGINES["hf"].from_config(cfg_rollout, lm, max_prompt_tokens)
+        name = "compiled" if lm.device.type == "cuda" else "merged"
+        try:
+            return ENGINES[name].from_config(cfg_rollout, lm, max_prompt_tokens)
+        except ModelLoadError:  # a LoRA variant (DoRA, modules_to_save) has no plain merge: generate through peft
+            return ENGINES["hf"].from_config(cfg_rollout, lm, max_prompt_tokens)
 
 
 def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from grpo_cli.errors import ModelLoadError, error_line, warn
+from grpo_cli.errors import error_line, warn
 from grpo_cli.rollout.common import (
     ENGINES,
     Engine,
@@ -34,67 +34,12 @@ from grpo_cli.rollout.common import (
     sampling_kwargs,
     stop_criteria,
 )
+from grpo_cli.rollout.inference_copy import InferenceCopy
 from grpo_cli.schema import view
 
 log = logging.getLogger(__name__)
 WARMUP_TOKENS = 4   # decode steps of the timed first call: compile, CUDA-graph warm-up, record, replay
 MAX_CACHES = 2      # static caches kept (training rows, evaluation rows); the least recently used goes
-
-
-class InferenceCopy:
-    """A plain transformers model for generation that computes what the peft policy computes, without the
-    per-layer LoRA detour: each LoRA-wrapped linear layer becomes an ordinary linear layer whose weight is
-    `base + scaling * B @ A` (in float32, then rounded once to the base dtype).
-
-    Only those merged weights are new memory; embeddings, norms, the LM head and every other frozen tensor
-    are shared with the policy, and nothing of the policy is ever written: its frozen base is the reference
-    policy and stays bit-exact. `refresh()` recomputes the merged weights in place (same storage, so a
-    captured CUDA graph stays valid) and must run after each optimizer step that changed the adapter.
-    """
-
-    def __init__(self, peft_model):
-        import copy
-
-        from peft.tuners.lora import Linear as LoraLinear
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        inner = peft_model.get_base_model()
-        self.layers: dict[str, LoraLinear] = {}
-        for name, module in inner.named_modules():
-            if isinstance(module, BaseTunerLayer):
-                if type(module) is not LoraLinear or any(module.lora_variant.get(a) for a in module.active_adapters):
-                    raise ModelLoadError(
-                        f"rollout.engine=compiled merges plain LoRA on linear layers only; {name} is a "
-                        f"{type(module).__name__}; use rollout.engine=hf")
-                self.layers[name] = module
-            elif name and type(module).__name__ == "ModulesToSaveWrapper":
-                raise ModelLoadError(f"rollout.engine=compiled cannot merge the trainable copy of {name} "
-                                     "(modules_to_save); use rollout.engine=hf")
-        memo = {id(t): t for t in (*inner.parameters(), *inner.buffers())}  # share everything ...
-        for layer in self.layers.values():
-            del memo[id(layer.get_base_layer().weight)]                    # ... but the weights that get merged
-        model = copy.deepcopy(inner, memo)
-        self.targets: dict[str, torch.Tensor] = {}
-        for name in self.layers:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            plain = getattr(parent, child).get_base_layer()
-            plain.weight.requires_grad_(False)
-            setattr(parent, child, plain)
-            self.targets[name] = plain.weight
-        self.model = model.eval()
-        self.refresh()
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        for name, layer in self.layers.items():
-            if layer.merged:
-                raise ModelLoadError(f"{name} has its adapter merged in place; the reference policy is lost")
-            merged = layer.get_base_layer().weight.float()
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    merged = merged + layer.get_delta_weight(adapter).float()
-            self.targets[name].copy_(merged)
 
 
 @ENGINES.register("compiled")
@@ -109,7 +54,7 @@ class CompiledEngine(Engine):
         # not the run; with rollout.compile=true it is an error
         self.compile_fallback, self.compile_backend = compile_fallback, compile_backend
         self.max_prompt_tokens = max_prompt_tokens or 0
-        self.copy = InferenceCopy(model) if hasattr(model, "get_base_model") else None
+        self.copy = InferenceCopy(model, engine=self.name) if hasattr(model, "get_base_model") else None
         self.stale = True  # refreshed at the first generation: after a checkpoint's adapter is loaded
         self.caches: OrderedDict[tuple[int, int], object] = OrderedDict()  # (rows, length) -> StaticCache
         self.compile_s = 0.0
