@@ -49,6 +49,7 @@ class InferenceCopy:
             plain.weight.requires_grad_(False)
             setattr(parent, child, plain)
             self.targets[name] = plain.weight
+        model.generation_config = inner.generation_config  # shared too: EOS ids and defaults are the policy's
         self.model = model.eval()
         self.refresh()
 
