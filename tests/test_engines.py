@@ -323,6 +323,7 @@ def test_cuda_grpo_train_three_steps_compiled(tmp_path):
 
 
 # ---- merged: hf's generation on the inference copy (the CPU default) ------------------------------------------
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_auto_on_the_cpu_is_merged_and_an_unmergeable_adapter_falls_back_to_hf(compose):
     import dataclasses
 
@@ -339,6 +340,7 @@ def test_auto_on_the_cpu_is_merged_and_an_unmergeable_adapter_falls_back_to_hf(c
     assert type(make_engine(compose(TINY).rollout, dataclasses.replace(lm, model=dora))) is HFEngine
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_merged_samples_what_hf_samples_and_follows_the_policy():
     """Same seed, same tokens as hf (greedy and sampled); after the adapter changes, policy_changed() refreshes the
     copy and the tokens follow; the frozen base and the policy's own weights are never written."""

@@ -138,6 +138,7 @@ def test_a_fresh_adapter_is_exactly_the_reference_with_packing():
         assert not torch.equal(lm.model(input_ids=ids).logits, reference)
 
 
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_auto_packs_the_cpu_policy_and_false_does_not(compose, tmp_path):
     packed = make_trainer(compose, tmp_path, "trainer.max_steps=1")
     plain = make_trainer(compose, tmp_path, "trainer.max_steps=1", "model.prepack=false")
