@@ -152,3 +152,19 @@ def test_prepack_true_where_it_cannot_act_is_one_clear_error(compose):
     with pytest.raises(ConfigError, match=r"model\.prepack=true is invalid: needs the CPU, an unquantized base"):
         validate(compose(["+recipe=quickstart", "model=tiny", "model.prepack=true", "model.quantization=nf4"]))
     validate(compose(["+recipe=quickstart", "model=tiny", "model.prepack=true", "trainer.device=cpu"]))
+
+
+def test_the_inference_copy_shares_the_heads_packed_weight_and_packs_its_merged_layers_anew():
+    """The merged engine's copy shares the frozen LM head with the policy, and so its packed copy (one packed LM
+    head in memory, not two); its merged layers have weights of their own and pack those."""
+    from grpo_cli.rollout import MergedEngine
+
+    lm = tiny_lora_policy()
+    assert prepack_frozen_linears(lm.model) > 0
+    copy_model = MergedEngine(lm.model, lm.tokenizer, lm.device).inference_model()
+    head, copy_head = lm.model.get_output_embeddings(), copy_model.get_output_embeddings()
+    assert copy_head.weight is head.weight and copy_head._packs is head._packs
+    merged = [m for n, m in copy_model.named_modules() if isinstance(m, PackedLinear) and m is not copy_head]
+    assert merged and all(m._packs is not head._packs for m in merged)
+    x = torch.randn(3, head.in_features)
+    torch.testing.assert_close(copy_head(x), torch.nn.functional.linear(x, head.weight, head.bias))

@@ -41,6 +41,10 @@ def wanted(setting, device: torch.device, dtype: torch.dtype, quantization: str 
     return available(dtype)
 
 
+def _frozen(linear: torch.nn.Linear) -> bool:
+    return not linear.weight.requires_grad and (linear.bias is None or not linear.bias.requires_grad)
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
@@ -95,9 +99,9 @@ class PackedLinear(torch.nn.Linear):
         return _packed_product(d.contiguous(), self.packed("backward"), None)
 
     def frozen_on_cpu(self, x: torch.Tensor) -> bool:
-        w, b = self.weight, self.bias
-        return (not w.requires_grad and (b is None or not b.requires_grad) and w.device.type == "cpu"
-                and x.dtype == w.dtype and w.dtype in PACKABLE_DTYPES and x.dim() >= 2)
+        w = self.weight
+        return _frozen(self) and w.device.type == "cpu" and x.dtype == w.dtype and w.dtype in PACKABLE_DTYPES \
+            and x.dim() >= 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.frozen_on_cpu(x):
@@ -107,11 +111,12 @@ class PackedLinear(torch.nn.Linear):
         return self.product(x)
 
     def __deepcopy__(self, memo):
-        """A copy without the packed tensors (oneDNN's opaque tensors cannot be copied): it packs its own."""
+        """A copy without copies of the packed tensors (oneDNN's opaque tensors cannot be copied): a copy that
+        shares the weight (the inference copy's LM head) shares its packs too, any other packs its own."""
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         clone.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_packs"}, memo))
-        clone._packs = {}
+        clone._packs = self._packs if clone.weight is self.weight else {}
         return clone
 
 
@@ -121,9 +126,7 @@ def prepack_frozen_linears(model: torch.nn.Module) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            frozen = not child.weight.requires_grad and (child.bias is None or not child.bias.requires_grad) \
-                if type(child) is torch.nn.Linear else False
-            if frozen:
+            if type(child) is torch.nn.Linear and _frozen(child):
                 setattr(parent, name, PackedLinear.of(child))
                 swapped += 1
     return swapped
