@@ -371,3 +371,16 @@ def test_merged_samples_what_hf_samples_and_follows_the_policy():
     assert merged.sync_s > 0
     after = dict(lm.model.named_parameters())
     assert all(torch.equal(after[n], p) for n, p in before.items() if "lora_" not in n)
+
+
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
+def test_compiled_times_its_refresh_as_the_steps_sync():
+    """gen_sync_s is the seconds of bringing the updated policy into the engine: for compiled, the copy's refresh
+    after policy_changed(), and next to nothing when nothing changed."""
+    lm = tiny_lora_policy()
+    _, compiled = engines(lm)
+    prompts = chat_prompts(lm.tokenizer)
+    compiled.generate(prompts, 2, max_new_tokens=4, greedy=True)
+    refreshed = compiled.sync_s
+    compiled.generate(prompts, 2, max_new_tokens=4, greedy=True)
+    assert 0 < compiled.sync_s < refreshed

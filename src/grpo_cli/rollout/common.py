@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_cli.registry import Registry
+from grpo_cli.rollout.inference_copy import merge_obstacle
 
 StopFn = Callable[[], bool]
 # rollout.engine: name -> an Engine class (anything with `from_config(cfg_rollout, lm, max_prompt_tokens)`)
@@ -220,15 +221,11 @@ class AutoEngine:
 
     @staticmethod
     def from_config(cfg_rollout, lm, max_prompt_tokens: int | None = None) -> Engine:
-        from grpo_cli.errors import ModelLoadError
-
-        if getattr(lm, "quantization", None) is not None:
-            return ENGINES["hf"].from_config(cfg_rollout, lm, max_prompt_tokens)
         name = "compiled" if lm.device.type == "cuda" else "merged"
-        try:
-            return ENGINES[name].from_config(cfg_rollout, lm, max_prompt_tokens)
-        except ModelLoadError:  # a LoRA variant (DoRA, modules_to_save) has no plain merge: generate through peft
-            return ENGINES["hf"].from_config(cfg_rollout, lm, max_prompt_tokens)
+        if getattr(lm, "quantization", None) is not None or (hasattr(lm.model, "get_base_model")
+                                                            and merge_obstacle(lm.model)):
+            name = "hf"  # no plain weights to merge into, or an adapter (DoRA, modules_to_save) with no plain merge
+        return ENGINES[name].from_config(cfg_rollout, lm, max_prompt_tokens)
 
 
 def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,

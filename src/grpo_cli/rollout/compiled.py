@@ -34,7 +34,7 @@ from grpo_cli.rollout.common import (
     sampling_kwargs,
     stop_criteria,
 )
-from grpo_cli.rollout.inference_copy import InferenceCopy
+from grpo_cli.rollout.inference_copy import FollowsThePolicy
 from grpo_cli.schema import view
 
 log = logging.getLogger(__name__)
@@ -43,19 +43,18 @@ MAX_CACHES = 2      # static caches kept (training rows, evaluation rows); the l
 
 
 @ENGINES.register("compiled")
-class CompiledEngine(Engine):
+class CompiledEngine(FollowsThePolicy, Engine):
     name = "compiled"
 
     def __init__(self, model, tokenizer, device: torch.device, *, compile: bool, max_prompt_tokens: int | None = None,
                  compile_fallback: bool = False, compile_backend: str = "inductor"):
-        self.policy, self.tokenizer, self.device = model, tokenizer, device
+        self.tokenizer, self.device = tokenizer, device
         self.compile = compile
         # rollout.compile=auto: a decode step that fails to compile (no Triton, an unsupported op) costs the speed-up,
         # not the run; with rollout.compile=true it is an error
         self.compile_fallback, self.compile_backend = compile_fallback, compile_backend
         self.max_prompt_tokens = max_prompt_tokens or 0
-        self.copy = InferenceCopy(model, engine=self.name) if hasattr(model, "get_base_model") else None
-        self.stale = True  # refreshed at the first generation: after a checkpoint's adapter is loaded
+        self.follow(model, self.name)
         self.caches: OrderedDict[tuple[int, int], object] = OrderedDict()  # (rows, length) -> StaticCache
         self.compile_s = 0.0
 
@@ -68,13 +67,9 @@ class CompiledEngine(Engine):
                    compile_fallback=setting == "auto")
 
     # ---- the seam ---------------------------------------------------------------------------------
-    def policy_changed(self) -> None:
-        self.stale = True
-
     def close(self) -> None:
         self.caches.clear()
-        self.copy = None
-        self.policy = None
+        self.drop_copy()
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
                  min_new_tokens: int = 0, stop_strings: Sequence[str] = (), stop: StopFn | None = None,
@@ -83,7 +78,7 @@ class CompiledEngine(Engine):
         model = self.inference_model()
         ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, self.device)
         rows = ids.shape[0] * num_generations
-        key, fresh = self.cache_for(rows, max(ids.shape[1], self.max_prompt_tokens) + max_new_tokens)
+        key, fresh = self.cache_for(model.config, rows, max(ids.shape[1], self.max_prompt_tokens) + max_new_tokens)
         cache = self.caches[key]
         row_ids, row_mask = ids.repeat_interleave(num_generations, dim=0), mask.repeat_interleave(num_generations, dim=0)
         if key[0] > rows:  # a larger cache already compiled: fill the spare rows with copies of the last one
@@ -114,15 +109,7 @@ class CompiledEngine(Engine):
                               stop_strings)
 
     # ---- parts ------------------------------------------------------------------------------------
-    def inference_model(self):
-        if self.copy is None:
-            return self.policy  # a plain model (grpo-eval of a base model): nothing to merge
-        if self.stale:
-            self.copy.refresh()
-            self.stale = False
-        return self.copy.model
-
-    def cache_for(self, rows: int, length: int) -> tuple[tuple[int, int], bool]:
+    def cache_for(self, config, rows: int, length: int) -> tuple[tuple[int, int], bool]:
         """The smallest kept cache with enough rows and length (spare rows are padding), else a new one."""
         from transformers import StaticCache
 
@@ -134,7 +121,7 @@ class CompiledEngine(Engine):
         while len(self.caches) >= MAX_CACHES:
             self.caches.popitem(last=False)
         key = (rows, length)
-        self.caches[key] = StaticCache(config=self.inference_model().config, max_cache_len=length)
+        self.caches[key] = StaticCache(config=config, max_cache_len=length)
         return key, True
 
     def compile_kwargs(self) -> dict:

@@ -1,5 +1,5 @@
 """The `hf` engine: transformers' generate on the policy itself (through the peft LoRA layers), with each
-prompt prefilled once and its KV cache repeated for its G completions. The CPU default."""
+prompt prefilled once and its KV cache repeated for its G completions. What `auto` picks for a quantized base."""
 
 from __future__ import annotations
 

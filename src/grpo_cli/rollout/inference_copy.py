@@ -3,9 +3,26 @@ adapter folded into separate copies of the adapted weights, the frozen base unto
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from grpo_cli.errors import ModelLoadError
+
+
+def merge_obstacle(peft_model) -> str | None:
+    """What keeps the adapter of `peft_model` from a plain merge (a LoRA variant such as DoRA, a layer that is not
+    linear, a trainable copy from modules_to_save), phrased to follow "rollout.engine=NAME"; None if nothing."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in peft_model.get_base_model().named_modules():
+        if isinstance(module, BaseTunerLayer):
+            if type(module) is not LoraLinear or any(module.lora_variant.get(a) for a in module.active_adapters):
+                return f"merges plain LoRA on linear layers only; {name} is a {type(module).__name__}"
+        elif name and type(module).__name__ == "ModulesToSaveWrapper":
+            return f"cannot merge the trainable copy of {name} (modules_to_save)"
+    return None
 
 
 class InferenceCopy:
@@ -22,21 +39,13 @@ class InferenceCopy:
     def __init__(self, peft_model, engine: str = "merged"):
         import copy
 
-        from peft.tuners.lora import Linear as LoraLinear
         from peft.tuners.tuners_utils import BaseTunerLayer
 
+        obstacle = merge_obstacle(peft_model)
+        if obstacle:
+            raise ModelLoadError(f"rollout.engine={engine} {obstacle}; use rollout.engine=hf")
         inner = peft_model.get_base_model()
-        self.layers: dict[str, LoraLinear] = {}
-        for name, module in inner.named_modules():
-            if isinstance(module, BaseTunerLayer):
-                if type(module) is not LoraLinear or any(module.lora_variant.get(a) for a in module.active_adapters):
-                    raise ModelLoadError(
-                        f"rollout.engine={engine} merges plain LoRA on linear layers only; {name} is a "
-                        f"{type(module).__name__}; use rollout.engine=hf")
-                self.layers[name] = module
-            elif name and type(module).__name__ == "ModulesToSaveWrapper":
-                raise ModelLoadError(f"rollout.engine={engine} cannot merge the trainable copy of {name} "
-                                     "(modules_to_save); use rollout.engine=hf")
+        self.layers = {name: m for name, m in inner.named_modules() if isinstance(m, BaseTunerLayer)}
         memo = {id(t): t for t in (*inner.parameters(), *inner.buffers())}  # share everything ...
         for layer in self.layers.values():
             del memo[id(layer.get_base_layer().weight)]                    # ... but the weights that get merged
@@ -63,3 +72,32 @@ class InferenceCopy:
                 if adapter in layer.lora_A:
                     merged = merged + layer.get_delta_weight(adapter).float()
             self.targets[name].copy_(merged)
+
+
+class FollowsThePolicy:
+    """What the engines that generate from an InferenceCopy (merged, compiled) share: the copy is marked stale by
+    `policy_changed()` and refreshed before the next generation, whose `sync_s` (the step's `gen_sync_s`) times it.
+    A plain model (grpo-eval of a base) has nothing to merge and is generated from as it is."""
+
+    sync_s = 0.0
+
+    def follow(self, model, engine: str) -> None:
+        self.source = model
+        self.copy = InferenceCopy(model, engine=engine) if hasattr(model, "get_base_model") else None
+        self.stale = True  # refreshed at the first generation: after a checkpoint's adapter is loaded
+
+    def policy_changed(self) -> None:
+        self.stale = True
+
+    def inference_model(self):
+        if self.copy is None:
+            return self.source
+        t0 = time.perf_counter()
+        if self.stale:
+            self.copy.refresh()
+            self.stale = False
+        self.sync_s = time.perf_counter() - t0
+        return self.copy.model
+
+    def drop_copy(self) -> None:
+        self.copy = self.source = None
