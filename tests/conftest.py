@@ -200,3 +200,16 @@ def fixed_batch(trainer, rewards, step: int = 0):
     generation = trainer.generate(step)
     n = generation.rollout.completion_ids.shape[0]
     return trainer.make_batch(generation, Scores(rewards(torch.arange(n, dtype=torch.float32), trainer.algo.num_generations), {}, 0))
+
+
+def gradients_at_step(trainer) -> list:
+    """The trainable gradients as `trainer`'s optimizer sees them (after clipping), recorded at each of its steps."""
+    seen = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        seen.extend(p.grad.detach().clone() for p in trainer.params)
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    return seen

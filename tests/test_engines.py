@@ -340,6 +340,31 @@ def test_auto_on_the_cpu_is_merged_and_an_unmergeable_adapter_falls_back_to_hf(c
     assert type(make_engine(compose(TINY).rollout, dataclasses.replace(lm, model=dora))) is HFEngine
 
 
+def test_the_merged_copy_computes_the_policys_logits_after_each_update():
+    """The fast check that the inference copy follows the policy: after an update and policy_changed() its logits
+    are the peft policy's (a copy left stale would keep the old policy's); before policy_changed() it is not
+    refreshed at all."""
+    from grpo_cli.rollout import MergedEngine
+
+    lm = tiny_lora_policy()
+    merged = MergedEngine(lm.model, lm.tokenizer, lm.device)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    torch.testing.assert_close(logits(merged.inference_model()), logits(lm.model), rtol=1e-5, atol=1e-5)
+    old = logits(lm.model)
+    for update in (1, 2):
+        randomise_lora(lm.model, scale=0.2, seed=update)  # as an optimizer step would
+        assert not torch.allclose(logits(lm.model), old, atol=1e-3)
+        torch.testing.assert_close(logits(merged.copy.model), old)  # stale until told
+        merged.policy_changed()
+        torch.testing.assert_close(logits(merged.inference_model()), logits(lm.model), rtol=1e-5, atol=1e-5)
+        old = logits(lm.model)
+
+
 @pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_merged_samples_what_hf_samples_and_follows_the_policy():
     """Same seed, same tokens as hf (greedy and sampled); after the adapter changes, policy_changed() refreshes the

@@ -7,6 +7,7 @@ random model never writes one; the loss, the optimizer and everything else is th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -18,7 +19,7 @@ from conftest import make_trainer, read_jsonl, run_cli, straight_and_resumed
 from test_episodes import ChoosingPolicy, ScriptedPolicy, call, script
 
 from grpo_cli.errors import ConfigError
-from grpo_cli.rollout.episodes import EpisodeRunner, concat_rows, select_rows
+from grpo_cli.rollout.episodes import EpisodeRunner
 from grpo_cli.rollout.logprobs import loss_mask
 
 TESTS = str(Path(__file__).parent)
@@ -71,6 +72,29 @@ def test_the_trainer_trains_on_episodes_and_counts_only_the_models_tokens(compos
     assert metrics["grad_norm"] > 0
 
 
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_the_loss_mask_of_an_episode_is_its_model_tokens(compose, mask_truncated):
+    """The fast check that tool tokens never train: the step's batch of an episode (tool result tokens inside the
+    completion, so in completion_mask for attention) masks exactly the tokens the model sampled."""
+    from grpo_cli.rollout.episodes import Episodes
+    from grpo_cli.schema import view
+    from grpo_cli.trainer import Generation, Scores, make_batch
+
+    #  episode 0: 3 sampled, 2 tool-result tokens, 2 sampled; episode 1: 4 sampled, 3 padding
+    completion = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]])
+    model = torch.tensor([[1, 1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0, 0]])
+    roll = Episodes(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), completion * 5, completion,
+                    torch.tensor([False, False]), ["a", "b"], 2, model_mask=model, prompts=["p", "p"],
+                    messages=[[], []], tool_calls=torch.tensor([1, 0]), failed_calls=torch.tensor([0, 0]),
+                    turns=torch.tensor([2, 1]), cut=torch.tensor([False, False]))
+    algo = view(compose(["+recipe=quickstart", f"algo.mask_truncated={str(mask_truncated).lower()}",
+                         "algo.num_generations=2"]).algo, "algo")
+    batch = make_batch(Generation(roll, [{}], ["p", "p"], {}), Scores(torch.tensor([1.0, 0.0]), {}, 0), algo,
+                       torch.device("cpu"))
+    assert torch.equal(batch.mask, model.float())
+    assert torch.equal(loss_mask(roll), model)
+
+
 def test_dr_grpo_and_truncation_see_the_model_tokens(compose, tmp_path):
     trainer = scripted(make_trainer(compose, tmp_path, *TOOL, "algo.loss_type=dr_grpo", "rollout.max_new_tokens=22",
                                     "algo.mask_truncated=true", rows=rows_with_answers()))
@@ -106,11 +130,13 @@ def test_rewards_get_messages_and_environments_by_name_and_the_env_reward_joins(
 def test_select_and_concat_carry_the_episode_fields(compose, tmp_path):
     trainer = scripted(make_trainer(compose, tmp_path, *TOOL, rows=rows_with_answers()))
     roll = trainer.generate(0).rollout
-    picked = select_rows(roll, roll, [2, 3, 0, 1])
+    picked = roll.select_groups([1, 0])  # G = 2: rows 2, 3, 0, 1
     assert picked.tool_calls.tolist() == [0, 0, 1, 1] and picked.messages[2] == roll.messages[0]
     assert torch.equal(picked.model_mask[2], roll.model_mask[0])
     width = roll.completion_ids.shape[1] + 3
-    joined = concat_rows([roll, roll], roll, width)
+    wider = dataclasses.replace(roll, completion_ids=torch.nn.functional.pad(roll.completion_ids, (0, 3)),
+                                completion_mask=torch.nn.functional.pad(roll.completion_mask, (0, 3)))
+    joined = type(roll).join([roll, wider], trainer.tokenizer.pad_token_id)
     assert joined.model_mask.shape == (8, width) and joined.turns.tolist() == roll.turns.tolist() * 2
     assert len(joined.prompts) == 8 and joined.messages[4] == roll.messages[0]
 

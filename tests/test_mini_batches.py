@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 from conftest import VARIED_REWARD as VARIED_BY_LENGTH
-from conftest import fixed_batch, make_trainer, read_jsonl, straight_and_resumed
+from conftest import fixed_batch, gradients_at_step, make_trainer, read_jsonl, straight_and_resumed
 
 from grpo_cli import algorithm
 from grpo_cli.optim import lr_factor
@@ -113,19 +113,6 @@ def test_one_mini_batch_reproduces_the_plain_update(compose, tmp_path):
     for got, want, start in zip(lora_state(micro_sgd), lora_state(whole_sgd), before, strict=True):
         torch.testing.assert_close(got - start, want - start, rtol=1e-4,
                                    atol=2e-5 * float((want - start).abs().max()))
-
-
-def gradients_at_step(trainer: GRPOTrainer) -> list[torch.Tensor]:
-    """The trainable gradients as the optimizer sees them (after clipping), recorded at each of its steps."""
-    seen: list[torch.Tensor] = []
-    step = trainer.optimizer.step
-
-    def recording_step(*args, **kwargs):
-        seen.extend(p.grad.detach().clone() for p in trainer.params)
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = recording_step
-    return seen
 
 
 # ---- several mini-batches ------------------------------------------------------------------------

@@ -285,6 +285,33 @@ def test_dynamic_sampling_fills_the_batch_with_signal(compose, tmp_path, monkeyp
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_at_its_draw_limit_refills_exactly_the_missing_groups(compose, tmp_path, monkeypatch):
+    """Each generation round has signal in its first group only (the reward scores the first G rows of its call):
+    with 4 prompts a step and 2 rounds, 2 groups with signal are found, and the batch is filled with exactly the 2
+    first quiet groups of round 0, in order."""
+    from grpo_cli import dynamic_sampling
+
+    (tmp_path / "first_group_reward.py").write_text(
+        "def first_group(prompts, completions, **_):\n"
+        "    return [float(i % 2) if i < 2 else 0.0 for i in range(len(completions))]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    trainer = make_trainer(compose, tmp_path, "algo.filter_groups=true", "algo.filter_max_draws=2",
+                           "data.prompts_per_step=4", "algo.num_generations=2", "~reward.functions",
+                           "+reward.functions={first: {_target_: first_group_reward.first_group, weight: 1.0}}",
+                           "reward.accuracy=null")
+    round0, round1 = trainer.generate(0), trainer.generate(0, draw=1)
+    batch = dynamic_sampling.filtered_batch(trainer, 0)
+    assert batch.rewards.numel() == 8 and batch.stats["filter_bound_hit"] == 1.0
+    assert batch.stats["filter_groups_with_signal"] == 2.0 and batch.stats["filter_draws"] == 2
+    assert dynamic_sampling.signal_groups(batch.rewards, 2) == [0, 1]
+    ids = lambda roll, group: roll.completion_ids[2 * group:2 * group + 2]  # noqa: E731
+    got = batch.rollout.completion_ids
+    for row_group, (source, group) in enumerate([(round0, 0), (round1, 0), (round0, 1), (round0, 2)]):
+        want = ids(source.rollout, group)
+        assert torch.equal(got[2 * row_group:2 * row_group + 2, :want.shape[1]], want), row_group
+
+
+@pytest.mark.slow
 def test_resume_with_dynamic_sampling_and_adaptive_entropy_is_bitwise(tmp_path):
     """A run with algo.filter_groups, sapo and the adaptive entropy bonus, resumed from its step-2 checkpoint, ends
     with the same adapter and the same metrics as the straight run (extra rounds and the coefficient included)."""

@@ -123,3 +123,92 @@ def test_sampler_correction_records_the_first_pass_only():
     assert correction.metrics() == {}  # forgotten once read
     assert correction.weights(TRAINER, None, None, rows, MASK, record=True) is None  # an engine without sampler log-probs
     assert SamplerCorrection("none").weights(TRAINER, None, SAMPLER, rows, MASK, record=True) is None
+
+
+def test_weights_compare_the_sampler_with_the_old_log_probs_not_the_current_ones():
+    """Off-policy (several updates per rollout) the policy that sampled is `old`, not the policy being trained: the
+    weights must not follow `logp` as it moves away."""
+    correction = SamplerCorrection("token_truncate", None, None)
+    current = TRAINER - 0.7  # the policy after an update
+    rows = slice(0, 2)
+    w = correction.weights(current, TRAINER, SAMPLER, rows, MASK, record=True)
+    torch.testing.assert_close(w, sampler_correction_weights(TRAINER, SAMPLER, MASK, "token_truncate", None, None))
+    assert not torch.allclose(w, sampler_correction_weights(current, SAMPLER, MASK, "token_truncate", None, None))
+    assert correction.metrics()["sampler/logp_diff_mean"] == pytest.approx((0.5 + 1.5 + 0.0 + 0.1 + 2.0) / 5)
+
+
+def test_mismatch_metrics_are_token_means_over_the_micro_batches():
+    """Micro-batches of 1 and 4 real tokens: the step's mean is over its 5 tokens, not the mean of 2 means."""
+    correction = SamplerCorrection("token_mask", 0.3, 1.5)
+    trainer = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]])
+    sampler = torch.tensor([[-3.0, 0.0, 0.0, 0.0], [-1.2, -1.2, -1.2, -1.2]])
+    mask = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    for rows in (slice(0, 1), slice(1, 2)):
+        correction.weights(trainer[rows], None, sampler, rows, mask[rows], record=True)
+    metrics = correction.metrics()
+    assert metrics["sampler/logp_diff_mean"] == pytest.approx((2.0 + 4 * 0.2) / 5)
+    assert metrics["sampler/logp_diff_max"] == pytest.approx(2.0)
+    assert metrics["sampler/corrected_frac"] == pytest.approx(1 / 5)  # exp(2) = 7.4 > 1.5: masked; exp(0.2) kept
+
+
+def test_off_policy_mask_measures_the_drift_from_the_sampler_when_it_reported_log_probs():
+    """TRL 1.16 measures the off-policy sequence mask against the sampler's log-probs where a sampler gave them: on
+    policy (old = logp) a sampler that disagrees still drops a negative-advantage sequence; without them none drops."""
+    logp = TRAINER.clone()
+    adv = torch.tensor([-1.0, 1.0])
+    settings = algorithm.LossSettings(off_policy_mask_threshold=0.1)
+    dropped, _ = algorithm.policy_loss(logp, None, None, adv, MASK, beta=0.0, eps_low=0.2, settings=settings,
+                                       sampler_logp=logp + 1.0)  # mean sampler - logp = 1 > 0.1 on row 0
+    kept, _ = algorithm.policy_loss(logp, None, None, adv, MASK, beta=0.0, eps_low=0.2, settings=settings)
+    assert float(kept) == pytest.approx((1.0 - 1.0) / 2)         # -A per token, per-sequence mean, mean of rows
+    assert float(dropped) == pytest.approx((0.0 - 1.0) / 2)      # row 0 (A < 0) dropped
+    nan_sampler = logp.clone()
+    nan_sampler[0, 1] = float("nan")                             # an unscored token adds no evidence (TRL)
+    with_nan, _ = algorithm.policy_loss(logp, None, None, adv, MASK, beta=0.0, eps_low=0.2, settings=settings,
+                                        sampler_logp=nan_sampler)
+    assert float(with_nan) == pytest.approx(float(kept))
+
+
+@pytest.mark.slow  # imports TRL
+def test_off_policy_mask_equals_trls_with_a_sampler():
+    pytest.importorskip("trl")
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    gen = torch.Generator().manual_seed(3)
+    logp = -torch.rand(24, 10, generator=gen) * 3
+    sampler = logp + 0.3 * torch.randn(24, 10, generator=gen)
+    sampler[sampler > 0] = 0.0
+    sampler[2, 3] = float("nan")
+    adv = torch.randn(24, generator=gen)
+    mask = (torch.arange(10)[None, :] < torch.randint(2, 11, (24, 1), generator=gen)).float()
+    want = GRPOTrainer.get_off_policy_mask(adv[:, None], logp, sampler, mask, 0.05)
+    got = algorithm.off_policy_keep(logp, sampler, adv[:, None], mask, 0.05)
+    assert torch.equal(got, want) and 0 < float(got.sum()) < 24
+
+
+@pytest.mark.slow
+def test_the_trainer_masks_against_the_rollouts_sampler_log_probs(compose, tmp_path):
+    """A rollout whose sampler disagrees with the trainer (its log-probs 1 nat above the trainer's on every token):
+    on policy, with algo.off_policy_mask_threshold, the update drops every sequence with A < 0, i.e. equals the
+    update with those advantages set to 0; the same batch without sampler log-probs drops none."""
+    import dataclasses
+
+    from conftest import fixed_batch, gradients_at_step, make_trainer
+
+    from grpo_cli.rollout import completion_logprobs
+
+    overrides = ("algo.off_policy_mask_threshold=0.1", "algo.beta=0.0", "optimizer=sgd", "optimizer.momentum=0.0")
+    trainers = [make_trainer(compose, tmp_path, *overrides) for _ in range(3)]
+    batch = fixed_batch(trainers[0], lambda i, G: (i * 7 % 5) % G)
+    assert bool((batch.advantages < 0).any()) and bool((batch.advantages > 0).any())
+    with torch.no_grad():
+        logp = completion_logprobs(trainers[0].model, batch.rollout, slice(0, batch.rewards.numel()),
+                                   trainers[0].roll.temperature, None)[0]
+    disagreeing = dataclasses.replace(batch, rollout=dataclasses.replace(batch.rollout, sampler_logprobs=logp + 1.0))
+    without_negatives = dataclasses.replace(batch, advantages=batch.advantages.clamp_min(0.0))
+    grads = [gradients_at_step(t) for t in trainers]
+    for trainer, b in zip(trainers, (disagreeing, without_negatives, batch), strict=True):
+        trainer.update(0, b)
+    for got, want in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert any(not torch.allclose(a, b) for a, b in zip(grads[2], grads[1], strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from grpo_cli.stopping import StopRequest
 
+SIGNALS_ASKED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # an ssh drop or a closed terminal sends SIGHUP
 SIGNALLED = textwrap.dedent("""
     import os, signal, sys, time
     from grpo_cli.stopping import StopRequest
@@ -61,6 +63,18 @@ def test_sighup_is_a_stop_request_like_sigterm():
         "prog: SIGHUP received: stopping now (an unfinished step is discarded, the last complete one is kept); "
         "Ctrl-C again to exit at once"]
     assert run_signalled("HUP", "INT").returncode == -signal.SIGINT
+
+
+@pytest.mark.parametrize("signum", SIGNALS_ASKED, ids=lambda s: signal.Signals(s).name)
+def test_each_stop_signal_sets_the_flag_in_process(signum):
+    """The fast check of the three signals a run must stop on (the subprocess tests above and test_signals.py see
+    the whole behaviour): each one only sets the flag, and leaving restores the handlers."""
+    before = signal.getsignal(signum)
+    stop = StopRequest("prog", announce=False)
+    with stop.installed():
+        os.kill(os.getpid(), signum)  # a signal the run does not handle ends this process: the test fails loudly
+        assert stop() and stop.signum == signum
+    assert signal.getsignal(signum) == before
 
 
 def test_announce_only_on_rank_zero(monkeypatch):

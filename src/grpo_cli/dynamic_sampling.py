@@ -21,7 +21,7 @@ import torch
 
 from grpo_cli import algorithm
 from grpo_cli.data import PromptSampler
-from grpo_cli.rollout import episodes
+from grpo_cli.rollout import rows as row_ops
 
 DRAW_SEED = 7_919  # round d of a step samples with the step's seed + d * DRAW_SEED
 
@@ -38,38 +38,10 @@ def signal_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
     return [g for g in range(r.shape[0]) if not bool((r[g] == r[g, 0]).all())]
 
 
-def _pad(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
-    extra = width - t.shape[1]
-    if extra <= 0:
-        return t
-    fill = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
-    return torch.cat([fill, t] if left else [t, fill], dim=1)
-
-
 def concat_batches(batches: list, pad_token_id: int):
-    """One batch of the given batches' groups, in order (prompts left-padded, completions right-padded)."""
-    first = batches[0]
-    if len(batches) == 1:
-        return first
-    lp = max(b.rollout.prompt_ids.shape[1] for b in batches)
-    tc = max(b.rollout.completion_ids.shape[1] for b in batches)
-
-    def cat(get, width=None, value=0, left=False):
-        parts = [get(b) for b in batches]
-        return torch.cat([p if width is None else _pad(p, width, value, left) for p in parts])
-
-    rollout = dataclasses.replace(
-        first.rollout, prompt_ids=cat(lambda b: b.rollout.prompt_ids, lp, pad_token_id, True),
-        prompt_mask=cat(lambda b: b.rollout.prompt_mask, lp, 0, True),
-        completion_ids=cat(lambda b: b.rollout.completion_ids, tc, pad_token_id),
-        completion_mask=cat(lambda b: b.rollout.completion_mask, tc, 0), truncated=cat(lambda b: b.rollout.truncated),
-        texts=[t for b in batches for t in b.rollout.texts])
-    rollout = episodes.concat_rows([b.rollout for b in batches], rollout, tc)
-    per_function = {k: [x for b in batches for x in b.per_function[k]] for k in first.per_function}
-    return dataclasses.replace(
-        first, rollout=rollout, prompts=[p for b in batches for p in b.prompts], rewards=cat(lambda b: b.rewards),
-        per_function=per_function, advantages=cat(lambda b: b.advantages), mask=cat(lambda b: b.mask, tc, 0.0),
-        reward_errors=sum(b.reward_errors for b in batches))
+    """One batch of the given batches' groups, in order, every field of theirs and of their rollouts carried
+    (rollout/rows.py: prompts left-padded, completions right-padded)."""
+    return row_ops.join(batches, pad_token_id)
 
 
 def filtered_batch(trainer, step: int):

@@ -156,11 +156,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("algo.vespo_k_neg", number(0), "vespo: gamma shape k where A < 0", 3.0, row="vespo"),
     Option("algo.vespo_lambda_neg", number(0), "vespo: gamma rate lambda where A < 0", 2.0, row="vespo"),
     Option("algo.kl_estimator", one_of(names=registry_names("grpo_cli.algorithm", "KL_ESTIMATORS")),
-      "per-token KL estimate in the beta term (verl's names); k3 is the contract's", "k3"),
+      "per-token KL estimate in the beta term; k3 is TRL's and the contract's, unclamped (verl's k3 is its "
+      "clamped low_var_kl)", "k3"),
     Option("algo.use_bias_correction_kl", BOOLEAN, "multiply the KL term by the importance ratio (TRL's default is "
       "true; ours false: plain k3)", False),
-    Option("algo.off_policy_mask_threshold", number(0), "drop a sequence with A < 0 whose mean old - logp exceeds "
-      "this (DeepSeek-V3.2); null = off", None, nullable=True),
+    Option("algo.off_policy_mask_threshold", number(0), "drop a sequence with A < 0 whose mean sampler - logp "
+      "exceeds this (sampler: the engine's log-probs where it gives them, else old; DeepSeek-V3.2, TRL); null = off",
+      None, nullable=True),
     Option("algo.top_entropy_quantile", number(0, 1, low_open=True), "policy loss on the highest-entropy share of "
       "each micro-batch's tokens only; 1 = all", 1.0),
     Option("algo.entropy_coef", number(0), "entropy bonus: loss - coef * token-mean entropy; the start value when "

@@ -42,6 +42,7 @@ from grpo_cli.rollout import (
     make_engine,
     sampling_options,
 )
+from grpo_cli.rollout import rows as row_ops
 from grpo_cli.rollout.logprobs import loss_mask
 from grpo_cli.schema import view
 from grpo_cli.stopping import StopRequest
@@ -68,35 +69,21 @@ class Scores:
 
 @dataclass
 class Batch:
-    """One step's rollouts, scored, ready for the loss."""
+    """One step's rollouts, scored, ready for the loss; its per-row fields are declared as the Rollout's are."""
 
-    rollout: Rollout
-    prompts: list[str]
-    rewards: torch.Tensor            # [N]
-    per_function: dict[str, list[float]]
-    advantages: torch.Tensor         # [N]
-    mask: torch.Tensor               # [N, T] float: completion tokens that count in the loss
-    reward_errors: int = 0
+    rollout: Rollout = row_ops.nested()
+    prompts: list[str] = row_ops.per_row()
+    rewards: torch.Tensor = row_ops.per_row()               # [N]
+    per_function: dict[str, list[float]] = row_ops.per_row_dict()
+    advantages: torch.Tensor = row_ops.per_row()            # [N]
+    mask: torch.Tensor = row_ops.per_token()                # [N, T] float: completion tokens that count in the loss
+    reward_errors: int = row_ops.summed(default=0)
     stats: dict = field(default_factory=dict)
 
     def select_groups(self, groups: list[int]) -> Batch:
         """The batch of the given groups, in that order (rows stay grouped)."""
-        roll, G = self.rollout, self.rollout.group_size
-        rows = [g * G + i for g in groups for i in range(G)]
-
-        def take(t: torch.Tensor, index: list[int]) -> torch.Tensor:
-            return t[torch.tensor(index, dtype=torch.long, device=t.device)]
-
-        rollout = dataclasses.replace(
-            roll, prompt_ids=take(roll.prompt_ids, groups), prompt_mask=take(roll.prompt_mask, groups),
-            completion_ids=take(roll.completion_ids, rows), completion_mask=take(roll.completion_mask, rows),
-            truncated=take(roll.truncated, rows), texts=[roll.texts[i] for i in rows],
-            sampler_logprobs=None if roll.sampler_logprobs is None else take(roll.sampler_logprobs, rows))
-        rollout = episodes.select_rows(roll, rollout, rows)
-        return dataclasses.replace(
-            self, rollout=rollout, prompts=[self.prompts[i] for i in rows], rewards=take(self.rewards, rows),
-            per_function={k: [v[i] for i in rows] for k, v in self.per_function.items()},
-            advantages=take(self.advantages, rows), mask=take(self.mask, rows))
+        G = self.rollout.group_size
+        return row_ops.select(self, [g * G + i for g in groups for i in range(G)], groups)
 
 
 @dataclass(frozen=True)
@@ -159,6 +146,20 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def make_batch(generation: Generation, scores: Scores, algo, device) -> Batch:
+    """The step's Batch: the group advantages of its rewards (`algo`: the typed algo section), and the completion
+    tokens that count in the loss: the model's own (an episode's tool tokens never count), less the truncated
+    completions' with algo.mask_truncated."""
+    roll = generation.rollout
+    mask = loss_mask(roll).float()
+    if algo.mask_truncated:
+        mask = mask * (~roll.truncated).float().unsqueeze(1)
+    advantages = algorithm.advantages_of(algo.advantage, scores.totals, algo.num_generations, eps=algo.adv_eps,
+                                         scale=algo.scale_rewards, lengths=mask.sum(1))
+    return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(device), mask,
+                 scores.errors, stats=generation.stats)
 
 
 def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
@@ -258,15 +259,7 @@ class GRPOTrainer:
         return Scores(torch.tensor(totals, dtype=torch.float32), per_function, errors)
 
     def make_batch(self, generation: Generation, scores: Scores) -> Batch:
-        """The step's Batch: the group advantages of its rewards, and the completion tokens that count in the loss."""
-        roll = generation.rollout
-        mask = loss_mask(roll).float()  # the model's own tokens: an episode's tool tokens never count
-        if self.algo.mask_truncated:
-            mask = mask * (~roll.truncated).float().unsqueeze(1)
-        advantages = algorithm.advantages_of(self.algo.advantage, scores.totals, self.algo.num_generations,
-                                             eps=self.algo.adv_eps, scale=self.algo.scale_rewards, lengths=mask.sum(1))
-        return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(self.lm.device), mask,
-                     scores.errors, stats=generation.stats)
+        return make_batch(generation, scores, self.algo, self.lm.device)
 
     @property
     def on_policy(self) -> bool:
@@ -309,6 +302,7 @@ class GRPOTrainer:
         """Accumulate the gradient of one mini-batch on this rank, micro-batch by micro-batch; returns this
         rank's sums and the largest completion log-prob it saw (entropy and KL on the first pass only)."""
         sums, max_logp = UpdateSums(), -math.inf
+        sampler = batch.rollout.sampler_logprobs  # the engine's own log-probs (vllm), None where it gives none
         for rows in mini.micro:
             logp, entropy = self._logprobs(batch, rows, grad=True,
                                            with_entropy=first_pass or algorithm.needs_entropy(self.algo))
@@ -319,7 +313,8 @@ class GRPOTrainer:
                 eps_high=self.eps_high, loss_type=aggregation, ratio_level=self.algo.ratio_level,
                 max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total, entropy=entropy,
                 settings=algorithm.loss_settings(self.algo, self.entropy_control and self.entropy_control.applied),
-                sampler_weights=self.sampler_correction.weights(logp, old, batch.rollout.sampler_logprobs, rows, mask, first_pass),
+                sampler_weights=self.sampler_correction.weights(logp, old, sampler, rows, mask, first_pass),
+                sampler_logp=None if sampler is None else sampler[rows].to(logp.device),
             )
             weight = algorithm.accumulation_weight(aggregation, rows=rows.stop - rows.start,
                                                    rows_total=mini.rows_total, micro_batches_total=mini.micro_total)

@@ -1,6 +1,9 @@
 """KL estimators (``algo.kl_estimator``, docs/algorithm.md section 3): per-token estimates of KL(pi || ref) from
-``d = ref - logp``, by verl's names (http://joschu.net/blog/kl-approx.html). Each is one function registered in
+``d = ref - logp`` (http://joschu.net/blog/kl-approx.html). Each is one function registered in
 :data:`KL_ESTIMATORS` with :func:`register_kl_estimator`, its formula beside it.
+
+``k1``, ``k2`` and ``abs`` are verl's ``kl_penalty`` of those names; ``k3`` is TRL's and the contract's, unclamped.
+verl's own ``k3`` is an alias of its clamped ``low_var_kl``, which is ours ``low_var_kl``.
 """
 
 from collections.abc import Callable

@@ -22,12 +22,12 @@ from grpo_cli.algorithm.policy_losses import (
 
 
 def _check_policy_args(logp, old_logp, ref_logp, advantages, mask, beta, eps_low, eps_high, loss_type, ratio_level,
-                       max_new_tokens, total_tokens) -> None:
+                       max_new_tokens, total_tokens, sampler_logp=None) -> None:
     """policy_loss's arguments (typed there), with eps_high resolved."""
     if logp.dim() != 2 or not logp.is_floating_point():
         raise ValueError(f"logp must be a floating [B, T] tensor, got logp shape {tuple(logp.shape)}")
     shape = tuple(logp.shape)
-    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
+    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask), ("sampler_logp", sampler_logp)):
         if x is not None and tuple(x.shape) != shape:
             raise ValueError(f"{name} shape {tuple(x.shape)} does not match logp shape {shape}")
     if tuple(advantages.shape) != shape[:1]:
@@ -73,11 +73,13 @@ class LossSettings:
     entropy_coef: float = 0.0
 
 
-def _masks(settings: LossSettings, lp, old, adv, m, real, entropy) -> tuple[torch.Tensor, torch.Tensor]:
-    """(policy-term multiplier [B, T] or [B, 1], the tokens the entropy bonus averages over)."""
+def _masks(settings: LossSettings, lp, behaviour, adv, m, real, entropy) -> tuple[torch.Tensor, torch.Tensor]:
+    """(policy-term multiplier [B, T] or [B, 1], the tokens the entropy bonus averages over); `behaviour`: the
+    log-probs of the sampling policy, as the sampler or the trainer computed them."""
     keep, tokens = torch.ones_like(adv), m
     if settings.off_policy_mask_threshold is not None:
-        keep = off_policy_keep(lp, old, adv, m, settings.off_policy_mask_threshold)
+        behaviour = torch.where(real, behaviour.detach().float(), torch.zeros((), device=lp.device))
+        keep = off_policy_keep(lp, behaviour, adv, m, settings.off_policy_mask_threshold)
     if settings.top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy, got entropy=None")
@@ -121,6 +123,7 @@ def policy_loss(
     settings: LossSettings | None = None,
     entropy: torch.Tensor | None = None,
     sampler_weights: torch.Tensor | None = None,
+    sampler_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one (micro-)batch and its detached scalar stats (docs/algorithm.md, sections 3-4).
 
@@ -138,19 +141,18 @@ def policy_loss(
     With the default ``settings`` the objective is the clipped surrogate
     ``-min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A)`` and ``kl`` is k3; ``keep`` is 1 unless the off-policy
     mask or the high-entropy tokens are asked for; ``sampler_weights`` ([B, T] or [B, 1], from
-    :func:`sampler_correction_weights`) multiply the objective's term too. ``dapo`` divides by ``total_tokens`` when given (else this batch's
-    tokens); ``dr_grpo`` needs ``max_new_tokens``.
+    :func:`sampler_correction_weights`) multiply the objective's term too; the off-policy mask measures the drift
+    from ``sampler_logp [B, T]`` (the engine's own log-probs) where given, as TRL, else from ``old``. ``dapo``
+    divides by ``total_tokens`` when given (else this batch's tokens); ``dr_grpo`` needs ``max_new_tokens``.
 
     Stats (0-dim float32, detached): ``kl`` = m-weighted mean of the KL term (0 when ``ref_logp`` is None);
     ``clip_fraction/low`` = m-weighted share of ``ratio < 1-eps_low and A < 0``, ``clip_fraction/high`` of
     ``ratio > 1+eps_high and A > 0``, ``clip_fraction`` of either; ``ratio_mean``; ``num_tokens`` = sum m; the
-    objective's own stats; and ``entropy_bonus`` (with its gradient: ``entropy_coef * mean entropy``, already
-    subtracted from the loss; see :func:`accumulated`).
-    """
+    objective's own stats; ``entropy_bonus`` (with its gradient, already subtracted: :func:`accumulated`)."""
     eps_high = eps_low if eps_high is None else eps_high
     settings = settings or LossSettings()
     _check_policy_args(logp, old_logp, ref_logp, advantages, mask, beta, eps_low, eps_high,
-                       loss_type, ratio_level, max_new_tokens, total_tokens)  # fmt: skip
+                       loss_type, ratio_level, max_new_tokens, total_tokens, sampler_logp)  # fmt: skip
     check_objective(settings.objective, ratio_level, loss_type)
     options = settings.options or ObjectiveOptions(eps_low=eps_low, eps_high=eps_high)
     real = mask.bool()
@@ -164,10 +166,9 @@ def policy_loss(
     seq_log_ratio = (log_ratio.sum(dim=-1) / n_row.clamp_min(1.0)).unsqueeze(-1).expand_as(lp)
     ratio = torch.exp(seq_log_ratio if ratio_level == "sequence" else log_ratio)
     adv = advantages.detach().float().unsqueeze(-1)
-
     out = OBJECTIVES[settings.objective].per_token(ObjectiveInputs(lp, ratio, log_ratio, adv, m, options))
     per_token, extra = out if isinstance(out, tuple) else (out, {})
-    keep, bonus_tokens = _masks(settings, lp, old, adv, m, real, entropy)
+    keep, bonus_tokens = _masks(settings, lp, old if sampler_logp is None else sampler_logp, adv, m, real, entropy)
     per_token = per_token * keep * (1.0 if sampler_weights is None else sampler_weights.detach().float())  # not the KL
     kl_stat = zero.clone()
     if ref_logp is not None:

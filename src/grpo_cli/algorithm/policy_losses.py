@@ -158,9 +158,12 @@ def objectives_table() -> str:
     return "\n".join(lines)
 
 
-def off_policy_keep(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, m: torch.Tensor,
+def off_policy_keep(logp: torch.Tensor, behaviour: torch.Tensor, adv: torch.Tensor, m: torch.Tensor,
                     threshold: float) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence mask ``[B, 1]``: keep a sequence when ``A >= 0`` or its token-mean
-    ``old - logp`` (detached) is at most ``threshold``."""
-    seq_kl = ((old - logp.detach()) * m).sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp_min(1.0)
+    ``behaviour - logp`` (detached) is at most ``threshold``. ``behaviour`` is the log-prob of the policy that
+    sampled: the sampler's own where it reported one, else the trainer's old log-probs (TRL 1.16's choice). A token
+    the sampler could not score (NaN) adds no evidence: it counts as 0, as in TRL."""
+    seq_kl = torch.nan_to_num((behaviour - logp.detach()) * m, nan=0.0).sum(dim=-1, keepdim=True) \
+        / m.sum(dim=-1, keepdim=True).clamp_min(1.0)
     return ((adv >= 0) | (seq_kl <= threshold)).float()

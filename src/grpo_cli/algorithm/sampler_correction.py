@@ -36,29 +36,55 @@ def sampler_correction_weights(trainer_logp: torch.Tensor, sampler_logp: torch.T
     return weights.masked_fill((weights < low) | (weights > high), 0.0)
 
 
-def sampler_mismatch_stats(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
-                           weights: torch.Tensor | None, mode: str) -> dict[str, float]:
-    """``sampler/logp_diff_mean`` and ``_max``: |trainer - sampler| over the completion tokens (NaN left out);
-    ``sampler/corrected_frac``: the share of tokens (token_*) or sequences (sequence_*) whose weight the bounds
-    changed (masked to 0, or truncated)."""
+@dataclass
+class MismatchSums:
+    """Sums behind the sampler metrics, so that micro-batches add up to token (or sequence) means of the step."""
+
+    diff_sum: float = 0.0       # sum of |trainer - sampler| over the scored completion tokens
+    diff_count: float = 0.0     # how many
+    diff_max: float = 0.0
+    corrected: float = 0.0      # tokens (token_*) or sequences (sequence_*) whose weight a bound changed
+    weighed: float = 0.0        # tokens or sequences weighed
+
+    def __add__(self, other: "MismatchSums") -> "MismatchSums":
+        return MismatchSums(self.diff_sum + other.diff_sum, self.diff_count + other.diff_count,
+                            max(self.diff_max, other.diff_max), self.corrected + other.corrected,
+                            self.weighed + other.weighed)
+
+    def stats(self) -> dict[str, float]:
+        return {"sampler/logp_diff_mean": self.diff_sum / self.diff_count if self.diff_count else 0.0,
+                "sampler/logp_diff_max": self.diff_max,
+                "sampler/corrected_frac": self.corrected / self.weighed if self.weighed else 0.0}
+
+
+def mismatch_sums(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
+                  weights: torch.Tensor | None, mode: str) -> MismatchSums:
+    """The sums of :func:`sampler_mismatch_stats` for one micro-batch."""
     real = mask.bool()
     delta = (trainer_logp.detach().float() - sampler_logp.float()).abs()[real]
     delta = delta[~torch.isnan(delta)]
-    stats = {"sampler/logp_diff_mean": float(delta.mean()) if delta.numel() else 0.0,
-             "sampler/logp_diff_max": float(delta.max()) if delta.numel() else 0.0, "sampler/corrected_frac": 0.0}
+    sums = MismatchSums(float(delta.sum()), float(delta.numel()), float(delta.max()) if delta.numel() else 0.0)
     if weights is not None:
         raw = sampler_correction_weights(trainer_logp, sampler_logp, mask, mode.split("_")[0] + "_truncate",
                                          clip_min=None, clip_max=None)  # the weights before any bound
         changed = weights != raw
         chosen = changed[real] if mode.startswith("token") else changed[real.any(dim=-1)].flatten()
-        stats["sampler/corrected_frac"] = float(chosen.float().mean()) if chosen.numel() else 0.0
-    return stats
+        sums.corrected, sums.weighed = float(chosen.sum()), float(chosen.numel())
+    return sums
+
+
+def sampler_mismatch_stats(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
+                           weights: torch.Tensor | None, mode: str) -> dict[str, float]:
+    """``sampler/logp_diff_mean`` and ``_max``: |trainer - sampler| over the completion tokens (NaN left out);
+    ``sampler/corrected_frac``: the share of tokens (token_*) or sequences (sequence_*) whose weight the bounds
+    changed (masked to 0, or truncated)."""
+    return mismatch_sums(trainer_logp, sampler_logp, mask, weights, mode).stats()
 
 
 @dataclass
 class SamplerCorrection:
     """``algo.sampler_correction`` as the trainer applies it: the weights of each micro-batch, and the mismatch
-    metrics of the step's first pass, averaged over its micro-batches (this rank's)."""
+    metrics of the step's first pass over all its micro-batches (this rank's): token means, not means of means."""
 
     mode: str = "none"
     clip_min: float | None = None
@@ -80,14 +106,11 @@ class SamplerCorrection:
         sampler_logp = sampler_logprobs[rows].to(trainer_logp.device)
         w = sampler_correction_weights(trainer_logp, sampler_logp, mask, self.mode, self.clip_min, self.clip_max)
         if record:
-            self.recorded.append(sampler_mismatch_stats(trainer_logp, sampler_logp, mask, w, self.mode))
+            self.recorded.append(mismatch_sums(trainer_logp, sampler_logp, mask, w, self.mode))
         return w
 
     def metrics(self) -> dict[str, float]:
-        """The recorded stats (a mean over micro-batches; the max of the maxima), then forgotten."""
+        """The recorded micro-batches' stats, pooled (token means over all of them; the max of the maxima), then
+        forgotten."""
         done, self.recorded = self.recorded or [], []
-        if not done:
-            return {}
-        out = {k: sum(s[k] for s in done) / len(done) for k in done[0]}
-        out["sampler/logp_diff_max"] = max(s["sampler/logp_diff_max"] for s in done)
-        return out
+        return sum(done[1:], done[0]).stats() if done else {}

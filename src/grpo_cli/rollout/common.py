@@ -13,6 +13,9 @@ import torch
 
 from grpo_cli.registry import Registry
 from grpo_cli.rollout.inference_copy import merge_obstacle
+from grpo_cli.rollout.rows import PAD_TOKEN, per_group, per_row, per_token
+from grpo_cli.rollout.rows import join as join_rows
+from grpo_cli.rollout.rows import select as select_rows
 
 StopFn = Callable[[], bool]
 # rollout.engine: name -> an Engine class (anything with `from_config(cfg_rollout, lm, max_prompt_tokens)`)
@@ -30,17 +33,28 @@ class EncodedPrompts:
 
 @dataclass
 class Rollout:
-    """G completions for each of P prompts; completion row i belongs to prompt i // G."""
+    """G completions for each of P prompts; completion row i belongs to prompt i // G. What each field holds per row
+    is declared once (rollout/rows.py), so `select_groups` and `join` carry every field, a subclass's too."""
 
-    prompt_ids: torch.Tensor       # [P, Lp] left-padded, one row per prompt (shared by its G completions)
-    prompt_mask: torch.Tensor      # [P, Lp]
-    completion_ids: torch.Tensor   # [N, T] right-padded
-    completion_mask: torch.Tensor  # [N, T] 1 on real tokens up to and including EOS or a stop string's last token
-    truncated: torch.Tensor        # [N] bool: hit max_new_tokens without EOS or a stop string
-    texts: list[str]
+    prompt_ids: torch.Tensor = per_group(pad=PAD_TOKEN)  # [P, Lp] left-padded, one row per prompt (shared by its G)
+    prompt_mask: torch.Tensor = per_group()              # [P, Lp]
+    completion_ids: torch.Tensor = per_token(pad=PAD_TOKEN)  # [N, T] right-padded
+    completion_mask: torch.Tensor = per_token()   # [N, T] 1 on real tokens up to and including EOS or a stop string's last token
+    truncated: torch.Tensor = per_row()           # [N] bool: hit max_new_tokens without EOS or a stop string
+    texts: list[str] = per_row()
     group_size: int
     interrupted: bool = False      # the caller's stop() fired during generation: partial, to be discarded
-    sampler_logprobs: torch.Tensor | None = None  # [N, T] the engine's own log-prob of each sampled token (vllm)
+    sampler_logprobs: torch.Tensor | None = per_token(default=None)  # [N, T] the engine's own log-prob of each sampled token (vllm)
+
+    def select_groups(self, groups: list[int]) -> Rollout:
+        """The rollout of the given prompt groups, in that order (each with its G rows)."""
+        G = self.group_size
+        return select_rows(self, [g * G + i for g in groups for i in range(G)], groups)
+
+    @staticmethod
+    def join(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+        """One rollout of the given ones' groups, in order (prompts left-padded, completions right-padded)."""
+        return join_rows(rollouts, pad_token_id)
 
 
 def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int, overlong: str = "truncate") -> EncodedPrompts:

@@ -30,7 +30,6 @@ completion as non-model tokens.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ import torch
 
 from grpo_cli.errors import ConfigError
 from grpo_cli.rollout.common import Engine, Rollout, StopFn, eos_ids, left_pad
+from grpo_cli.rollout.rows import per_row, per_token
 from grpo_cli.rollout.tools import (
     Tool,
     ToolFormat,
@@ -54,14 +54,14 @@ from grpo_cli.rollout.tools import (
 class Episodes(Rollout):
     """A Rollout whose rows are episodes; `texts` are the model's own turns, joined by newlines."""
 
-    model_mask: torch.Tensor | None = None    # [N, T] 1 on tokens the model sampled (a subset of completion_mask)
-    prompts: list[str] = field(default_factory=list)  # each episode's rendered prompt text (with any opener)
-    messages: list[list[dict]] = field(default_factory=list)  # each episode's conversation, tool calls and results
-    tool_calls: torch.Tensor | None = None    # [N] calls the model made (run or failed)
-    failed_calls: torch.Tensor | None = None  # [N] of those, the ones that failed
-    turns: torch.Tensor | None = None         # [N] assistant turns
-    cut: torch.Tensor | None = None           # [N] bool: ended by max_new_tokens or the context mid-turn
-    environments: list = field(default_factory=list)  # one instance per episode (empty without an environment)
+    model_mask: torch.Tensor | None = per_token(default=None)  # [N, T] 1 on tokens the model sampled (within completion_mask)
+    prompts: list[str] = per_row(default_factory=list)  # each episode's rendered prompt text (with any opener)
+    messages: list[list[dict]] = per_row(default_factory=list)  # each episode's conversation, tool calls and results
+    tool_calls: torch.Tensor | None = per_row(default=None)    # [N] calls the model made (run or failed)
+    failed_calls: torch.Tensor | None = per_row(default=None)  # [N] of those, the ones that failed
+    turns: torch.Tensor | None = per_row(default=None)         # [N] assistant turns
+    cut: torch.Tensor | None = per_row(default=None)           # [N] bool: ended by max_new_tokens or the context mid-turn
+    environments: list = per_row(default_factory=list)  # one instance per episode (empty without an environment)
 
     def metrics(self) -> dict[str, float]:
         calls = float(self.tool_calls.sum())
@@ -296,32 +296,6 @@ class EpisodeRunner:
                             max_tool_calls=self.max_tool_calls, context_length=context_length, tools=self.tools,
                             environment_factory=self.environment_factory, tool_timeout_s=self.tool_timeout_s,
                             stop=stop, **sampling)
-
-
-EPISODE_ROW_FIELDS = ("prompts", "messages", "environments")
-EPISODE_COUNTS = ("tool_calls", "failed_calls", "turns", "cut")
-
-
-def select_rows(source: Rollout, selected: Rollout, rows: list[int]) -> Rollout:
-    """`selected` (the Rollout fields of `source` at `rows`) with the episode fields of those rows too."""
-    if not isinstance(source, Episodes):
-        return selected
-    index = torch.tensor(rows, dtype=torch.long, device=source.model_mask.device)
-    picked = {name: [getattr(source, name)[i] for i in rows] for name in EPISODE_ROW_FIELDS
-              if name != "environments" or source.environments}
-    return dataclasses.replace(selected, model_mask=source.model_mask[index], **picked,
-                               **{name: getattr(source, name)[index] for name in EPISODE_COUNTS})
-
-
-def concat_rows(sources: list[Rollout], joined: Rollout, width: int) -> Rollout:
-    """`joined` (the Rollout fields of `sources` one after another, completions padded to `width`) with their
-    episode fields joined too."""
-    if not isinstance(sources[0], Episodes):
-        return joined
-    masks = [torch.nn.functional.pad(s.model_mask, (0, width - s.model_mask.shape[1])) for s in sources]
-    return dataclasses.replace(joined, model_mask=torch.cat(masks),
-                               **{name: [x for s in sources for x in getattr(s, name)] for name in EPISODE_ROW_FIELDS},
-                               **{name: torch.cat([getattr(s, name) for s in sources]) for name in EPISODE_COUNTS})
 
 
 def reward_fields(rollout: Rollout) -> dict[str, list]:

@@ -1,0 +1,124 @@
+"""Row operations declared once per field: a record's dataclass fields say what they hold per row, and selecting
+rows or joining records follows from that, so a field added to a Rollout, an Episodes or a Batch is carried by
+every selection and every join without being named again.
+
+    prompt_ids: torch.Tensor = per_group(pad=PAD_TOKEN, left=True)   # one row per group of G completions
+    completion_ids: torch.Tensor = per_token(pad=PAD_TOKEN)          # [N, T], right-padded
+    truncated: torch.Tensor = per_row()                              # [N] tensor or a list of N
+    reward_errors: int = summed()                                    # added up when records are joined
+
+A field with none of these (a flag, the group size, a stats dict) is the first record's. A per-row or per-group
+field may be None (nothing recorded) in every record at once, and a per-row list may be empty (an episode
+without an environment has no instances), never in some records and not in others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+PAD_TOKEN = "pad_token"  # the pad value of token ids: the tokenizer's, given to `join`
+KIND = "rows"
+
+
+def per_group(*, pad: Any = 0, left: bool = True, **kwargs):
+    return dataclasses.field(metadata={KIND: "group", "pad": pad, "left": left}, **kwargs)
+
+
+def per_row(**kwargs):
+    return dataclasses.field(metadata={KIND: "row"}, **kwargs)
+
+
+def per_token(*, pad: Any = 0, **kwargs):
+    """[N, T] right-padded (a [N, T] float mask, ids, log-probs)."""
+    return dataclasses.field(metadata={KIND: "token", "pad": pad, "left": False}, **kwargs)
+
+
+def nested(**kwargs):
+    """A record inside the record (a Batch's Rollout): selected and joined by its own fields."""
+    return dataclasses.field(metadata={KIND: "nested"}, **kwargs)
+
+
+def per_row_dict(**kwargs):
+    """A dict of per-row lists (a reward function's scores by name)."""
+    return dataclasses.field(metadata={KIND: "row_dict"}, **kwargs)
+
+
+def summed(**kwargs):
+    return dataclasses.field(metadata={KIND: "sum"}, **kwargs)
+
+
+def _kinds(record) -> list[tuple[str, str | None, dict]]:
+    return [(f.name, f.metadata.get(KIND), f.metadata) for f in dataclasses.fields(record)]
+
+
+def _take(value, index: list[int]):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value[torch.tensor(index, dtype=torch.long, device=value.device)]
+    return value if len(value) == 0 else [value[i] for i in index]
+
+
+def select(record, rows: list[int], groups: list[int]):
+    """`record` restricted to completion rows `rows` (of prompt groups `groups`, in the same order)."""
+    changes = {}
+    for name, kind, _ in _kinds(record):
+        value = getattr(record, name)
+        if kind == "group":
+            changes[name] = _take(value, groups)
+        elif kind in ("row", "token"):
+            changes[name] = _take(value, rows)
+        elif kind == "row_dict":
+            changes[name] = {k: _take(v, rows) for k, v in value.items()}
+        elif kind == "nested":
+            changes[name] = select(value, rows, groups)
+    return dataclasses.replace(record, **changes)
+
+
+def _padded(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+    extra = width - t.shape[1]
+    if extra <= 0:
+        return t
+    fill = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+    return torch.cat([fill, t] if left else [t, fill], dim=1)
+
+
+def _joined(name: str, values: list, meta: dict, pad_token_id: int, width: int | None):
+    if all(v is None for v in values):
+        return None
+    if any(v is None for v in values):
+        raise ValueError(f"cannot join records where {name} is recorded in some and not in others")
+    if not isinstance(values[0], torch.Tensor):
+        return [x for v in values for x in v]
+    if values[0].dim() == 2 and meta[KIND] in ("group", "token"):
+        width = width or max(v.shape[1] for v in values)
+        pad = pad_token_id if meta["pad"] == PAD_TOKEN else meta["pad"]
+        values = [_padded(v, width, pad, meta["left"]) for v in values]
+    return torch.cat(values)
+
+
+def join(records: list, pad_token_id: int, width: int | None = None):
+    """One record of `records`' rows and groups, in order: prompts left-padded to the widest, every per-token field
+    right-padded to one width (the widest of them all); the other fields are the first record's, summed ones
+    added up."""
+    first = records[0]
+    if len(records) == 1:
+        return first
+    kinds = _kinds(first)
+    width = width or max([getattr(r, name).shape[1] for r in records for name, kind, _ in kinds
+                          if kind == "token" and getattr(r, name) is not None], default=None)
+    changes = {}
+    for name, kind, meta in kinds:
+        values = [getattr(r, name) for r in records]
+        if kind in ("group", "row", "token"):
+            changes[name] = _joined(name, values, meta, pad_token_id, width if kind == "token" else None)
+        elif kind == "row_dict":
+            changes[name] = {k: [x for v in values for x in v[k]] for k in values[0]}
+        elif kind == "nested":
+            changes[name] = join(values, pad_token_id, width)
+        elif kind == "sum":
+            changes[name] = sum(values)
+    return dataclasses.replace(first, **changes)
