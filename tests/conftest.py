@@ -74,6 +74,15 @@ TRAINED_TINY = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "rollo
                 "trainer.log_samples_every=1", "optimizer.lr=1e-2", *VARIED_REWARD]
 
 
+def resume_command(args: list[str], run_dir: Path) -> str:
+    """The command grpo-train's stop line gives to resume a run started with `args`: them, without a run dir, resume
+    or overwrite of their own, plus trainer.resume=auto and the run dir."""
+    import shlex
+
+    kept = [a for a in args if a.partition("=")[0] not in ("hydra.run.dir", "trainer.resume", "trainer.overwrite")]
+    return shlex.join(["grpo-train", *kept, "trainer.resume=auto", f"hydra.run.dir={run_dir}"])
+
+
 def assert_learned(run_dir: Path) -> None:
     """The run had something to learn (rewards that differ within a group) and its adapter left its start (B = 0):
     a comparison of its adapter with another one can fail."""

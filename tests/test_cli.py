@@ -97,6 +97,45 @@ def test_unknown_recipe_is_one_line(tmp_path):
     assert len(lines) == 1 and "nope" in lines[0] and "quickstart" in lines[0]
 
 
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_typo_in_an_option_name_names_the_closest_option(tmp_path, sweep):
+    """Hydra's own advice, to add the key with `+`, only moved the refusal on (and a sweep got a page of it)."""
+    proc = run_cli(["+recipe=quickstart", *(["-m"] if sweep else []), "algo.clip_epss=0.3,0.4"], tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["grpo-train: algo.clip_epss=0.3,0.4 is invalid: no such option; the "
+                                                "closest is algo.clip_eps; `grpo-train --help` lists them"]
+
+
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
+def test_a_broken_recipe_is_one_line_where_it_is_named_and_nothing_where_not(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    broken = tmp_path / "recipes" / "broken.yaml"
+    broken.write_text("# @package _global_\ntrainer:\n  max_steps: [1\n  seed: 2\n")
+    proc = run_cli(["+recipe=broken"], tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"grpo-train: recipe broken: {broken}, line 4 is not valid YAML: expected ',' or ']', but got ':' (while "
+        "parsing a flow sequence from line 3); fix the YAML there"]
+    proc = run_cli(["+recipe=quickstart", "--cfg", "job"], tmp_path, timeout=120)
+    assert proc.returncode == 0 and "max_steps: 40" in proc.stdout and proc.stderr == ""
+
+
+def test_a_module_of_the_working_directory_is_found(tmp_path, monkeypatch):
+    """`_target_=my_rewards.fn` names a file beside the command, which a console script's sys.path lacks."""
+    import importlib
+    import sys
+
+    from grpo_cli.cli import _import_from_working_dir
+
+    (tmp_path / "module_beside_the_command.py").write_text("VALUE = 7\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    _import_from_working_dir()
+    assert importlib.import_module("module_beside_the_command").VALUE == 7
+    assert sys.path[-1] == str(tmp_path)  # last: it shadows no library
+    del sys.modules["module_beside_the_command"]
+
+
 @pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_bad_value_is_one_line_before_model_load(tmp_path):
     proc = run_cli(["+recipe=quickstart", "algo.clip_eps=2"], tmp_path, timeout=120)

@@ -35,7 +35,7 @@ def test_plain_lines_off_a_terminal():
     text = out.getvalue()
     lines = text.splitlines()
     steps = [line for line in lines if line.startswith("step ")]
-    assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"]
+    assert [line.split()[:4] for line in steps] == [["step", str(s), "done", f"({s + 1}/3)"] for s in range(3)]
     assert "reward 0.500 kl 0.0020 clip 0.020 102 tok/s" in steps[2] and "eta 0:00" in steps[2]
     assert "warning: something [odd] happened" in text  # markup-looking text is printed as is
     assert "\x1b[" not in text and "\r" not in text
@@ -51,8 +51,36 @@ def test_live_progress_on_a_terminal():
     view.close(SUMMARY)
     text = out.getvalue()
     assert "\x1b[" in text  # redrawn in place
-    assert "step 3/3" in text and "reward 0.500" in text and "tok/s" in text and "eta" in text
+    assert "3/3 done" in text and "reward 0.500" in text and "tok/s" in text and "eta" in text
     assert "/runs/x/adapter" in text and view.progress is None
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_an_eta_shows_while_steps_take_longer_than_30_s(terminal):
+    """Steps of 40 s each: after the first of three, 80 s are left. Rich's own remaining-time column estimates a
+    speed from the last 30 s only and showed `-:--:--` the whole run."""
+    now = [1000.0]
+    out = io.StringIO()
+    view = ConsoleView(3, 0, Console(file=out, force_terminal=terminal, width=120), clock=lambda: now[0])
+    now[0] += 40
+    view.log(ROWS[0])
+    if terminal:
+        view.progress.refresh()
+        assert "1/3 done" in out.getvalue() and "eta 1:20" in out.getvalue()
+        now[0] += 30  # counting down between steps
+        view.progress.refresh()
+        assert "eta 0:50" in out.getvalue()
+        view.close(SUMMARY)
+    else:
+        assert out.getvalue().splitlines()[-1].endswith("0.5s  eta 1:20")
+
+
+def test_a_step_is_named_as_metrics_jsonl_names_it():
+    """The console's `step N` is metrics.jsonl's `step`: a run resumed after 2 of 4 steps logs step 2 as `step 2`."""
+    out = io.StringIO()
+    view = ConsoleView(4, 2, Console(file=out, force_terminal=False, width=120))
+    view.log({**ROWS[0], "step": 2})
+    assert out.getvalue().startswith("step 2 done (3/4)  reward")
 
 
 @pytest.mark.slow
@@ -72,7 +100,7 @@ def test_live_path_of_the_real_cli_under_a_pty(tmp_path):
                           text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:]
     out = proc.stdout
-    assert "\x1b[" in out and "step 2/2" in out and "eta" in out
+    assert "\x1b[" in out and "2/2 done" in out and "eta" in out
     assert "adapter" in out and "wandb sync" in out
     assert "Traceback" not in out and "wandb:" not in out
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1]

@@ -12,7 +12,7 @@ import textwrap
 import prewarmed
 import pytest
 import torch
-from conftest import REPO, fixed_batch, read_jsonl
+from conftest import REPO, fixed_batch, read_jsonl, resume_command
 
 from grpo_cli import algorithm
 
@@ -238,10 +238,9 @@ def test_sigterm_stops_every_rank_at_the_same_point(tmp_path):
     from conftest import script
 
     run = tmp_path / "run"
-    child = prewarmed.popen([script("grpo-train"), "+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "trainer.nproc=2",
-                              "trainer.device=cpu",
-                              "model.tiny.max_position_embeddings=200000", "rollout.max_new_tokens=100000",
-                              "trainer.log_samples_every=0", f"hydra.run.dir={run}"], cwd=tmp_path, env=ENV,
+    args = ["+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "trainer.nproc=2", "trainer.device=cpu",
+            "model.tiny.max_position_embeddings=200000", "rollout.max_new_tokens=100000", "trainer.log_samples_every=0"]
+    child = prewarmed.popen([script("grpo-train"), *args, f"hydra.run.dir={run}"], cwd=tmp_path, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     for line in child.stdout:
@@ -255,8 +254,7 @@ def test_sigterm_stops_every_rank_at_the_same_point(tmp_path):
     text = "".join(output)
     stopped = [line for line in output if line.startswith("grpo-train: stopped by SIGTERM")]
     assert stopped == [f"grpo-train: stopped by SIGTERM after 0 complete step(s); the unfinished step was discarded; "
-                       f"checkpoint {run}/checkpoints/step-000000; resume with the same command plus trainer.resume=auto "
-                       f"hydra.run.dir={run}\n"], text[-3000:]
+                       f"checkpoint {run}/checkpoints/step-000000; resume with: {resume_command(args, run)}\n"], text[-3000:]
     assert sum(line.startswith("grpo-train: SIGTERM received") for line in output) == 1
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000000"]
     assert child.returncode != 0  # torchrun reports the signal it forwarded in its own words

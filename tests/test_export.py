@@ -114,6 +114,24 @@ def test_export_keeps_the_chat_template_and_writes_the_dtype(tiny_run, tmp_path)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("base,hub", [("embedded:smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+                                       ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+                                       ("tiny-random", None), ("{local}", None)])
+def test_the_model_card_names_the_base_by_its_hub_id_or_not_at_all(tmp_path, base, hub):
+    """The hub reads `base_model` as a hub id and links the model to it: `embedded:smollm2-135m` is none (its hub
+    original is), a local dir or the tiny random model has none."""
+    import yaml
+
+    from grpo_cli.export import Source, model_card
+
+    base = base.format(local=tmp_path)
+    cfg = OmegaConf.create({"model": {"name_or_path": base, "lora": {"r": 16, "alpha": 32}}, "trainer": {"max_steps": 2}})
+    card = model_card(Source(tmp_path, tmp_path / "adapter", cfg, "the run's final adapter"), base, merged=True,
+                      dtype="bf16")
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front.get("base_model") == hub and front["library_name"] == "transformers"
+
+
 @pytest.mark.slow
 def test_adapter_only_is_a_clean_adapter_with_a_card(tiny_cfg, tiny_run, tmp_path):
     from peft import PeftModel
@@ -123,7 +141,7 @@ def test_adapter_only_is_a_clean_adapter_with_a_card(tiny_cfg, tiny_run, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-random"
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nbase_model: \"tiny-random\"") and "PeftModel.from_pretrained" in card
+    assert card.startswith("---\nlibrary_name: peft\n") and "PeftModel.from_pretrained" in card  # tiny: no hub id
     assert "More Information Needed" not in card
     tokenizer = load_tokenizer("tiny-random")
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]

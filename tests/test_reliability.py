@@ -12,7 +12,7 @@ import time
 import prewarmed
 import pytest
 import torch
-from conftest import TRAINED_TINY, VARIED_REWARD, assert_learned, read_jsonl, run_cli, script
+from conftest import TRAINED_TINY, VARIED_REWARD, assert_learned, read_jsonl, resume_command, run_cli, script
 
 from grpo_cli.config import validate
 from grpo_cli.errors import UserError
@@ -325,8 +325,8 @@ def test_sigint_mid_generation_discards_the_step_and_resume_is_exact(tmp_path):
     notice = [text for _, text in lines if text.startswith("grpo-train: SIGINT received: stopping now")]
     assert len(notice) == 1 and "Ctrl-C again to exit at once" in notice[0], lines
     assert lines[-1][1] == (f"grpo-train: stopped by SIGINT after 1 complete step(s); the unfinished step was discarded; "
-                         f"checkpoint {stopped}/checkpoints/step-000001; resume with the same command plus "
-                         f"trainer.resume=auto hydra.run.dir={stopped}")
+                         f"checkpoint {stopped}/checkpoints/step-000001; resume with: "
+                         f"{resume_command(GENERATING, stopped)}")
     assert lines[-1][0] < 10, lines  # generation stopped at once, not after its 96 tokens (and the update)
     assert [r["step"] for r in read_jsonl(metrics)] == [0]
     assert not (stopped / "adapter").exists()
@@ -355,8 +355,7 @@ def test_sigterm_stops_a_generation_that_would_run_for_hours(tmp_path):
     lines, seconds = stderr_lines_after_signal(child, signal.SIGTERM)
     assert child.returncode == 143, lines
     assert lines[-1][1] == (f"grpo-train: stopped by SIGTERM after 0 complete step(s); the unfinished step was discarded; "
-                            f"checkpoint {run}/checkpoints/step-000000; resume with the same command plus "
-                            f"trainer.resume=auto hydra.run.dir={run}")
+                            f"checkpoint {run}/checkpoints/step-000000; resume with: {resume_command(huge, run)}")
     assert lines[-1][0] < 10 and seconds < 60, (lines, seconds)  # the rest is the interpreter's own teardown
     print(f"SIGTERM -> last line {lines[-1][0]:.2f} s, -> exit {seconds:.2f} s")
 
@@ -396,15 +395,15 @@ HUGE_EVAL = ["+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "model.
 def test_sigint_during_the_evaluation_inside_training_keeps_the_finished_step(tmp_path):
     run = tmp_path / "run"
     child = start([*HUGE_EVAL, "eval.every=1", f"hydra.run.dir={run}"], tmp_path)
-    wait_for(lambda: "evaluating after step 1" in (tmp_path / "stdout.txt").read_text(), child)
-    time.sleep(1)  # step 1's evaluation generates for hours
+    wait_for(lambda: "evaluating after step 0" in (tmp_path / "stdout.txt").read_text(), child)
+    time.sleep(1)  # step 0's evaluation generates for hours
     assert child.poll() is None and not (run / "metrics.jsonl").exists()
     lines, seconds = stderr_lines_after_signal(child, signal.SIGINT)
     assert child.returncode == 130, lines
     assert lines[-1][1] == (f"grpo-train: stopped by SIGINT after 1 complete step(s); checkpoint {run}/checkpoints/"
-                            f"step-000001; resume with the same command plus trainer.resume=auto hydra.run.dir={run}")
+                            f"step-000001; resume with: {resume_command([*HUGE_EVAL, 'eval.every=1'], run)}")
     assert lines[-1][0] < 10, lines
-    assert "evaluation after step 1 was stopped; its metrics are left out" in (tmp_path / "stdout.txt").read_text()
+    assert "evaluation after step 0 was stopped; its metrics are left out" in (tmp_path / "stdout.txt").read_text()
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0] and not any(k.startswith("eval/") for k in rows[0])
 

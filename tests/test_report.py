@@ -115,6 +115,49 @@ def test_one_varying_key_gives_bar_chart(tmp_path: Path) -> None:
     assert_png(sweep / "sweep_heatmap.png")
 
 
+def write_samples(run: Path, steps: list[int]) -> None:
+    """samples.jsonl as the trainer writes it: per logged step, two prompts' completions."""
+    rows = [{"step": s, "prompt": f"<|im_start|>user\nWhat is {p} + 1?", "completion": f"<b>{p + 1}</b> at step {s}",
+             "reward": float(c), "advantage": c - 0.5, "reward/correctness": float(c)}
+            for s in steps for p in (3, 4) for c in (0, 1)]
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def finish(run: Path, max_steps: int, adapter: bool) -> None:
+    with (run / ".hydra" / "config.yaml").open("a") as f:
+        f.write(f"trainer:\n  max_steps: {max_steps}\n")
+    if adapter:
+        (run / "adapter").mkdir()
+        (run / "adapter" / "adapter_config.json").write_text("{}")
+
+
+@pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
+def test_a_run_page_shows_the_newest_samples_and_marks_an_unfinished_run(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", [], steps=30)
+    write_samples(run, [0, 29])
+    finish(run, max_steps=40, adapter=False)
+    page = make_report(run).read_text()
+    assert "<h1>GRPO run: run (unfinished)</h1>" in page
+    assert (f"<p class='unfinished'>unfinished: 30 of 40 steps logged, no final adapter (still running, stopped or "
+            f"crashed); resume it with trainer.resume=auto hydra.run.dir={run}</p>") in page
+    samples = page.split("<h2>Samples of step 29</h2>")[1].split("<h2>")[0]
+    assert "4 of its 4 completions" in samples and samples.count("What is 3 + 1?") == 1  # a group's prompt once
+    assert "&lt;b&gt;5&lt;/b&gt; at step 29" in samples and "at step 0" not in page  # the newest step, escaped
+    assert "<td>1.000</td><td>0.500</td><td>1.000</td>" in samples  # reward, advantage, reward/correctness
+
+
+def test_a_finished_run_is_not_marked_and_one_without_samples_says_so(tmp_path: Path) -> None:
+    from grpo_cli.report import samples_html, unfinished
+
+    run = write_run(tmp_path / "run", [], steps=30)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert unfinished(run, rows) == "unfinished: 30 steps logged, no final adapter (still running, stopped or crashed)"
+    finish(run, max_steps=30, adapter=True)
+    assert unfinished(run, rows) is None
+    assert unfinished(run, rows[:29]) == "unfinished: 29 of 30 steps logged (still running, stopped or crashed)"
+    assert "No samples" in "".join(samples_html(run))
+
+
 def test_final_value_uses_last_tenth() -> None:
     rows = [{"step": s, "reward": float(s)} for s in range(1, 21)] + [{"step": 21, "kl": 0.1}]
     assert final_value(rows) == 19.5

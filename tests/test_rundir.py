@@ -211,7 +211,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_intact_one(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr
     assert f"checkpoint {used}/checkpoints/step-000004 is damaged ({reason}" in said, said[-3000:]
-    assert "resuming at step 3 of 4" in said
+    assert "resuming at step 2 (2 of 4 done)" in said  # after steps 0 and 1: checkpoint step-000002
     assert read_jsonl(used / "metrics.jsonl") and [r["step"] for r in read_jsonl(used / "metrics.jsonl")] == [0, 1, 2, 3]
     assert [r["reward"] for r in read_jsonl(used / "metrics.jsonl")] == [r["reward"] for r in read_jsonl(finished / "metrics.jsonl")]
     assert (used / ADAPTER).read_bytes() == (finished / ADAPTER).read_bytes()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import prewarmed
 import pytest
-from conftest import read_jsonl, run_cli, script
+from conftest import read_jsonl, resume_command, run_cli, script
 from test_reliability import HUGE_EVAL, TINY_RUN, start, stderr_lines_after_signal, wait_for
 
 ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
@@ -31,8 +31,8 @@ def test_sighup_stops_grpo_train_at_a_safe_point_with_the_resume_line(tmp_path):
     assert child.returncode == 128 + signal.SIGHUP, lines
     done = len(read_jsonl(run / "metrics.jsonl"))
     assert lines[-1][1].startswith(f"grpo-train: stopped by SIGHUP after {done} complete step(s)")
-    assert lines[-1][1].endswith(f"checkpoint {run}/checkpoints/step-{done:06d}; resume with the same command plus "
-                                 f"trainer.resume=auto hydra.run.dir={run}")
+    assert lines[-1][1].endswith(f"checkpoint {run}/checkpoints/step-{done:06d}; resume with: "
+                                 f"{resume_command([*TINY_RUN, 'trainer.save_every=0'], run)}")
     assert (run / "checkpoints" / f"step-{done:06d}" / "adapter" / "adapter_model.safetensors").is_file()
 
 

@@ -176,7 +176,7 @@ def test_api_key_never_written_or_printed(offline_run):
 def test_console_is_plain_and_quiet_off_a_terminal(offline_run):
     out = offline_run["proc"].stdout
     step_lines = [line for line in out.splitlines() if line.startswith("step ")]
-    assert len(step_lines) == 3 and step_lines[-1].startswith("step 3/3")
+    assert len(step_lines) == 3 and step_lines[-1].startswith("step 2 done (3/3)")
     assert all(k in step_lines[0] for k in ("reward", "kl", "clip", "tok/s", "eta"))
     assert "\x1b[" not in out and "\r" not in out  # no redraws, no colour codes in a log file
     sync_lines = [line for line in out.splitlines() if "wandb sync" in line and "offline-run-" in line]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from functools import partial
@@ -12,6 +13,7 @@ from grpo_cli.config import (
     CONF_DIR,
     available_recipes,
     explicit_clip_warning,
+    read_recipe,
     register_recipes,
     unknown_key_hint,
     validate,
@@ -40,6 +42,9 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
                 if name and name not in known:
                     raise ConfigError(f"recipe {name!r} not found; known recipes: {', '.join(sorted(known))} "
                                       f"(or put {name}.yaml in ./recipes/)")
+                if name:
+                    read_recipe(known[name])  # a broken file is refused here, where it is the one named
+    _check_keys(prog, argv)
     if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "-sc", "--shell-completion") for a in argv):
         return None
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
@@ -59,6 +64,18 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+def _check_keys(prog: str, argv: list[str]) -> None:
+    """A key no option declares (a typo: algo.clip_epss), in a run or a sweep, is refused with the closest option's
+    name; Hydra would advise adding it with `+`, which only moves the refusal on. Keys added with `+` (a reward's own
+    options) and Hydra's own are left to the composition."""
+    from grpo_cli.schema import declares, no_such_option
+
+    for arg in argv:
+        key = override_key(arg)
+        if "=" in arg and arg[0] not in "+~-" and "." in key and not key.startswith("hydra.") and not declares(key):
+            raise ConfigError(f"{key}={arg.split('=', 1)[1]} is invalid: {no_such_option(key)}; `{prog} --help` lists them")
 
 
 _hydra_before = None  # RUN_DIR/.hydra/ as it was before Hydra wrote this attempt's (grpo_cli.rundir.HydraSnapshot)
@@ -108,10 +125,22 @@ def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
     """After SIGINT/SIGTERM: where the run stands and how to go on, then exit 128 + signal."""
     if is_rank_zero():
         again = ("run the same command again" if stop.checkpoint_dir is None else
-                 f"resume with the same command plus trainer.resume=auto hydra.run.dir={run_dir}")
+                 f"resume with: {_resume_command(prog, run_dir)}")
         print(f"{prog}: stopped by {signal.Signals(stop.signum).name}{_stop_state(stop)}; {again}", file=sys.stderr,
               flush=True)
     sys.exit(128 + stop.signum)
+
+
+# what a resume replaces on the command line: it goes on in the same dir, never starts over
+_NOT_RESUMED = ("trainer.resume", "trainer.overwrite", "hydra.run.dir")
+
+
+def _resume_command(prog: str, run_dir: Path) -> str:
+    """The command that goes on from the checkpoint, ready to paste: this one's overrides plus trainer.resume=auto
+    and the run dir. Written as `prog` itself, so that a run started by `make quickstart` (which takes no overrides)
+    gets the grpo-train command it ran."""
+    kept = [arg for arg in sys.argv[1:] if override_key(arg) not in _NOT_RESUMED]
+    return shlex.join([prog, *kept, "trainer.resume=auto", f"hydra.run.dir={run_dir}"])
 
 
 def _stop_state(stop: Interrupted) -> str:
@@ -217,9 +246,20 @@ def _on_stop(stopped: Interrupted, run_dir: Path) -> None:
     _stopped("grpo-train", stopped, run_dir)
 
 
+def _import_from_working_dir() -> None:
+    """`_target_=my_rewards.fn`, `plugins=[my_losses]` and `rollout.tools=[my_tools.fn]` name modules of the folder
+    the command runs in, which a console script's sys.path lacks (it holds the script's own bin/ folder): the
+    working directory is searched too, as `python -m` searches it, but last, so that a file there never shadows a
+    library the command itself imports."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def train() -> None:
     """`grpo-train`: one run, or a sweep with -m; `trainer.nproc=K` relaunches itself under torchrun."""
     argv = sys.argv[1:]
+    _import_from_working_dir()
     preload_iomp(argv)
     with one_line("grpo-train"):
         nproc = _requested_nproc(argv)
@@ -296,6 +336,7 @@ def preload_iomp(argv: list[str]) -> None:
 def evaluate() -> None:
     """`grpo-eval`: greedy pass@1 (and pass@k, majority@k) of the base model or a trained adapter."""
     preload_iomp(sys.argv[1:])
+    _import_from_working_dir()
     with one_line("grpo-eval"):
         _hydra_app(_eval_task, "grpo-eval", config_name="grpo_eval")()
 

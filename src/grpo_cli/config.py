@@ -10,6 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import GrammarParseError, InterpolationResolutionError
@@ -99,10 +100,38 @@ def available_recipes() -> dict[str, Path]:
 
 def register_recipes() -> None:
     """Store each recipe as option `recipe=NAME` (package _global_) in Hydra's ConfigStore, so that
-    `+recipe=NAME` finds recipes that live beside conf/ rather than inside it, and the user's own."""
+    `+recipe=NAME` finds recipes that live beside conf/ rather than inside it, and the user's own. A file that
+    does not read as a recipe is left out: it matters only where it is named (`read_recipe` says why then)."""
     store = ConfigStore.instance()
     for name, file in available_recipes().items():
-        store.store(group="recipe", name=name, node=OmegaConf.load(file), package="_global_")
+        try:
+            node = read_recipe(file)
+        except ConfigError:
+            continue
+        store.store(group="recipe", name=name, node=node, package="_global_")
+
+
+def read_recipe(file: Path) -> DictConfig:
+    """A recipe file's config; a ConfigError naming the file and the line where its YAML breaks, or saying that it
+    holds no mapping of keys."""
+    try:
+        node = OmegaConf.load(file)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"recipe {file.stem}: {file}{_yaml_problem(err)}; fix the YAML there") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"recipe {file.stem}: {file} holds no mapping of keys; write it as `key: value` lines "
+                          "(see the packaged recipes)")
+    return node
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """`, line 4 is not valid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence from line 3)`:
+    where PyYAML's error (a page with the text quoted) found the problem, and what it was reading then."""
+    mark, context, context_mark = (getattr(err, name, None) for name in ("problem_mark", "context", "context_mark"))
+    problem = getattr(err, "problem", None) or str(err).strip().splitlines()[0]
+    line = f", line {mark.line + 1}" if mark is not None else ""
+    begun = f" ({context} from line {context_mark.line + 1})" if context and context_mark is not None else ""
+    return f"{line} is not valid YAML: {problem}{begun}"
 
 
 def system_prompt(name: str) -> str:
@@ -251,7 +280,7 @@ def validate(cfg: DictConfig) -> list[str]:
         warnings.append(f"{', '.join(reshaping)} with algo.mini_batches or algo.num_iterations > 1: completions are "
                         "sampled from the truncated or penalised distribution, but the clipped ratio's log-probs are "
                         "the full temperature softmax, so it compares against a distribution that was not the sampling "
-                        "one; leave these options off for off-policy updates (README \"Sampling\")")
+                        "one; leave these options off for off-policy updates (docs/usage.md, \"Sampling and the loss\")")
     if cfg.model.lora.dropout > 0 and not is_on_policy(cfg) and cfg.algo.check:
         warnings.append("model.lora.dropout > 0 with mini_batches or num_iterations > 1: the ratio == 1 check is "
                         "relaxed by dropout noise")

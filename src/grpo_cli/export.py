@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -149,6 +150,18 @@ def _final_reward(run_dir: Path) -> float | None:
     return final_mean(rewards) if rewards else None
 
 
+def hub_id(base_name: str) -> str | None:
+    """The hub id a model card's `base_model` names (the hub links the export to it): an embedded model's hub
+    original, or the base itself when it is a hub id; None for a local dir or the tiny random model, which have none."""
+    from grpo_cli.models import EMBEDDED_HUB_IDS, EMBEDDED_PREFIX, TINY
+
+    if base_name.startswith(EMBEDDED_PREFIX):
+        return EMBEDDED_HUB_IDS.get(base_name[len(EMBEDDED_PREFIX):])
+    if base_name == TINY or Path(base_name).expanduser().exists() or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", base_name):
+        return None
+    return base_name
+
+
 def model_card(source: Source, base_name: str, merged: bool, dtype: str | None) -> str:
     """README.md for the export: what it is, how it was trained, how to load it."""
     from grpo_cli.models import EMBEDDED_MODELS, EMBEDDED_PREFIX, TINY
@@ -157,7 +170,8 @@ def model_card(source: Source, base_name: str, merged: bool, dtype: str | None) 
     overrides = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
     steps = OmegaConf.select(source.cfg, "trainer.max_steps")
     final = _final_reward(source.run_dir)
-    lines = ["---", f"base_model: {json.dumps(base_name)}"]
+    hub = hub_id(base_name)
+    lines = ["---", *([f"base_model: {json.dumps(hub)}"] if hub else [])]
     lines += ["library_name: transformers" if merged else "library_name: peft", "tags:", "- grpo", "- lora",
               "- grpo-cli", "---", "",
               f"# {'GRPO fine-tune' if merged else 'GRPO LoRA adapter'} of {base_name}", ""]

