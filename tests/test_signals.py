@@ -126,7 +126,7 @@ def test_grpo_export_stops_in_one_line_and_leaves_nothing_partial(export_run, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seconds", [0.5, 1.5, 3.0])
+@pytest.mark.parametrize("seconds", [0.5, 3.0])  # in the imports (the entry point's handler); in the export
 def test_grpo_export_stops_in_one_line_from_its_first_seconds(export_run, tmp_path, seconds):
     """A fresh process (no prewarmed imports): in its first seconds grpo-export imports torch and transformers, then
     the model; SIGINT there gave a 25-75 line traceback. Now one line, whichever handler is in place: the entry
