@@ -1,6 +1,7 @@
 """Episodes in training: the trainer generates them when rollout.tools or env._target_ is set, the loss and every
-token count see only the model's tokens, rewards get the conversation and the environments by name, the
-environment's own reward joins the total, grpo-eval runs the same loop, and a run with tools resumes bitwise.
+token count see only the model's tokens, rewards get the conversation and the environments as TRL passes them, the
+environment's own reward joins the total (or is the only one) and passes a reward function's checks, what cannot
+work is refused before the model loads, grpo-eval runs the same loop, and a run with tools resumes bitwise.
 
 The tool calls come from `ScriptedPolicy` (tests/test_episodes.py) behind the real Engine seam, since the tiny
 random model never writes one; the loss, the optimizer and everything else is the real trainer's."""
@@ -8,6 +9,7 @@ random model never writes one; the loss, the optimizer and everything else is th
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import sys
@@ -15,10 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_trainer, read_jsonl, run_cli, straight_and_resumed
-from test_episodes import ChoosingPolicy, ScriptedPolicy, call, script
+from conftest import TINY_TRAINER, make_trainer, read_jsonl, run_cli, straight_and_resumed
+from test_episodes import ENVIRONMENT_FAILURES, ChoosingPolicy, ScriptedPolicy, call, script
 
-from grpo_cli.errors import ConfigError
+from grpo_cli import config
+from grpo_cli.errors import ConfigError, RewardError
+from grpo_cli.rollout import episodes
 from grpo_cli.rollout.episodes import EpisodeRunner
 from grpo_cli.rollout.logprobs import loss_mask
 
@@ -44,8 +48,13 @@ def remembers(prompts, completions, messages, environments=None, **_):
 
 
 def plain(prompts, completions, **fields):
-    """A reward that names neither: it gets the row fields only."""
-    SEEN["plain"] = sorted(fields)
+    """A reward that names neither: it gets the row fields and, as in TRL, the environments and token ids."""
+    SEEN["plain"] = fields
+    return [0.0] * len(completions)
+
+
+def fields_only(prompts, completions, start, answer):
+    """A reward without **kwargs: what it does not name never reaches it."""
     return [0.0] * len(completions)
 
 
@@ -113,12 +122,16 @@ def test_rewards_get_messages_and_environments_by_name_and_the_env_reward_joins(
     trainer = scripted(make_trainer(
         compose, tmp_path, "env._target_=test_episodes.CounterEnv", "rollout.max_new_tokens=48",
         "data.prompts_per_step=2", "algo.num_generations=2", "+reward.functions.remembers._target_="
-        f"{__name__}.remembers", f"+reward.functions.plain._target_={__name__}.plain", rows=rows))
+        f"{__name__}.remembers", f"+reward.functions.plain._target_={__name__}.plain",
+        f"+reward.functions.fields_only._target_={__name__}.fields_only", "+reward.functions.fields_only.weight=0",
+        rows=rows))
     generation = trainer.generate(0)
     scores = trainer.score(generation)
     assert len(SEEN["environments"]) == 4 and SEEN["environments"][0].count == 3
     assert [m["role"] for m in SEEN["messages"][0]] == ["user", "assistant", "tool", "assistant"]
-    assert "messages" not in SEEN["plain"] and "environments" not in SEEN["plain"] and "start" in SEEN["plain"]
+    assert sorted(SEEN["plain"]) == ["answer", "completion_ids", "environments", "start"]  # messages: by name only
+    roll = generation.rollout
+    assert SEEN["plain"]["completion_ids"][0] == roll.completion_ids[0][roll.completion_mask[0].bool()].tolist()
     assert scores.per_function["CounterEnv"] == [3.0, 3.0, 0.0, 0.0]  # get_reward(), weight 1
     weighted = [1.0 * c + 0.0 * b for c, b in zip(scores.per_function["correct"], scores.per_function["bare"],
                                                   strict=True)]
@@ -139,6 +152,103 @@ def test_select_and_concat_carry_the_episode_fields(compose, tmp_path):
     joined = type(roll).join([roll, wider], trainer.tokenizer.pad_token_id)
     assert joined.model_mask.shape == (8, width) and joined.turns.tolist() == roll.turns.tolist() * 2
     assert len(joined.prompts) == 8 and joined.messages[4] == roll.messages[0]
+
+
+class Judged:
+    """An environment whose get_reward() gives what the test sets in `verdict`."""
+
+    verdict: object = 1.0
+
+    def reset(self, **kwargs) -> None:
+        pass
+
+    def get_reward(self):
+        if Judged.verdict == "exit":
+            sys.exit(0)
+        if Judged.verdict == "raise":
+            raise ValueError("no score yet")
+        return Judged.verdict
+
+
+def test_the_environments_reward_passes_the_checks_of_a_reward_function(compose, tmp_path):
+    trainer = scripted(make_trainer(compose, tmp_path, f"env._target_={__name__}.Judged", "data.prompts_per_step=2",
+                                    "algo.num_generations=2", rows=[{**script("12"), "answer": "12"}] * 2))
+    generation = trainer.generate(0)
+    for verdict, line in [
+        (float("nan"), "environment Judged.get_reward gave nan for completion 0; rewards must be finite (or set "
+                       "reward.on_error=zero)"),
+        ("1.0", "environment Judged.get_reward returned str '1.0' for completion 0; it must return a number per "
+                "completion (int, float, bool, or a numpy/torch scalar)"),
+        ("exit", "environment Judged.get_reward raised SystemExit on completion 0: 0; fix it or set "
+                 "reward.on_error=zero"),
+    ]:
+        Judged.verdict = verdict
+        with pytest.raises(RewardError) as err:
+            trainer.score(generation)
+        assert str(err.value) == line
+    Judged.verdict = "raise"
+    trainer.rewards.on_error = "zero"
+    scores = trainer.score(generation)
+    Judged.verdict = 1.0
+    assert scores.per_function["Judged"] == [0.0] * 4 and scores.errors == 4
+
+
+def test_an_environment_that_owns_its_reward_may_be_the_only_one(compose, tmp_path):
+    """TRL's IncrementEnv with no reward function (reward.functions=null): get_reward() is the reward, weight 1."""
+    owned = ["env._target_=test_episodes.IncrementEnv", "reward.functions=null", "reward.accuracy=null"]
+    config.validate(compose([*TINY_TRAINER, *owned]))  # refused before: no reward function
+    with pytest.raises(ConfigError, match=re.escape("reward.functions=null is invalid: list at least one reward function "
+                                                    "with _target_ and weight, or set env._target_ to an environment "
+                                                    "with a get_reward() method")):
+        config.validate(compose([*TINY_TRAINER, *owned[1:], "env._target_=test_episodes.MyEnv"]))
+    trainer = scripted(make_trainer(compose, tmp_path, *owned, "data.prompts_per_step=2", "algo.num_generations=2",
+                                    rows=[script(call("increment", step=3), "Done.")] * 2))
+    metrics, batch = trainer.step(0)
+    rewards = [float(env.counter == env.target) for env in batch.rollout.environments]
+    assert list(batch.per_function) == ["IncrementEnv"] and batch.rewards.tolist() == rewards
+    assert metrics["reward/IncrementEnv"] == metrics["reward"] == sum(rewards) / 4
+
+
+class Multiplies:
+    """An environment whose method has the name of a tool in rollout.tools."""
+
+    def reset(self, **kwargs) -> None:
+        pass
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply.
+
+        Args:
+            a: One.
+            b: Two.
+        """
+        return a * b
+
+
+@pytest.mark.parametrize(("environment", "line"), ENVIRONMENT_FAILURES, ids=[e.__name__ for e, _ in ENVIRONMENT_FAILURES])
+def test_an_environment_that_fails_on_the_first_row_is_refused_before_the_model_loads(compose, environment, line):
+    cfg = compose(["+recipe=quickstart", "model=tiny", f"env._target_=test_episodes.{environment.__name__}"])
+    with pytest.raises(ConfigError) as err:
+        episodes.check_before_model_load(cfg)
+    assert str(err.value) == (f"env._target_=test_episodes.{environment.__name__} fails on the run's first row, before "
+                              "the model loads: " + line.replace("prompt, start, messages", "prompt, answer, messages"))
+
+
+def test_settings_that_cannot_work_are_refused_before_the_model_loads(compose):
+    quickstart = ["+recipe=quickstart", "model=tiny", "rollout.tools=[test_episodes.multiply]"]
+    with pytest.raises(ConfigError, match=re.escape("rollout.tool_format=native is invalid: the chat template of ")):
+        episodes.check_before_model_load(compose([*quickstart, "rollout.tool_format=native"]))
+    with pytest.raises(ConfigError, match="rollout.tools and the environment's methods offer multiply twice"):
+        episodes.check_before_model_load(compose([*quickstart, f"env._target_={__name__}.Multiplies"]))
+    assert EpisodeRunner.from_config(compose(quickstart)).tool_output_max_chars == 10000
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_where_it_is_not_installed_names_the_venv_that_has_it(compose):
+    with pytest.raises(ConfigError) as err:
+        config.check_engine_installed(compose(["+recipe=quickstart", "rollout.engine=vllm"]))
+    assert str(err.value).startswith("rollout.engine=vllm is invalid: vLLM is not installed in this Python")
+    assert "make setup-vllm" in str(err.value) and ".venv-vllm/bin/grpo-train" in str(err.value)
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -211,7 +321,8 @@ def test_a_run_with_tools_resumes_bitwise_and_samples_show_the_conversation(cli_
     assert any("tool: 12" in s["conversation"] and s["tool_calls"] == 1 for s in samples)
 
 
-TRL_REWARD = """def env_reward(prompts, completions, environments, **_):
+# copied verbatim from TRL's docs/source/openenv.md, "Reward functions" (called by keyword, as TRL calls it)
+TRL_REWARD = """def reward_func(environments, **kwargs) -> list[float]:
     return [env.reward for env in environments]
 """
 
@@ -224,7 +335,7 @@ def test_the_environment_of_trls_docs_trains_unchanged_through_grpo_train(tmp_pa
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), TESTS, os.environ.get("PYTHONPATH")) if p)}
     args = ["+recipe=quickstart", "model=tiny", "env._target_=test_episodes.MyEnv", "rollout.max_new_tokens=8",
             "data.prompts_per_step=2", "algo.num_generations=2", "trainer.max_steps=2", "trainer.device=cpu",
-            "+reward.functions.env._target_=trl_reward.env_reward", "trainer.log_samples_every=1"]
+            "+reward.functions.env._target_=trl_reward.reward_func", "trainer.log_samples_every=1"]
     proc = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -235,6 +346,21 @@ def test_the_environment_of_trls_docs_trains_unchanged_through_grpo_train(tmp_pa
                    command="grpo-eval")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sys.executable  # the CLI ran in this interpreter's venv
+
+
+@pytest.mark.slow
+def test_trls_environment_that_owns_its_reward_trains_through_grpo_train_with_no_reward_function(tmp_path):
+    """TRL's documented IncrementEnv (tests/test_episodes.py) as the only reward, as in TRL's
+    test_train_with_environment_owned_reward: grpo-train refused it for lacking reward functions."""
+    run = tmp_path / "run"
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "env._target_=test_episodes.IncrementEnv", "reward.functions=null",
+                    "reward.accuracy=null", "rollout.max_new_tokens=8", "data.prompts_per_step=2",
+                    "algo.num_generations=2", "trainer.max_steps=1", "trainer.device=cpu", f"hydra.run.dir={run}"],
+                   tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [metrics] = read_jsonl(run / "metrics.jsonl")
+    assert metrics["reward/IncrementEnv"] == metrics["reward"] == 0.0  # the tiny model calls no tool: no counter
+    assert not any(k.startswith("reward/") and k != "reward/IncrementEnv" for k in metrics)
 
 
 @pytest.mark.slow

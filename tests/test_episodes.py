@@ -10,6 +10,8 @@ test at the end.
 
 from __future__ import annotations
 
+import random
+import sys
 import time
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from conftest import tiny_lora_policy
 
 from grpo_cli import algorithm
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, Interrupted, RunError
 from grpo_cli.models import load_tokenizer
 from grpo_cli.rollout import HFEngine, completion_logprobs, positions
 from grpo_cli.rollout.common import Engine, finish_rollout, left_pad
@@ -61,6 +63,52 @@ def hang(x: int) -> int:
     """
     time.sleep(3)
     return x
+
+
+def sleeps(seconds: int) -> str:
+    """A tool that hangs for as long as it is told.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def is_even(n: int) -> bool:
+    """Whether a number is even.
+
+    Args:
+        n: The number.
+    """
+    return n % 2 == 0
+
+
+def shout(n: int) -> str:
+    """A tool whose result is as long as it is told.
+
+    Args:
+        n: How many characters.
+    """
+    return "A" * n
+
+
+def exits(code: int) -> int:
+    """A tool that ends the process instead of answering.
+
+    Args:
+        code: The exit status.
+    """
+    sys.exit(code)
+
+
+def interrupts(x: int) -> int:
+    """A tool that raises KeyboardInterrupt (its own: a real Ctrl-C is a stop request, which raises nothing).
+
+    Args:
+        x: Anything.
+    """
+    raise KeyboardInterrupt(f"pressed inside the tool at {x}")
 
 
 TOOLS = (multiply, explode, hang)
@@ -287,6 +335,54 @@ def test_failures_reach_the_model_and_never_end_the_run(tokenizer):
     assert roll.metrics()["failed_call_rate"] == 1.0
 
 
+def test_a_result_reaches_the_model_as_trl_renders_it(tokenizer):
+    """TRL's tool loop writes `str(result)` into the tool message: True, not JSON's true; a dict in Python's form."""
+    def lookup(key: str) -> dict:
+        """A tool that returns a dict.
+
+        Args:
+            key: The key.
+        """
+        return {key: True, "n": None}
+
+    roll = episodes(tokenizer, [script(call("is_even", n=4), "Yes."), script(call("lookup", key="a"), "Ok.")],
+                    tools=(is_even, lookup))
+    assert [m[2]["content"] for m in roll.messages] == ["True", "{'a': True, 'n': None}"]
+
+
+def test_a_result_over_the_cap_is_cut_with_a_note_and_counted(tokenizer):
+    rows = [script(call("shout", n=50), "Loud."), script(call("shout", n=5), "Quiet.")]
+    roll = episodes(tokenizer, rows, tools=(shout,), tool_output_max_chars=20)
+    assert roll.messages[0][2]["content"] == "A" * 20 + ("\n[cut: the result had 50 characters, over "
+                                                         "rollout.tool_output_max_chars=20]")
+    assert roll.messages[1][2]["content"] == "AAAAA" and roll.failed_calls.tolist() == [0, 0]
+    assert roll.tool_outputs_cut.tolist() == [1, 0] and roll.metrics()["tool_outputs_cut"] == 1.0
+
+
+@pytest.mark.parametrize(("tool", "line"), [
+    (exits, "tool exits raised SystemExit: 0 instead of returning; a tool reports a failure by raising an Exception "
+            "(the model reads it), never by exiting: fix it"),
+    (interrupts, "tool interrupts raised KeyboardInterrupt: pressed inside the tool at 1 instead of returning; a tool "
+                 "reports a failure by raising an Exception (the model reads it), never by exiting: fix it"),
+], ids=["sys.exit(0)", "KeyboardInterrupt"])
+def test_a_tool_that_exits_ends_the_run_in_one_line_without_a_thread_traceback(tokenizer, capfd, tool, line):
+    with pytest.raises(RunError) as err:
+        episodes(tokenizer, [script(call(tool.__name__, **({"code": 0} if tool is exits else {"x": 1})), "Never.")],
+                 tools=(tool,))
+    assert type(err.value).__name__ == "UserCodeError" and str(err.value) == line
+    assert capfd.readouterr().err == ""  # no "Exception in thread tool-..." traceback
+
+
+def test_a_stop_request_abandons_a_tool_that_hangs_without_a_deadline(tokenizer):
+    """rollout.tool_timeout_s=null: the call waits for the tool as long as it takes, but not past a stop request."""
+    start = time.monotonic()
+    asked = lambda: time.monotonic() - start > 0.5  # noqa: E731  SIGTERM arrives half a second into the call
+    with pytest.raises(Interrupted):
+        episodes(tokenizer, [script(call("sleeps", seconds=20), "Late.")], tools=(sleeps,), tool_timeout_s=None,
+                 stop=asked)
+    assert time.monotonic() - start < 3
+
+
 def test_max_tool_calls_leaves_a_further_call_unexecuted(tokenizer):
     roll = episodes(tokenizer, [script(call("multiply", a=1, b=2), call("multiply", a=3, b=4), "End.")],
                     max_tool_calls=1)
@@ -397,6 +493,76 @@ def test_a_trl_style_environment_runs_unchanged_one_instance_per_episode(tokeniz
     assert [t.__name__ for t in environment_methods(CounterEnv())] == ["increment"]
 
 
+class Recorder:
+    """An environment whose reset names what it reads, as TRL's docs write one (no **kwargs): TRL passes the row's
+    prompt as `prompt` and its other columns, so `messages` must not come too."""
+
+    def reset(self, prompt, start) -> None:
+        self.seen = (prompt, start)
+
+    def look(self) -> str:
+        """Nothing.
+        """
+        return ""
+
+
+def test_reset_gets_the_prompt_under_trls_name_and_the_row_columns(tokenizer):
+    row = {**script("Hi."), "start": 7}
+    roll = episodes(tokenizer, [row], tools=(), environment_factory=Recorder)
+    assert roll.environments[0].seen == (row["messages"], 7)
+    kept = episodes(tokenizer, [row], tools=(), environment_factory=CounterEnv)  # reset(**kwargs): messages too
+    assert kept.environments[0].count == 7
+
+
+class Init:
+    def __init__(self, table: str):  # TRL builds an environment without arguments
+        self.table = table
+
+    def reset(self, **kwargs) -> None:
+        pass
+
+
+class ResetRaises:
+    def reset(self, **kwargs) -> None:
+        raise ValueError("no state for this row")
+
+
+class ResetExits:
+    def reset(self, **kwargs) -> None:
+        sys.exit(0)
+
+
+class ResetGivesInt:
+    def reset(self, **kwargs) -> int:
+        return 3
+
+
+class ResetGivesDict:
+    def reset(self, **kwargs) -> dict:
+        return {"observation": "hi"}
+
+
+ENVIRONMENT_FAILURES = [  # (class, its one line); the row of these runs has messages and `start`
+    (Init, "environment Init() raised TypeError: Init.__init__() missing 1 required positional argument: 'table'; an "
+           "environment is built without arguments (TRL's environment_factory): fix its __init__"),
+    (ResetRaises, "environment ResetRaises.reset raised ValueError: no state for this row (given prompt, start, "
+                  "messages); fix it"),
+    (ResetExits, "environment ResetExits.reset raised SystemExit: 0 (given prompt, start, messages); fix it"),
+    (ResetGivesInt, "environment ResetGivesInt.reset returned int 3; it must return a string (added to the prompt) "
+                    "or None"),
+    (ResetGivesDict, "environment ResetGivesDict.reset returned dict {'observation': 'hi'}; it must return a string "
+                     "(added to the prompt) or None"),
+]
+
+
+@pytest.mark.parametrize(("environment", "line"), ENVIRONMENT_FAILURES, ids=[e.__name__ for e, _ in ENVIRONMENT_FAILURES])
+def test_an_environment_that_fails_is_one_line_naming_its_class_and_method(tokenizer, capfd, environment, line):
+    with pytest.raises(RunError) as err:
+        episodes(tokenizer, [{**script("Hi."), "start": 1}], tools=(), environment_factory=environment)
+    assert type(err.value).__name__ == "UserCodeError" and str(err.value) == line
+    assert capfd.readouterr().err == ""
+
+
 ENV_URL = "https://my-env.hf.space"
 
 
@@ -439,14 +605,47 @@ def test_the_environment_of_trls_docs_runs_unchanged(tokenizer):
     assert [e.reward for e in roll.environments] == [1.0, 1.0, 0.0, 0.0]
     assert roll.messages[0][2] == {"role": "tool", "name": "my_tool", "content": "Tool result"}
     assert roll.messages[2][0]["content"].endswith("No tool.Initial observation for the model")
-    assert roll.environment_rewards() is None  # MyEnv keeps its reward for a reward function; no get_reward
     assert '"name": "my_tool"' in roll.prompts[0]
 
 
-def test_get_reward_is_the_environments_reward_under_its_class_name(tokenizer):
-    rows = [{**script(call("increment", step=1), "Done."), "start": 1}]
-    roll = episodes(tokenizer, rows, G=2, tools=(), environment_factory=CounterEnv)
-    assert roll.environment_rewards() == ("CounterEnv", [2.0, 2.0])
+# ---- copied verbatim from TRL's docs/source/grpo_trainer.md, "Environments" ------------------------------------------
+class IncrementEnv:
+    # Reserved methods
+    def reset(self, **kwargs) -> str | None:  # required; called at the start of each rollout
+        self.counter = 0
+        self.target = random.randint(1, 6)  # self-sample the task
+        return f"Increment the counter by {self.target}."  # returned string becomes the prompt
+
+    def get_reward(self) -> float:  # optional: the environment scores itself from its own state
+        return float(self.counter == self.target)
+
+    # Public methods (exposed as tools)
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+# ---- end of the copy -------------------------------------------------------------------------------------------------
+
+
+def test_the_environment_that_owns_its_reward_in_trls_docs_runs_unchanged(tokenizer):
+    random.seed(0)
+    targets = [random.randint(1, 6) for _ in range(2)]
+    random.seed(0)
+    roll = episodes(tokenizer, [script(call("increment", step=targets[0]), "Done."),
+                                script(call("increment", step=targets[1] % 6 + 1), "Done.")],
+                    tools=(), environment_factory=IncrementEnv)
+    assert [e.target for e in roll.environments] == targets
+    assert roll.messages[0][0]["content"].endswith(f"Increment the counter by {targets[0]}.")
+    assert roll.messages[0][2]["content"] == str(targets[0])  # the int it returned, as str() renders it
+    assert [e.get_reward() for e in roll.environments] == [1.0, 0.0]
 
 
 def test_async_tools_run_and_names_must_differ(tokenizer):

@@ -107,6 +107,7 @@ FLOORS = {
     "evaluate": STEP, "distributed": STEP, "stopping": STEP, "prepack": STEP,
     "": GROUND, "config_rules": GROUND, "schema": GROUND, "option_table": GROUND, "metrics": GROUND,
     "registry": GROUND, "errors": GROUND, "console": GROUND, "overrides": GROUND, "ranks": GROUND,
+    "user_code": GROUND,
 }
 
 

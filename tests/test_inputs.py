@@ -58,6 +58,41 @@ def test_a_broken_return_is_refused_even_with_on_error_zero():
         RewardSet([RewardFunction("strings", strings, 1.0)], "zero").score(["p"] * 2, ["a", "b"], {})
 
 
+# ---- how a reward is called -------------------------------------------------------------------------------------
+def reward_score(environments, **kwargs):  # verbatim from TRL's examples/scripts/grpo_2048.py
+    return [env.score for env in environments]
+
+
+def reward_len(completions, **kwargs):  # verbatim from TRL's GRPO quick start
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+async def async_reward(completions, **kwargs):  # TRL: a reward function may be async
+    return [float(c == "b") for c in completions]
+
+
+class Board:
+    def __init__(self, score: float):
+        self.score = score
+
+
+def test_rewards_are_called_by_keyword_as_trl_calls_them():
+    """TRL calls `fn(prompts=..., completions=..., **fields)`: its functions that name only some of those run here
+    unchanged; one that takes them by position under other names still does, and one without **kwargs gets only
+    what it names."""
+    fields = {"answer": ["x", "y"], "completion_ids": [[1, 2, 3], [4]], "environments": [Board(2.0), Board(5.0)]}
+    functions = {
+        "score": reward_score, "len": reward_len, "async": async_reward,
+        "positional": lambda p, c, **_: [float(len(p[0]))] * len(c),
+        "named": lambda prompts, completions, answer: [float(a == "y") for a in answer],
+        "ids": lambda completions, completion_ids, **kwargs: [float(len(ids)) for ids in completion_ids],
+    }
+    rewards = RewardSet([RewardFunction(name, fn, 1.0) for name, fn in functions.items()])
+    _, per_function, errors = rewards.score(["pp", "pp"], ["a" * 20, "b"], fields)
+    assert per_function == {"score": [2.0, 5.0], "len": [0.0, -19.0], "async": [0.0, 1.0], "positional": [2.0, 2.0],
+                            "named": [0.0, 1.0], "ids": [3.0, 1.0]} and errors == 0
+
+
 # ---- jsonl prompt forms -----------------------------------------------------------------------------------------
 def jsonl_cfg(tmp_path, rows, **extra):
     path = tmp_path / "rows.jsonl"

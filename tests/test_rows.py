@@ -36,7 +36,8 @@ def rollout(kind: type, groups: int, width: int, start: int) -> Rollout:
     return Episodes(**common, model_mask=(ids % 3 > 0).long(), prompts=[f"p{start + i}" for i in range(n)],
                     messages=[[{"role": "user", "content": str(start + i)}] for i in range(n)],
                     tool_calls=torch.arange(start, start + n), failed_calls=torch.arange(n) % 2,
-                    turns=torch.arange(n) + 1, cut=torch.arange(n) % 3 == 0, environments=[Env(start + i) for i in range(n)])
+                    turns=torch.arange(n) + 1, cut=torch.arange(n) % 3 == 0, tool_outputs_cut=torch.arange(n) % 2,
+                    environments=[Env(start + i) for i in range(n)])
 
 
 def batch(kind: type, groups: int, width: int, start: int) -> Batch:

@@ -1,7 +1,7 @@
 """Each signal at each entry point keeps what the table in docs/usage.md says it keeps: SIGHUP (an ssh drop, a
-closed terminal) as SIGTERM does in grpo-train, grpo-eval and a sweep; SIGINT/SIGTERM/SIGHUP in grpo-export. The
-SIGINT and SIGTERM rows of grpo-train and grpo-eval are in test_reliability.py, the sweep's SIGTERM row in
-test_sweep_resume.py."""
+closed terminal) as SIGTERM does in grpo-train, grpo-eval and a sweep; SIGINT/SIGTERM/SIGHUP in grpo-export, from
+its first instruction; SIGTERM while a tool hangs with no deadline. The SIGINT and SIGTERM rows of grpo-train and
+grpo-eval are in test_reliability.py, the sweep's SIGTERM row in test_sweep_resume.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import prewarmed
 import pytest
-from conftest import read_jsonl, resume_command, run_cli, script
+from conftest import module_on_path, read_jsonl, resume_command, run_cli, script
+from test_episodes import call
+from test_episodes import script as scripted_row
 from test_reliability import HUGE_EVAL, TINY_RUN, start, stderr_lines_after_signal, wait_for
 
 ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
@@ -121,6 +123,70 @@ def test_grpo_export_stops_in_one_line_and_leaves_nothing_partial(export_run, tm
                                 "(nothing partial is left); run the same command again to export"]
     assert "done:" not in rest
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither OUT_DIR nor its temporary sibling
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seconds", [0.5, 3.0])  # in the imports (the entry point's handler); in the export
+def test_grpo_export_stops_in_one_line_from_its_first_seconds(export_run, tmp_path, seconds):
+    """A fresh process (no prewarmed imports): in its first seconds grpo-export imports torch and transformers, then
+    the model; SIGINT there gave a 25-75 line traceback. Now one line, whichever handler is in place: the entry
+    point's (stopping.exits_at_once) or the export's own."""
+    child = prewarmed.popen([script("grpo-export"), str(export_run), str(tmp_path / "out")], cwd=tmp_path, env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, fresh=True)
+    time.sleep(seconds)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 128 + signal.SIGINT, err
+    [line] = err.splitlines()
+    assert line in ("grpo-export: stopped by SIGINT while no work was under way: nothing is left half-written; run "
+                    "the same command again", f"grpo-export: stopped by SIGINT; {tmp_path / 'out'} was not written "
+                    "(nothing partial is left); run the same command again to export"), line
+    assert not (tmp_path / "out").exists()
+
+
+NAPS = '''
+import pathlib
+import time
+
+CALLS = 0
+
+
+def naps(x: int) -> int:
+    """Answers at once for the first step's four calls, then hangs.
+
+    Args:
+        x: Anything.
+    """
+    global CALLS
+    CALLS += 1
+    if CALLS > 4:
+        pathlib.Path("hanging").write_text("")
+        time.sleep(60)
+    return x
+'''
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_whose_tool_hangs_without_a_deadline(tmp_path_factory, tmp_path):
+    """rollout.tool_timeout_s=null and a tool that hangs at step 1: SIGTERM printed its stopping line and the run went
+    on waiting for the tool. Now the tool is abandoned, step 1 discarded and the state after step 0 checkpointed."""
+    env = {**ENV, **module_on_path(tmp_path_factory, "napping", NAPS)}
+    data, run = tmp_path / "rows.jsonl", tmp_path / "run"
+    data.write_text(json.dumps({**scripted_row(call("naps", x=1), "Done."), "answer": "1"}) + "\n")
+    args = ["+recipe=quickstart", "model=tiny", "plugins=[scripted_engine]", "rollout.engine=scripted",
+            "rollout.tools=[napping.naps]", "rollout.tool_timeout_s=null", "rollout.max_new_tokens=48", "data=hf",
+            f"data.path={data}", "data.prompts_per_step=2", "algo.num_generations=2", "trainer.max_steps=3",
+            "trainer.save_every=0", "trainer.device=cpu", f"hydra.run.dir={run}"]
+    child = prewarmed.popen([script("grpo-train"), *args], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (tmp_path / "hanging").exists(), child)
+    lines, seconds = stderr_lines_after_signal(child, signal.SIGTERM)
+    assert child.returncode == 128 + signal.SIGTERM, lines
+    assert lines[-1][1] == (f"grpo-train: stopped by SIGTERM after 1 complete step(s); the unfinished step was "
+                            f"discarded; checkpoint {run}/checkpoints/step-000001; resume with the same command plus "
+                            f"trainer.resume=auto hydra.run.dir={run}")
+    assert seconds < 20, (lines, seconds)  # the tool would have slept 60 s
+    assert not any("Traceback" in text for _, text in lines)
 
 
 @pytest.mark.slow

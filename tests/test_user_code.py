@@ -1,7 +1,11 @@
-"""User code (rewards, plugins) that fails, in whatever way, is one line: exit 2 before the model loads for its import
-and construction, exit 1 during training, naming the function, the exception and its message."""
+"""User code (rewards, plugins, environments, tools) that fails, in whatever way, is one line: exit 2 before the
+model loads for its import and construction (an environment's too, and its reset on the first row), exit 1 during
+training, naming the function (or the class and method), the exception and its message, with the checkpoint of
+the last complete step. Settings that cannot work are refused the same way before the model loads."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 from conftest import module_on_path, run_cli
@@ -88,6 +92,63 @@ def test_a_reward_that_raises_a_base_exception_is_named_in_one_line_exit_1(tmp_p
                    tmp_path, env=user_env)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [f"grpo-train: reward x raised {named}; fix it or set reward.on_error=zero"]
+
+
+ENVIRONMENTS = '''
+import sys
+
+class ExitsLater:
+    """get_reward() calls sys.exit(0) from the second step on (2 prompts x 2 episodes a step)."""
+    calls = 0
+
+    def reset(self, **kwargs):
+        return None
+
+    def get_reward(self):
+        ExitsLater.calls += 1
+        if ExitsLater.calls > 4:
+            sys.exit(0)
+        return 0.5
+'''
+
+
+@pytest.mark.slow
+def test_an_environment_that_exits_during_the_run_is_one_line_exit_1_and_keeps_the_last_step(tmp_path_factory, tmp_path):
+    """The issue's case: sys.exit(0) in get_reward ended the run with exit 0, no line and nothing recorded."""
+    env, run = module_on_path(tmp_path_factory, "user_envs", ENVIRONMENTS), tmp_path / "run"
+    proc = run_cli([*TINY, "trainer.max_steps=2", "trainer.save_every=0", "env._target_=user_envs.ExitsLater",
+                    f"hydra.run.dir={run}"], tmp_path, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "grpo-train: environment ExitsLater.get_reward raised SystemExit on completion 0: 0; fix it or set "
+        f"reward.on_error=zero; the run stopped after 1 complete step(s), checkpoint {run}/checkpoints/step-000001; "
+        f"once fixed, resume with the same command plus trainer.resume=auto hydra.run.dir={run}"]
+    assert (run / "checkpoints" / "step-000001" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+NO_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+REFUSED = [  # (overrides, the start of the one line)
+    (["env._target_=test_episodes.ResetExits"],
+     "grpo-train: env._target_=test_episodes.ResetExits fails on the run's first row, before the model loads: "
+     "environment ResetExits.reset raised SystemExit: 0 (given prompt, answer, messages); fix it"),
+    (["rollout.tools=[test_episodes.multiply]", "rollout.tool_format=native"],
+     "grpo-train: rollout.tool_format=native is invalid: the chat template of "),
+    (["rollout.tools=[test_episodes.multiply]", "env._target_=test_episode_training.Multiplies"],
+     "grpo-train: rollout.tools and the environment's methods offer multiply twice; every tool needs its own name"),
+    pytest.param(["rollout.engine=vllm"], "grpo-train: rollout.engine=vllm is invalid: vLLM is not installed in this "
+                 "Python", marks=NO_VLLM, id="vllm"),
+]
+
+
+@pytest.mark.slow  # grpo-train subprocesses (no model is loaded)
+@pytest.mark.parametrize("overrides,line", REFUSED, ids=["reset-exits", "native-template", "two-tools-one-name", "vllm"])
+def test_what_cannot_work_is_refused_in_one_line_before_the_model_loads(tmp_path, overrides, line):
+    run = tmp_path / "run"
+    proc = run_cli([*TINY, *overrides, f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [said] = proc.stderr.strip().splitlines()
+    assert said.startswith(line), said
+    assert "training" not in proc.stdout and not (run / "metrics.jsonl").exists()
 
 
 COUNTED = '''

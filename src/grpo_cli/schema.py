@@ -216,6 +216,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("rollout.max_tool_calls", integer(0), "tool calls an episode may run; a further call ends it", 4, row="tools"),
     Option("rollout.tool_timeout_s", number(0, low_open=True), "seconds a tool call may take; over it the model "
       "reads an error (null = no limit)", 10.0, nullable=True, row="tools"),
+    Option("rollout.tool_output_max_chars", integer(1), "characters of a tool's result the model reads; a longer "
+      "one is cut, with a note (episodes/tool_outputs_cut counts them); null = no limit", 10000, nullable=True,
+      row="tools"),
     Option("rollout.tool_format", one_of("auto", "native", "hermes"), "auto = the chat template's tool support "
       "where it has one, else hermes: the tools in the system turn, calls as <tool_call>{json}</tool_call>",
       "auto", row="tools"),
@@ -352,7 +355,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("reward.timeout_s", number(0, low_open=True), "seconds a reward call may take; over it is an error "
       "per on_error; null = no limit", nullable=True),
     Option("reward.accuracy", TEXT, "the 0/1 function of reward.functions that judges correctness", nullable=True),
-    Option("reward.functions", MAPPING, "NAME: {_target_, weight, options...} per reward function", free=True),
+    Option("reward.functions", MAPPING, "NAME: {_target_, weight, options...} per reward function; null = only the "
+      "environment's get_reward()", nullable=True, free=True),
     Option("reward.functions.*._target_", DOTTED_PATH, "dotted path of the function or class"),
     Option("reward.functions.*.weight", number(), "its weight in the summed reward (1 when left out)", optional=True),
     # ---- sweep: resuming a sweep, averaging an Optuna trial over seeds

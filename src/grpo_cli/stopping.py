@@ -66,6 +66,25 @@ class StopRequest:
                 signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def exits_at_once(prog: str, state: str = "no work was under way: nothing is left half-written") -> Iterator[None]:
+    """The handlers of an entry point from its first instruction on (imports, reading the options, composing the
+    config) and wherever its own (a StopRequest, grpo-export's) is not installed: SIGINT, SIGTERM or SIGHUP ends
+    the process at once, with one line saying `state` (no traceback, even inside an import), exit 128 + signal."""
+    def stop_now(signum, _frame) -> None:
+        with contextlib.suppress(OSError):  # os.write: the main thread may be inside a write to stderr
+            os.write(2, f"{prog}: stopped by {signal.Signals(signum).name} while {state}; run the same command "
+                        "again\n".encode())
+        os._exit(128 + signum)
+
+    previous = {s: signal.signal(s, stop_now) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def discard_dead_outputs() -> None:
     """stdout / stderr on a terminal that hung up: every write fails (EIO, even an empty one), and the first print
     would end the run before its checkpoint. Such a stream is pointed at /dev/null; a live one is left alone."""

@@ -197,7 +197,8 @@ class GRPOTrainer:
         if self.tcfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
-        self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype, stop=self.stop)
+        self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype, stop=self.stop,
+                                             environment=self.episodes and self.episodes.environment_factory)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         opt = cfg.optimizer
         self.optimizer = build_optimizer(self.params, opt)
@@ -233,7 +234,7 @@ class GRPOTrainer:
                        **sampling_options(self.roll), stop=self.stop)
         roll = self.engine.generate(enc.ids, G, **options) if self.episodes is None else self.episodes.run(
             self.engine, self.tokenizer, rows, G, context_length=self.lm.context_length, **options)
-        if roll.interrupted:
+        if roll is None or roll.interrupted:  # None: a stop request came while a tool or the environment ran
             return None
         compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
         gen_time = time.perf_counter() - t0 - compile_s
@@ -245,17 +246,15 @@ class GRPOTrainer:
         })
 
     def score(self, generation: Generation) -> Scores | None:
-        """Every reward function on every completion, with the fields of its prompt's data row; None when a stop
-        request came while a reward function ran."""
-        G = self.algo.num_generations
+        """Every reward function (an environment's get_reward() too) on every completion, with the fields of its
+        prompt's data row (and episodes.reward_fields); None when a stop request came while a reward function ran."""
+        G, roll = self.algo.num_generations, generation.rollout
         fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}  # messages: only for rewards naming it
         try:
-            totals, per_function, errors = self.rewards.score(generation.prompts, generation.rollout.texts,
-                                                              fields | episodes.reward_fields(generation.rollout),
-                                                              group_size=G)
+            totals, per_function, errors = self.rewards.score(generation.prompts, roll.texts,
+                                                              fields | episodes.reward_fields(roll), group_size=G)
         except Interrupted:
             return None
-        totals = episodes.with_environment_reward(generation.rollout, totals, per_function)
         return Scores(torch.tensor(totals, dtype=torch.float32), per_function, errors)
 
     def make_batch(self, generation: Generation, scores: Scores) -> Batch:

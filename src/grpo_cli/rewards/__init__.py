@@ -3,20 +3,27 @@
 `RewardSet` turns the `reward` config group into the weighted sum the trainer uses. A function entry is
 `reward.functions.NAME: {_target_, weight, ...options}`: a function gets its options as keyword arguments;
 a class (e.g. `rewards.reward_model.RewardModel`) is built once with them and then called like a function.
-Only a reward that names a `messages` parameter receives each prompt's chat messages.
+An environment's `get_reward()` (env._target_) is one more function of weight 1, named after its class, as in TRL;
+it may be the only reward (reward.functions=null).
+
+A function is called as TRL calls one: by keyword, `fn(prompts=..., completions=..., **row_fields)`, so TRL's
+`fn(completions, **kwargs)` and `fn(environments, **kwargs)` run unchanged, as does `fn(prompts, completions, **kw)`;
+one whose first two parameters take them under other names (`lambda p, c, **_`) gets those two by position. Beside
+the row's fields it gets what TRL passes that is known here: `completion_ids` (each completion's token ids) and, in
+episodes, `environments` (each episode's instance), when its signature names them or takes **kwargs; `messages`
+(the prompt's chat messages; in episodes the whole conversation) only when it names it. A function may be async.
+
 A function must return
 one real number per completion: int, float, bool (True = 1.0: a pass/fail check is a reward), or a numpy /
 torch scalar. Anything else (a string, even "1.0", None, a list per completion, the wrong count) is a bug in
 the function and stops the run with one line, whatever reward.on_error says; on_error=zero is for functions
 that raise on some inputs.
 
-Each call runs in a daemon thread that the caller waits on, polling the run's stop request, for at most
-`reward.timeout_s` seconds (null: no limit). A call that runs over is abandoned: a Python thread cannot be
-killed, but a daemon thread neither blocks the step loop nor the process's exit. (A process pool could kill
-it, but would have to pickle every function, its options and reward models, and start slowly.) On a
-timeout, on_error=raise ends the run in one line; on_error=zero scores that function's completions one at a
-time, each under the same deadline, so that only those that time out or raise get 0 (a function that
-raises on the batch is retried the same way).
+Each call runs behind the user-code boundary (grpo_cli.user_code: a daemon thread, waited on while polling the
+run's stop request) for at most `reward.timeout_s` seconds (null: no limit); a call that runs over is abandoned.
+On a timeout, on_error=raise ends the run in one line; on_error=zero scores that function's completions one at a
+time, each under the same deadline, so that only those that time out or raise get 0 (a function that raises on
+the batch is retried the same way).
 """
 
 from __future__ import annotations
@@ -26,13 +33,12 @@ import importlib
 import inspect
 import math
 import numbers
-import signal
-import threading
-import time
 from dataclasses import dataclass
 
-from grpo_cli.errors import ConfigError, Interrupted, RewardError
+from grpo_cli import user_code
+from grpo_cli.errors import ConfigError, RewardError
 from grpo_cli.rewards.aggregation import combine
+from grpo_cli.user_code import raised, shown
 
 SCORE_TYPES = "a number per completion (int, float, bool, or a numpy/torch scalar)"
 
@@ -45,14 +51,11 @@ def _as_number(value) -> float | None:
     return None
 
 
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def to_scores(name: str, returned, expected: int, allow_none: bool = False) -> list[float | None]:
+def to_scores(name: str, returned, expected: int, allow_none: bool = False, label: str | None = None) -> list[float | None]:
     """The scores a reward function returned, as floats; RewardError for a wrong count or a non-number. With
-    `allow_none` a None stays None: the function does not apply to that completion (rewards/aggregation.py)."""
+    `allow_none` a None stays None: the function does not apply to that completion (rewards/aggregation.py).
+    `label` is how the message names the function (`reward NAME` by default)."""
+    who = label or f"reward {name}"
     values = None
     if not isinstance(returned, (str, bytes, dict)):
         try:
@@ -60,10 +63,10 @@ def to_scores(name: str, returned, expected: int, allow_none: bool = False) -> l
         except TypeError:  # not iterable: None, a bare number, a 0-d tensor
             pass
     if values is None:
-        raise RewardError(f"reward {name} returned {type(returned).__name__} {_shown(returned)}, not a list of "
+        raise RewardError(f"{who} returned {type(returned).__name__} {shown(returned)}, not a list of "
                           f"{expected} scores; it must return {SCORE_TYPES}")
     if len(values) != expected:
-        raise RewardError(f"reward {name} returned {len(values)} scores for {expected} completions; it must return "
+        raise RewardError(f"{who} returned {len(values)} scores for {expected} completions; it must return "
                           f"{SCORE_TYPES}")
     scores = []
     for i, value in enumerate(values):
@@ -72,10 +75,41 @@ def to_scores(name: str, returned, expected: int, allow_none: bool = False) -> l
             continue
         number = _as_number(value)
         if number is None:
-            raise RewardError(f"reward {name} returned {type(value).__name__} {_shown(value)} for completion {i}; "
+            raise RewardError(f"{who} returned {type(value).__name__} {shown(value)} for completion {i}; "
                               f"it must return {SCORE_TYPES}")
         scores.append(number)
     return scores
+
+
+# ---- how a reward is called ------------------------------------------------------------------------------
+EXTRA_FIELDS = ("messages", "environments", "completion_ids")  # only for a function that can take them
+BY_NAME_ONLY = ("messages",)  # of those, only for one that names it (TRL passes the prompt as `prompts`)
+
+
+def reward_arguments(fn, prompts, completions, fields: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) of a call of `fn` as TRL makes it: by keyword, unless only the positional form binds."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature: TRL's call, every field
+        return (), {"prompts": prompts, "completions": completions, **fields}
+    params = signature.parameters
+    free = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    passed = {k: v for k, v in fields.items()
+              if k not in EXTRA_FIELDS or k in params or (free and k not in BY_NAME_ONLY)}
+    keywords = {"prompts": prompts, "completions": completions, **passed}
+    for args, kwargs in (((), keywords), ((prompts, completions), passed)):
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError:
+            continue
+        return args, kwargs
+    return (), keywords  # fits neither: the call raises the TypeError that says why
+
+
+def call_reward(fn, prompts, completions, fields: dict):
+    """`fn` called as TRL calls a reward (`reward_arguments`), its coroutine run to its end."""
+    args, kwargs = reward_arguments(fn, prompts, completions, fields)
+    return user_code.awaited(fn(*args, **kwargs))
 
 
 @dataclass
@@ -83,25 +117,23 @@ class RewardFunction:
     name: str
     fn: object
     weight: float
+    label: str = ""  # how a message names it: `reward NAME` unless set (an environment's `CLASS.get_reward`)
+
+    def __post_init__(self):
+        self.label = self.label or f"reward {self.name}"
 
 
-class RewardTimeout(Exception):
-    """A reward call ran past reward.timeout_s (and was abandoned)."""
+def environment_reward(environment_class) -> RewardFunction | None:
+    """The environment's `get_reward()` of each episode as a reward function of weight 1 named after its class
+    (TRL's), or None for a class without one. It may be async, as in TRL."""
+    if not callable(getattr(environment_class, "get_reward", None)):
+        return None
 
+    def get_reward(environments, **_):
+        return [user_code.awaited(env.get_reward()) for env in environments]
 
-class RewardRaised(Exception):
-    """A reward call raised `error`, any BaseException (SystemExit, KeyboardInterrupt: the function's own, since a
-    real Ctrl-C is a stop request), kept apart from the stop request, which must pass through."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-
-CALL_FAILED = (RewardRaised, RewardTimeout)
-
-
-POLL_S = 0.05  # how often a wait for a reward call looks at the stop request
+    name = environment_class.__name__
+    return RewardFunction(name, get_reward, 1.0, label=f"environment {name}.get_reward")
 
 
 class RewardSet:
@@ -115,35 +147,19 @@ class RewardSet:
         self.timeout_s, self.stop = timeout_s, stop
 
     @classmethod
-    def from_config(cls, cfg_reward, device=None, dtype=None, stop=None) -> RewardSet:
-        """Reward models among the functions load here, once, on `device` in `dtype` (the policy's)."""
+    def from_config(cls, cfg_reward, device=None, dtype=None, stop=None, environment=None) -> RewardSet:
+        """Reward models among the functions load here, once, on `device` in `dtype` (the policy's). `environment`:
+        the environment class (env._target_), whose get_reward() joins the functions."""
         functions = [RewardFunction(name, _built(name, spec, device, dtype), float(spec.get("weight", 1.0)))
-                     for name, spec in cfg_reward.functions.items()]
-        return cls(functions, cfg_reward.get("on_error", "raise"), cfg_reward.get("timeout_s"), stop,
-                   cfg_reward.get("aggregation", "sum"))
+                     for name, spec in (cfg_reward.get("functions") or {}).items()]
+        owned = environment_reward(environment) if environment is not None else None
+        return cls([*functions, *([owned] if owned else [])], cfg_reward.get("on_error", "raise"),
+                   cfg_reward.get("timeout_s"), stop, cfg_reward.get("aggregation", "sum"))
 
     def _call(self, rf: RewardFunction, prompts, completions, fields):
-        """rf.fn(...) in a daemon thread, under the deadline; Interrupted on a stop request, RewardTimeout."""
-        outcome: dict = {}
-
-        def target():
-            try:
-                outcome["returned"] = rf.fn(prompts, completions, **fields)
-            except BaseException as err:  # handed to the waiting thread, which names it (no thread traceback)
-                outcome["error"] = err
-
-        worker = threading.Thread(target=target, name=f"reward-{rf.name}", daemon=True)
-        worker.start()
-        deadline = math.inf if self.timeout_s is None else time.monotonic() + self.timeout_s
-        while worker.is_alive():
-            if self.stop is not None and self.stop():
-                raise Interrupted(getattr(self.stop, "signum", None) or signal.SIGTERM)
-            if time.monotonic() >= deadline:
-                raise RewardTimeout()
-            worker.join(min(POLL_S, max(0.0, deadline - time.monotonic())))
-        if "error" in outcome:
-            raise RewardRaised(outcome["error"])
-        return outcome["returned"]
+        """The function's return value; Interrupted on a stop request, user_code.FAILED when it raised or timed out."""
+        return user_code.call(functools.partial(call_reward, rf.fn, prompts, completions, fields),
+                              name=f"reward-{rf.name}", timeout_s=self.timeout_s, stop=self.stop)
 
     def _call_one(self, rf: RewardFunction, prompts, completions, fields, i: int):
         return self._call(rf, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in fields.items()})
@@ -154,10 +170,10 @@ class RewardSet:
         for i in range(len(completions)):
             try:
                 returned = self._call_one(rf, prompts, completions, fields, i)
-            except CALL_FAILED:
+            except user_code.FAILED:
                 scores, errors = [*scores, 0.0], errors + 1
             else:
-                scores += to_scores(rf.name, returned, 1, allow_none=True)
+                scores += to_scores(rf.name, returned, 1, allow_none=True, label=rf.label)
         return scores, errors
 
     def score(self, prompts: list, completions: list[str], fields: dict[str, list],
@@ -168,38 +184,39 @@ class RewardSet:
         for rf in self.functions:
             try:
                 returned = self._call(rf, prompts, completions, fields)
-            except CALL_FAILED as failure:
+            except user_code.FAILED as failure:
                 if self.on_error != "zero":
                     raise self._one_line(rf, failure, prompts, completions, fields) from None
                 scores, failed = self._one_at_a_time(rf, prompts, completions, fields)
                 errors += failed
             else:
-                scores = to_scores(rf.name, returned, len(completions), allow_none=True)
+                scores = to_scores(rf.name, returned, len(completions), allow_none=True, label=rf.label)
             for i, s in enumerate(scores):
                 if s is not None and not math.isfinite(s):
                     if self.on_error != "zero":
-                        raise RewardError(f"reward {rf.name} gave {s} for completion {i}; rewards must be finite (or set reward.on_error=zero)")
+                        raise RewardError(f"{rf.label} gave {s} for completion {i}; rewards must be finite (or set "
+                                          "reward.on_error=zero)")
                     scores[i], errors = 0.0, errors + 1
             per_fn[rf.name] = scores
         weights = {rf.name: rf.weight for rf in self.functions}
         return combine(weights, per_fn, self.aggregation, group_size), per_fn, errors
 
     def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
-        if isinstance(failure, RewardTimeout):
-            return RewardError(f"reward {rf.name} did not return within reward.timeout_s={self.timeout_s} s for "
+        if isinstance(failure, user_code.TimedOut):
+            return RewardError(f"{rf.label} did not return within reward.timeout_s={self.timeout_s} s for "
                                f"{len(completions)} completions; fix it, raise reward.timeout_s or set "
                                "reward.on_error=zero")
         err = failure.error
         index = self._first_failing(rf, prompts, completions, fields)
         where = f" on completion {index}" if index is not None else ""
-        return RewardError(f"reward {rf.name} raised {type(err).__name__}{where}: {err}; fix it or set reward.on_error=zero")
+        return RewardError(f"{rf.label} raised {type(err).__name__}{where}: {err}; fix it or set reward.on_error=zero")
 
     def _first_failing(self, rf: RewardFunction, prompts, completions, fields) -> int | None:
         """Re-run one completion at a time to name the one that makes the function raise."""
         for i in range(len(completions)):
             try:
                 self._call_one(rf, prompts, completions, fields, i)
-            except CALL_FAILED:
+            except user_code.FAILED:
                 return i
         return None
 
@@ -213,22 +230,6 @@ def reward_options(spec) -> dict:
 
     plain = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec)
     return {k: v for k, v in plain.items() if k not in RESERVED_KEYS}
-
-
-BY_NAME_ONLY = ("messages", "environments")  # row fields a function receives only when its signature names them
-
-
-def takes_field(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def raised(err: BaseException) -> str:
-    """`Type: message` of anything user code raised (SyntaxError with its file and line, SystemExit with its code)."""
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 class ImportRaised(ImportError):
@@ -255,29 +256,17 @@ def resolve_callable(dotted: str):
 
 def build_reward(name: str, spec, **context):
     """The callable for one entry: the function with its options bound, or the class built with its options
-    (plus `name`, `device`, `dtype` when its constructor takes them). The fields `messages` and `environments`
-    (an episode's conversation and environment instance) are dropped for callables that do not name them, so
-    functions written for the plain row fields keep working."""
+    (plus `name`, `device`, `dtype` when its constructor takes them)."""
     target = resolve_callable(spec["_target_"])
     options = reward_options(spec)
-    if inspect.isclass(target):
-        accepted = inspect.signature(target).parameters
-        try:
-            fn = target(**options, **{k: v for k, v in {"name": name, **context}.items() if k in accepted})
-        except BaseException as err:  # user code: one line, exit 2, whatever it raised
-            raise ConfigError(f"reward.functions.{name}: building {spec['_target_']} raised {raised(err)}; fix its "
-                              "constructor or the entry's options") from None
-    else:
-        fn = functools.partial(target, **options) if options else target
-    named = [k for k in BY_NAME_ONLY if takes_field(fn, k)]
-    if len(named) == len(BY_NAME_ONLY):
-        return fn
-
-    @functools.wraps(fn)
-    def without_unnamed(prompts, completions, **fields):
-        return fn(prompts, completions, **{k: v for k, v in fields.items() if k not in BY_NAME_ONLY or k in named})
-
-    return without_unnamed
+    if not inspect.isclass(target):
+        return functools.partial(target, **options) if options else target
+    accepted = inspect.signature(target).parameters
+    try:
+        return target(**options, **{k: v for k, v in {"name": name, **context}.items() if k in accepted})
+    except BaseException as err:  # user code: one line, exit 2, whatever it raised
+        raise ConfigError(f"reward.functions.{name}: building {spec['_target_']} raised {raised(err)}; fix its "
+                          "constructor or the entry's options") from None
 
 
 # ---- built before the model loads ----------------------------------------------------------------
@@ -304,7 +293,7 @@ def build_before_model_load(cfg_reward) -> None:
     does so in one line (exit 2) before minutes of model loading; `RewardSet.from_config` then takes these objects
     (each is still built once). A class taking `device` or `dtype` (a reward model) is built beside the policy."""
     _prebuilt.clear()
-    for name, spec in cfg_reward.functions.items():
+    for name, spec in (cfg_reward.get("functions") or {}).items():
         try:
             target = resolve_callable(spec["_target_"])
         except (ImportError, AttributeError, ValueError) as err:

@@ -16,10 +16,14 @@ calls (a further call is left unexecuted), when its model tokens reach `max_new_
 episode, not of a turn), or when its sequence reaches the model's context; the last two mark it `cut`.
 
 A tool that raises, hangs past its deadline, is unknown, or gets arguments that do not fit its signature gives
-the model an error message and counts as a failed call; it never ends the run. Environments follow TRL's
-`environment_factory` contract: one instance per episode (states never mix), `reset(**row) -> str | None` whose
+the model an error message and counts as a failed call; it never ends the run. A result over
+`tool_output_max_chars` is cut with a note. Environments follow TRL's `environment_factory` contract: one instance
+per episode (states never mix), `reset(**row) -> str | None` (the row's columns, the prompt as `prompt`) whose
 string is appended to the last user message (with no messages it is the prompt), public methods as tools, and an
-optional `get_reward()` that the caller reads from `Episodes.environments`.
+optional `get_reward()`, a reward function of the caller's (rewards.environment_reward). Tools, the environment's
+constructor and reset run behind the user-code boundary (grpo_cli.user_code): a stop request abandons them and
+raises Interrupted; a tool or environment that exits, or an environment that raises or returns what it must not,
+ends the run with a UserCodeError naming it.
 
 The record is a `Rollout` (so the log-prob pass runs on it as it is) with, beside `completion_mask` (every real
 token, for attention), `model_mask`: the tokens the model sampled, the only ones for the loss, the ratio, the KL,
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, Interrupted, UserCodeError
 from grpo_cli.rollout.common import Engine, Rollout, StopFn, eos_ids, left_pad
 from grpo_cli.rollout.rows import per_row, per_token
 from grpo_cli.rollout.tools import (
@@ -43,10 +47,14 @@ from grpo_cli.rollout.tools import (
     ToolFormat,
     call_tool,
     environment_class,
+    environment_functions,
     environment_methods,
     import_object,
     make_tool,
     make_tools,
+    new_environment,
+    reset_environment,
+    supports_tools,
 )
 
 
@@ -61,20 +69,15 @@ class Episodes(Rollout):
     failed_calls: torch.Tensor | None = per_row(default=None)  # [N] of those, the ones that failed
     turns: torch.Tensor | None = per_row(default=None)         # [N] assistant turns
     cut: torch.Tensor | None = per_row(default=None)           # [N] bool: ended by max_new_tokens or the context mid-turn
+    tool_outputs_cut: torch.Tensor | None = per_row(default=None)  # [N] tool results cut to tool_output_max_chars
     environments: list = per_row(default_factory=list)  # one instance per episode (empty without an environment)
 
     def metrics(self) -> dict[str, float]:
         calls = float(self.tool_calls.sum())
         return {"tool_calls_per_episode": float(self.tool_calls.float().mean()),
                 "failed_call_rate": float(self.failed_calls.sum()) / calls if calls else 0.0,
-                "turns_per_episode": float(self.turns.float().mean()), "cut_frac": float(self.cut.float().mean())}
-
-    def environment_rewards(self) -> tuple[str, list[float]] | None:
-        """The environment's own reward, `get_reward()` of each episode's instance, under its class name (TRL
-        weighs it 1, beside the reward functions); None without an environment or without `get_reward`."""
-        if not self.environments or not callable(getattr(self.environments[0], "get_reward", None)):
-            return None
-        return type(self.environments[0]).__name__, [float(env.get_reward()) for env in self.environments]
+                "turns_per_episode": float(self.turns.float().mean()), "cut_frac": float(self.cut.float().mean()),
+                "tool_outputs_cut": float(self.tool_outputs_cut.sum())}
 
 
 @dataclass
@@ -91,6 +94,7 @@ class Episode:
     texts: list[str] = field(default_factory=list)
     calls: int = 0
     failed: int = 0
+    outputs_cut: int = 0
     turns: int = 0
     cut: bool = False
     done: bool = False
@@ -104,14 +108,15 @@ class Episode:
         return sum(self.sampled)
 
 
-def start_episode(fmt: ToolFormat, row: dict, tools: Sequence[Tool], environment_factory: Callable | None) -> Episode:
+def start_episode(fmt: ToolFormat, row: dict, tools: Sequence[Tool], environment_factory: Callable | None,
+                  stop: StopFn | None = None) -> Episode:
     """The episode's environment instance (reset with the row's columns), its tools and its prompt."""
     messages = [dict(m) for m in row.get("messages") or []]
     env, tools = None, list(tools)
     if environment_factory is not None:
-        env = environment_factory()
-        observation = env.reset(**row)
-        if isinstance(observation, str):
+        env = new_environment(environment_factory, stop)
+        observation = reset_environment(env, row, stop)
+        if observation is not None:
             if messages:
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
             else:
@@ -130,15 +135,17 @@ def start_episode(fmt: ToolFormat, row: dict, tools: Sequence[Tool], environment
 def run_episodes(engine: Engine, fmt: ToolFormat, rows: list[dict], num_generations: int, *, max_new_tokens: int,
                  max_tool_calls: int, context_length: int | None = None, tools: Sequence[Callable] = (),
                  environment_factory: Callable | None = None, tool_timeout_s: float | None = None,
-                 stop: StopFn | None = None, **sampling) -> Episodes:
+                 tool_output_max_chars: int | None = None, stop: StopFn | None = None, **sampling) -> Episodes:
     """G episodes per row (rows g*G .. g*G+G-1 belong to row g), each turn of all running episodes in one
-    `engine.generate` call; `sampling`: the keywords of `Engine.generate` (temperature, top_p, greedy, ...)."""
+    `engine.generate` call; `sampling`: the keywords of `Engine.generate` (temperature, top_p, greedy, ...).
+    A stop request during generation gives an `interrupted` record; one while user code runs raises Interrupted."""
     if max_tool_calls < 0 or max_new_tokens < 1:
         raise ConfigError(f"max_tool_calls={max_tool_calls} and max_new_tokens={max_new_tokens} must be >= 0 and >= 1")
     G, stops = num_generations, tuple(sampling.pop("stop_strings", ())) + fmt.stop_strings
     min_new_tokens = sampling.pop("min_new_tokens", 0)  # per turn, never above the turn's room
     standalone = make_tools(tools)
-    episodes = [start_episode(fmt, row, standalone, environment_factory) for row in rows for _ in range(G)]
+    episodes = [start_episode(fmt, row, standalone, environment_factory, stop) for row in rows for _ in range(G)]
+    limits = ToolLimits(tool_timeout_s, tool_output_max_chars, stop)
     eos = end_ids(engine, fmt.tokenizer)
     interrupted, first = False, True
     while not interrupted and (running := [e for e in episodes if not e.done]):
@@ -157,7 +164,7 @@ def run_episodes(engine: Engine, fmt: ToolFormat, rows: list[dict], num_generati
             break
         for i, e in enumerate(running):
             new = roll.completion_ids[i][roll.completion_mask[i].bool()].tolist()[:room[i]]
-            take_turn(fmt, e, new, eos, room[i], max_tool_calls, tool_timeout_s, context_length, max_new_tokens)
+            take_turn(fmt, e, new, eos, room[i], max_tool_calls, limits, context_length, max_new_tokens)
     return finish_episodes(episodes, G, fmt.tokenizer.pad_token_id, engine.device, interrupted)
 
 
@@ -178,8 +185,17 @@ def remaining(e: Episode, max_new_tokens: int, context_length: int | None) -> in
     return room if context_length is None else min(room, context_length - len(e.sequence))
 
 
+@dataclass(frozen=True)
+class ToolLimits:
+    """How a tool call runs: its deadline, the cap on its result, the stop request that abandons it."""
+
+    timeout_s: float | None = None
+    max_chars: int | None = None
+    stop: StopFn | None = None
+
+
 def take_turn(fmt: ToolFormat, e: Episode, new: list[int], eos: set[int], room: int, max_tool_calls: int,
-              timeout_s: float | None, context_length: int | None, max_new_tokens: int) -> None:
+              limits: ToolLimits, context_length: int | None, max_new_tokens: int) -> None:
     """Append the model's tokens of this turn; run its call and append the tool message, or end the episode."""
     # transformers' parser reads the text before the turn (a template may pre-write part of it); Hermes does not
     prefix = fmt.tokenizer.decode(e.sequence) if fmt.parser is not None else ""
@@ -199,9 +215,10 @@ def take_turn(fmt: ToolFormat, e: Episode, new: list[int], eos: set[int], room: 
     if not calls or e.calls + len(calls) > max_tool_calls or e.cut:
         e.done = True
         return
-    results = [call_tool(e.tools, call, timeout_s) for call in calls]
+    results = [call_tool(e.tools, call, limits.timeout_s, limits.stop, limits.max_chars) for call in calls]
     e.calls += len(calls)
     e.failed += sum(r.failed for r in results)
+    e.outputs_cut += sum(r.cut for r in results)
     delta = fmt.tokenizer(fmt.tool_delta(results, ended_turn), add_special_tokens=False)["input_ids"]
     if e.model_tokens >= max_new_tokens or (context_length is not None
                                             and len(e.sequence) + len(delta) >= context_length):
@@ -247,7 +264,8 @@ def finish_episodes(episodes: list[Episode], G: int, pad_id: int, device, interr
                     G, interrupted, model_mask=model.to(device), prompts=[e.prompt_text for e in episodes],
                     messages=[e.messages for e in episodes],
                     tool_calls=count(lambda e: e.calls), failed_calls=count(lambda e: e.failed),
-                    turns=count(lambda e: e.turns), cut=cut, environments=[e.env for e in episodes if e.env is not None])
+                    turns=count(lambda e: e.turns), cut=cut, tool_outputs_cut=count(lambda e: e.outputs_cut),
+                    environments=[e.env for e in episodes if e.env is not None])
 
 
 # ---- what the trainer and the evaluator use ---------------------------------------------------------
@@ -265,6 +283,7 @@ class EpisodeRunner:
     tool_timeout_s: float | None
     tool_format: str = "auto"
     call_opener: str = ""
+    tool_output_max_chars: int | None = None
     _formats: dict = field(default_factory=dict)
 
     @classmethod
@@ -275,48 +294,72 @@ class EpisodeRunner:
         if not dotted and target is None:
             return None
         tools = [import_object(d, f"rollout.tools[{i}]") for i, d in enumerate(dotted)]
-        for fn in tools:
-            make_tool(fn)  # a tool without type hints or docstring is refused now, not at its first call
         factory = environment_class(target) if target is not None else None
+        # a tool without type hints or docstring, or two of one name, are refused now, not at the first call
+        names = [make_tool(fn).name for fn in [*tools, *environment_functions(factory).values()]]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise ConfigError(f"rollout.tools and the environment's methods offer {' and '.join(twice)} twice; every "
+                              "tool needs its own name: drop one from rollout.tools or rename one")
         return cls(tools, factory, int(roll.get("max_tool_calls", 1)), roll.get("tool_timeout_s"),
-                   str(roll.get("tool_format", "auto")), str(roll.get("call_opener") or ""))
+                   str(roll.get("tool_format", "auto")), str(roll.get("call_opener") or ""),
+                   roll.get("tool_output_max_chars"))
 
     def format_for(self, tokenizer) -> ToolFormat:
+        """How `tokenizer` shows the tools; ConfigError for rollout.tool_format=native on a template without
+        tool support, or a template episodes cannot use (tools.ToolFormat)."""
         key = id(tokenizer)
         if key not in self._formats:
-            fmt = ToolFormat(tokenizer, native=TOOL_FORMATS[self.tool_format], opener=self.call_opener)
-            if self.tool_format == "native" and not fmt.native:
-                raise ConfigError("rollout.tool_format=native but the chat template renders no tools; use auto or hermes")
-            self._formats[key] = fmt
+            if self.tool_format == "native" and not supports_tools(tokenizer):
+                raise ConfigError(f"rollout.tool_format=native is invalid: the chat template of {tokenizer.name_or_path} "
+                                  "renders no tools (a tool's schema, a call and its result must all show); use "
+                                  "rollout.tool_format=auto or hermes (the tools described in the system turn)")
+            self._formats[key] = ToolFormat(tokenizer, native=TOOL_FORMATS[self.tool_format], opener=self.call_opener)
         return self._formats[key]
 
     def run(self, engine: Engine, tokenizer, rows: list[dict], num_generations: int, *, max_new_tokens: int,
-            context_length: int | None, stop: StopFn | None = None, **sampling) -> Episodes:
-        return run_episodes(engine, self.format_for(tokenizer), rows, num_generations, max_new_tokens=max_new_tokens,
-                            max_tool_calls=self.max_tool_calls, context_length=context_length, tools=self.tools,
-                            environment_factory=self.environment_factory, tool_timeout_s=self.tool_timeout_s,
-                            stop=stop, **sampling)
+            context_length: int | None, stop: StopFn | None = None, **sampling) -> Episodes | None:
+        """run_episodes with these settings; None when a stop request came while a tool or the environment ran
+        (it was abandoned: there is no record to keep)."""
+        try:
+            return run_episodes(engine, self.format_for(tokenizer), rows, num_generations, max_new_tokens=max_new_tokens,
+                                max_tool_calls=self.max_tool_calls, context_length=context_length, tools=self.tools,
+                                environment_factory=self.environment_factory, tool_timeout_s=self.tool_timeout_s,
+                                tool_output_max_chars=self.tool_output_max_chars, stop=stop, **sampling)
+        except Interrupted:
+            return None
+
+
+def check_before_model_load(cfg) -> None:
+    """What an episode run would meet only once the model has loaded: a bad tool or environment class
+    (EpisodeRunner.from_config), a chat template that cannot show the tools as rollout.tool_format asks, and an
+    environment that cannot be built or reset on the run's first row (UserCodeError, here a ConfigError)."""
+    from grpo_cli.data import PromptSampler, load_rows
+    from grpo_cli.models import load_tokenizer
+
+    runner = EpisodeRunner.from_config(cfg)
+    if runner is None:
+        return
+    runner.format_for(load_tokenizer(cfg.model.name_or_path, bool(cfg.model.get("trust_remote_code"))))
+    if runner.environment_factory is None:
+        return
+    rows = load_rows(cfg.data, split="train", seed=cfg.trainer.seed)
+    first = PromptSampler(rows, cfg.data.prompts_per_step, cfg.trainer.seed).batch(0)[0]
+    try:
+        reset_environment(new_environment(runner.environment_factory), first)
+    except UserCodeError as err:
+        raise ConfigError(f"env._target_={cfg.env._target_} fails on the run's first row, before the model loads: "
+                          f"{err}") from None
 
 
 def reward_fields(rollout: Rollout) -> dict[str, list]:
-    """What rewards that name them receive of an episode (TRL's names): `messages`, the whole conversation with
-    its tool calls and results, and `environments`, the episode's instance; nothing for a single-turn rollout."""
+    """What rewards receive of a rollout beside the rows' fields (TRL's names; rewards.reward_arguments says which
+    function gets which): `completion_ids`, each completion's tokens; of an episode, `messages`, the whole
+    conversation with its tool calls and results, and `environments`, the episode's instance."""
+    ids = [row[real.bool()].tolist() for row, real in zip(rollout.completion_ids, rollout.completion_mask, strict=True)]
     if not isinstance(rollout, Episodes):
-        return {}
-    return {"messages": rollout.messages, **({"environments": rollout.environments} if rollout.environments else {})}
-
-
-def with_environment_reward(rollout: Rollout, totals: list[float], per_function: dict) -> list[float]:
-    """`totals` plus the environment's own reward (`get_reward()`, weight 1, as in TRL), which `per_function`
-    gets under the environment's class name (reward/NAME in the metrics)."""
-    found = rollout.environment_rewards() if isinstance(rollout, Episodes) else None
-    if found is None:
-        return totals
-    name, scores = found
-    if name in per_function:
-        raise ConfigError(f"the environment {name} and a reward function share the name {name}; rename the function")
-    per_function[name] = scores
-    return [t + s for t, s in zip(totals, scores, strict=True)]
+        return {"completion_ids": ids}
+    return {"completion_ids": ids, "messages": rollout.messages,
+            **({"environments": rollout.environments} if rollout.environments else {})}
 
 
 def episode_metrics(rollout: Rollout) -> dict[str, float]:

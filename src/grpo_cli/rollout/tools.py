@@ -16,15 +16,16 @@ and an optional `get_reward() -> float`.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import inspect
 import json
 import re
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from grpo_cli.errors import ConfigError, error_line
+from grpo_cli import user_code
+from grpo_cli.errors import ConfigError, UserCodeError, error_line, warn
+from grpo_cli.user_code import raised
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 HERMES_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -58,6 +59,7 @@ class ToolResult:
     name: str
     content: str
     failed: bool
+    cut: bool = False  # over rollout.tool_output_max_chars: cut, with a note
 
 
 def make_tool(fn: Callable, schema: dict | None = None) -> Tool:
@@ -83,11 +85,16 @@ def make_tools(functions: Sequence[Callable]) -> list[Tool]:
     return tools
 
 
+def environment_functions(cls) -> dict[str, Callable]:
+    """The tools of an environment class as TRL finds them: its public functions other than `reset` and
+    `get_reward`, by name (listed on the class, so properties are not evaluated); none for None."""
+    return {name: fn for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")} if cls is not None else {}
+
+
 def environment_methods(env) -> list[Callable]:
-    """The tools of an environment instance as TRL finds them: the public functions of its class other than
-    `reset` and `get_reward`, bound to the instance (listed on the class, so properties are not evaluated)."""
-    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-            if not name.startswith("_") and name not in ("reset", "get_reward")]
+    """The tools of an environment instance: its class's `environment_functions`, bound to it."""
+    return [getattr(env, name) for name in environment_functions(type(env))]
 
 
 def supports_tools(tokenizer) -> bool:
@@ -169,10 +176,14 @@ def argument_problem(tool: Tool, arguments: dict) -> str | None:
     return None
 
 
-def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float | None = None) -> ToolResult:
-    """Run one call in a daemon worker thread under `timeout_s` (None: no limit). A malformed call, an unknown
-    tool, arguments that do not fit, an exception or a deadline passed is a failed call whose content is the
-    error the model reads; nothing here raises. A call past its deadline is abandoned, as a reward is."""
+def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float | None = None, stop=None,
+              max_chars: int | None = None) -> ToolResult:
+    """Run one call behind the user-code boundary (grpo_cli.user_code.call) under `timeout_s` (None: no limit).
+    A malformed call, an unknown tool, arguments that do not fit, an Exception or a deadline passed is a failed
+    call whose content is the error the model reads (TRL's contract); a call past its deadline is abandoned, as a
+    reward is. A tool that exits instead (SystemExit, a KeyboardInterrupt of its own) is a bug no message to the
+    model can fix: UserCodeError, one line. A stop request (`stop()`) abandons the call: Interrupted. The result
+    reaches the model as TRL renders it, `str(result)`; one over `max_chars` characters is cut, with a note."""
     if call.problem is not None:
         return ToolResult(call.name or "unknown", f"error: {call.problem}", True)
     tool = tools.get(call.name)
@@ -181,27 +192,35 @@ def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float | None = 
     problem = argument_problem(tool, call.arguments)
     if problem is not None:
         return ToolResult(call.name, f"error: {problem}", True)
-    outcome: dict = {}
-
-    def target():
-        try:
-            returned = tool.fn(**call.arguments)
-            # an async tool (TRL allows them) runs to completion on its own event loop in this worker thread
-            outcome["returned"] = asyncio.run(returned) if inspect.iscoroutine(returned) else returned
-        except Exception as err:  # handed to the waiting thread
-            outcome["error"] = err
-
-    worker = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
-    worker.start()
-    worker.join(None if timeout_s is None else max(0.0, timeout_s))
-    if worker.is_alive():
+    try:
+        content = user_code.call(functools.partial(rendered_result, tool.fn, call.arguments), name=f"tool-{tool.name}",
+                                 timeout_s=timeout_s, stop=stop)
+    except user_code.TimedOut:
         return ToolResult(call.name, f"error: {call.name} did not return within {timeout_s} s", True)
-    if "error" in outcome:
-        return ToolResult(call.name, f"error: {call.name} raised {error_line(outcome['error'])}", True)
-    if "returned" not in outcome:  # the thread died of a BaseException (SystemExit in the tool)
-        return ToolResult(call.name, f"error: {call.name} exited its thread", True)
-    returned = outcome["returned"]
-    return ToolResult(call.name, returned if isinstance(returned, str) else json.dumps(returned, default=str), False)
+    except user_code.Raised as failure:
+        if not isinstance(failure.error, Exception):
+            raise UserCodeError(f"tool {qualified(tool.fn)} raised {raised(failure.error)} instead of returning; a tool "
+                                "reports a failure by raising an Exception (the model reads it), never by exiting: "
+                                "fix it") from None
+        return ToolResult(call.name, f"error: {call.name} raised {error_line(failure.error)}", True)
+    if max_chars is None or len(content) <= max_chars:
+        return ToolResult(call.name, content, False)
+    warn(f"a result of tool {call.name} was over rollout.tool_output_max_chars={max_chars} characters and was cut "
+         "(the model reads the cut result and a note; episodes/tool_outputs_cut counts them); make the tool return "
+         "less or raise the option")
+    note = f"\n[cut: the result had {len(content)} characters, over rollout.tool_output_max_chars={max_chars}]"
+    return ToolResult(call.name, content[:max_chars] + note, False, cut=True)
+
+
+def rendered_result(fn: Callable, arguments: dict) -> str:
+    """What the model reads of a tool's result: `str()` of what it returned (TRL's rendering: True, not true),
+    an async tool's awaited on an event loop of its own (TRL allows them)."""
+    return str(user_code.awaited(fn(**arguments)))
+
+
+def qualified(fn: Callable) -> str:
+    """How a message names user code: `Class.method` for an environment's method, the function's name otherwise."""
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 class ToolFormat:
@@ -323,14 +342,51 @@ def import_object(dotted: str, key: str):
     return found
 
 
+def new_environment(factory: Callable, stop=None):
+    """One instance, built as TRL's environment_factory builds it (no arguments), behind the user-code boundary."""
+    try:
+        return user_code.call(factory, name="environment-init", stop=stop)
+    except user_code.Raised as failure:
+        raise UserCodeError(f"environment {getattr(factory, '__qualname__', factory)}() raised {raised(failure.error)}; "
+                            "an environment is built without arguments (TRL's environment_factory): fix its __init__"
+                            ) from None
+
+
+def reset_environment(env, row: dict, stop=None) -> str | None:
+    """`env.reset(**reset_arguments)` behind the user-code boundary: its string (added to the prompt) or None;
+    whatever it raises, exits with or returns besides is a UserCodeError naming the class."""
+    name, arguments = type(env).__qualname__, reset_arguments(env.reset, row)
+    try:
+        observation = user_code.call(functools.partial(env.reset, **arguments), name="environment-reset", stop=stop)
+    except user_code.Raised as failure:
+        raise UserCodeError(f"environment {name}.reset raised {raised(failure.error)} (given {', '.join(arguments)}); "
+                            "fix it") from None
+    if observation is not None and not isinstance(observation, str):
+        raise UserCodeError(f"environment {name}.reset returned {type(observation).__name__} "
+                            f"{user_code.shown(observation)}; it must return a string (added to the prompt) or None")
+    return observation
+
+
+def reset_arguments(reset: Callable, row: dict) -> dict:
+    """The keywords `reset` gets: the row's columns as TRL passes them, the prompt's chat messages as `prompt`
+    (TRL's name), and the same as `messages` (grpo-cli's name) where reset names it or takes **kwargs. Copies:
+    a reset that edits them leaves the data alone."""
+    fields = {k: v for k, v in row.items() if k != "messages"}
+    if not row.get("messages"):  # an environment that owns the prompt: nothing to pass
+        return fields
+    try:
+        params = inspect.signature(reset).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_messages = "messages" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    copy = lambda: [dict(m) for m in row["messages"]]  # noqa: E731
+    return {"prompt": copy(), **fields, **({"messages": copy()} if takes_messages else {})}
+
+
 def environment_class(dotted: str, key: str = "env._target_"):
     """The environment class (TRL's environment_factory contract), checked without building an instance."""
     cls = import_object(dotted, key)
     if not callable(getattr(cls, "reset", None)):
         raise ConfigError(f"{key}={dotted} has no reset(**row) method; an environment needs reset(**row) -> str | None "
                           "and its tools as public methods (TRL's environment_factory)")
-    if inspect.isclass(cls):  # its tools need schemas: found now, not at the first rollout
-        for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction):
-            if not name.startswith("_") and name not in ("reset", "get_reward"):
-                make_tool(fn)
     return cls
