@@ -110,8 +110,9 @@ def _lora_grads(model):
 
 @pytest.mark.parametrize("temperature", (1.0, 0.7))
 @pytest.mark.parametrize("with_entropy", (False, True))
+@pytest.mark.parametrize("unpadded", (False, True), ids=("shared_prompt", "unpadded"))
 @pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
-def test_completion_logprobs_equal_full_forward(policy, temperature, with_entropy):
+def test_completion_logprobs_equal_full_forward(policy, temperature, with_entropy, unpadded):
     model, roll = policy
     model.train()
     rows = slice(0, roll.completion_ids.shape[0])
@@ -123,9 +124,10 @@ def test_completion_logprobs_equal_full_forward(policy, temperature, with_entrop
     assert ref_grad.abs().max() > 0
     for chunk in CHUNKS:
         model.zero_grad(set_to_none=True)
-        logp, ent = completion_logprobs(model, roll, rows, temperature, chunk, with_entropy)
+        logp, ent = completion_logprobs(model, roll, rows, temperature, chunk, with_entropy, unpadded=unpadded)
         (logp * roll.completion_mask).sum().backward()
         torch.testing.assert_close(logp[real], ref_logp[real], rtol=1e-5, atol=1e-5)
+        assert not unpadded or not logp[~real].any()  # the unpadded pass computes nothing at padding: 0
         if with_entropy:
             torch.testing.assert_close(ent[real], ref_ent[real], rtol=1e-5, atol=1e-4)
         else:
@@ -146,6 +148,61 @@ def test_micro_batch_rows_and_reference_policy(policy):
     torch.testing.assert_close(part[real], full[2:5][real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ref_part[real], ref_full[2:5][real], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(part[real], ref_part[real])
+
+
+def uneven_rollout(model, tokenizer) -> Rollout:
+    """Three prompts of different lengths (left padding), two completions each, of six different lengths."""
+    texts = ("What is 2 + 3? Answer:", "Hi", "Name a colour, then a number, then an animal:")
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    torch.manual_seed(1)
+    roll = HFEngine(model, tokenizer).generate(prompts, 2, max_new_tokens=12, min_new_tokens=12, temperature=1.0)
+    for row, length in enumerate((12, 3, 7, 1, 10, 5)):
+        roll.completion_mask[row, length:] = 0
+    return roll
+
+
+@pytest.mark.parametrize("with_entropy", (False, True))
+def test_the_unpadded_pass_equals_the_padded_pass_on_uneven_completions(policy, with_entropy):
+    """Log-probs, entropy and LoRA gradients of the unpadded pass (no padding computed, causal attention within
+    each sequence) equal the shared-prompt pass's (padding and a mask) to rounding, the reference policy's too."""
+    model, _ = policy
+    roll = uneven_rollout(model, load_tokenizer("tiny-random"))
+    real, rows = roll.completion_mask.bool(), slice(0, 6)
+    model.train()
+    out = []
+    for unpadded in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, ent = completion_logprobs(model, roll, rows, 0.9, 5, with_entropy, unpadded=unpadded)
+        (logp * roll.completion_mask * torch.linspace(-1, 1, 12)).sum().backward()
+        with torch.no_grad(), model.disable_adapter():
+            ref, _ = completion_logprobs(model, roll, slice(1, 5), 1.0, None, unpadded=unpadded)
+        out.append((logp.detach(), ent, _lora_grads(model), ref))
+    (lp0, e0, g0, r0), (lp1, e1, g1, r1) = out
+    torch.testing.assert_close(lp1[real], lp0[real], rtol=1e-5, atol=1e-5)
+    assert not lp1[~real].any()
+    if with_entropy:
+        torch.testing.assert_close(e1[real], e0[real], rtol=1e-5, atol=1e-4)
+    assert g0.abs().max() > 0
+    torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5 * float(g0.abs().max()))
+    torch.testing.assert_close(r1[real[1:5]], r0[real[1:5]], rtol=1e-5, atol=1e-5)
+
+
+def test_the_unpadded_pass_is_chosen_where_it_costs_less(policy):
+    """One long prompt shared by short completions: the shared-prompt pass; long completions: the unpadded one."""
+    from grpo_cli.rollout.logprobs import unpadded_pays
+
+    model, _ = policy
+
+    def rollout(prompt: int, completion: int) -> Rollout:
+        return Rollout(torch.ones(1, prompt, dtype=torch.long), torch.ones(1, prompt, dtype=torch.long),
+                       torch.ones(8, completion, dtype=torch.long), torch.ones(8, completion, dtype=torch.long),
+                       torch.zeros(8, dtype=torch.bool), [""] * 8, 8)
+
+    assert not unpadded_pays(model, rollout(60, 16), slice(0, 8))
+    assert unpadded_pays(model, rollout(60, 1024), slice(0, 8))
+    uneven = rollout(60, 1024)
+    uneven.completion_mask[1:, 64:] = 0  # one long completion pads seven short ones
+    assert unpadded_pays(model, uneven, slice(0, 8))
 
 
 def test_gradient_checkpointing_gives_the_same_values_and_grads(policy):

@@ -183,8 +183,8 @@ def test_sigterm_stops_a_run_whose_tool_hangs_without_a_deadline(tmp_path_factor
     lines, seconds = stderr_lines_after_signal(child, signal.SIGTERM)
     assert child.returncode == 128 + signal.SIGTERM, lines
     assert lines[-1][1] == (f"grpo-train: stopped by SIGTERM after 1 complete step(s); the unfinished step was "
-                            f"discarded; checkpoint {run}/checkpoints/step-000001; resume with the same command plus "
-                            f"trainer.resume=auto hydra.run.dir={run}")
+                            f"discarded; checkpoint {run}/checkpoints/step-000001; resume with: "
+                            f"{resume_command(args, run)}")
     assert seconds < 20, (lines, seconds)  # the tool would have slept 60 s
     assert not any("Traceback" in text for _, text in lines)
 

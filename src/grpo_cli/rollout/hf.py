@@ -20,6 +20,7 @@ from grpo_cli.rollout.common import (
     sampling_kwargs,
     stop_criteria,
 )
+from grpo_cli.rollout.kv_cache import reserve
 
 
 @torch.no_grad()
@@ -30,7 +31,8 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: 
     keywords of `sampling_kwargs` (greedy, temperature, top_p, top_k, min_p, repetition_penalty).
 
     The prompts are prefilled once and their KV cache repeated G times, instead of prefilling every
-    prompt G times as `num_return_sequences` would."""
+    prompt G times as `num_return_sequences` would; the cache has room for the completions reserved
+    (rollout/kv_cache.py), so a decode step writes its token in place instead of copying the cache."""
     device = device or next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, device)
     eos = eos_ids(model, tokenizer)
@@ -42,7 +44,7 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: 
         if ids.shape[1] > 1:
             _, kv = prefill(model, ids[:, :-1], mask[:, :-1])
             kv.batch_repeat_interleave(num_generations)
-            cache = {cache_kwarg(model): kv}
+            cache = {cache_kwarg(model): reserve(kv, max_new_tokens)}
         out = model.generate(
             input_ids=ids.repeat_interleave(num_generations, dim=0),
             attention_mask=mask.repeat_interleave(num_generations, dim=0), **cache,

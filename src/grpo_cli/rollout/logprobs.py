@@ -88,16 +88,11 @@ def plain_head(model) -> torch.nn.Linear | None:
 
 def completion_hidden(model, rollout: Rollout, rows: slice) -> torch.Tensor:
     """The decoder's final hidden states [R, T, H] at the positions that predict the completion tokens of
-    `rows` (what the LM head turns into `completion_logits`).
-
-    Prompts run once each and their KV cache is indexed out to the rows, as in `completion_logits`. Under
-    gradient checkpointing (which drops the KV cache while training) each row runs prompt and completion in
-    one sequence instead, with the same positions and mask, so the result is the same."""
+    `rows` (what the LM head turns into `completion_logits`), the shared-prompt way: prompts run once each and their
+    KV cache is indexed out to the rows, as in `completion_logits`; the completions attend through a mask (padding
+    and the prompt). Under gradient checkpointing, which drops the KV cache while training, `completion_logprobs`
+    takes `unpadded_hidden` instead."""
     decoder = hf_model(model).get_decoder()
-    if checkpointing(model):
-        ids, mask, pos = full_sequence(rollout, rows)
-        out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-        return out.last_hidden_state[:, rollout.prompt_ids.shape[1] - 1:]
     G = rollout.group_size
     first, last = rows.start // G, (rows.stop - 1) // G
     p_ids, p_mask = rollout.prompt_ids[first:last + 1], rollout.prompt_mask[first:last + 1]
@@ -117,10 +112,82 @@ def completion_hidden(model, rollout: Rollout, rows: slice) -> torch.Tensor:
     return torch.cat([first_hidden, rest], dim=1)
 
 
+def real_lengths(rollout: Rollout, rows: slice) -> tuple[list[int], list[int]]:
+    """(prompt length, completion length) of each row of `rows`: its real tokens, no padding."""
+    G = rollout.group_size
+    prompt = rollout.prompt_mask.sum(dim=1).tolist()
+    completion = rollout.completion_mask[rows].sum(dim=1).tolist()
+    return [int(prompt[i // G]) for i in range(rows.start, rows.stop)], [int(n) for n in completion]
+
+
+def unpadded_hidden(model, rollout: Rollout, rows: slice) -> torch.Tensor:
+    """The decoder's final hidden states [N, H] at the positions that predict the real completion tokens of `rows`
+    (N of them, row after row): what `completion_hidden` gives at its real positions, computed without padding.
+
+    Each row runs as its own sequence, its prompt's real tokens then its completion's, so no padding token is
+    computed and attention is plain causal (SDPA's `is_causal`, no mask) within each sequence. Rows of equal length
+    run as one batch. The prompt is run once per row, not once per group: this pays where completions are long
+    and uneven (see `unpadded_pays`)."""
+    decoder = hf_model(model).get_decoder()
+    G = rollout.group_size
+    prompt_lengths, lengths = real_lengths(rollout, rows)
+    by_length: dict[int, list[int]] = {}
+    for r, (lp, lc) in enumerate(zip(prompt_lengths, lengths, strict=True)):
+        if lc:
+            by_length.setdefault(lp + lc - 1, []).append(r)
+    found: dict[int, torch.Tensor] = {}
+    for width, members in by_length.items():
+        ids = []
+        for r in members:
+            i, lp = rows.start + r, prompt_lengths[r]
+            prompt = rollout.prompt_ids[i // G][rollout.prompt_mask[i // G].bool()]
+            ids.append(torch.cat([prompt, rollout.completion_ids[i, :width - lp + 1][:-1]]))
+        batch = torch.stack(ids)
+        positions_ = torch.arange(width, device=batch.device).expand(len(members), -1)
+        hidden = decoder(input_ids=batch, position_ids=positions_, use_cache=False).last_hidden_state
+        for k, r in enumerate(members):
+            found[r] = hidden[k, prompt_lengths[r] - 1:]
+    if not found:
+        return torch.zeros((0, hf_model(model).config.get_text_config().hidden_size), device=rollout.prompt_ids.device)
+    return torch.cat([found[r] for r in sorted(found)])
+
+
+def unpadded_pays(model, rollout: Rollout, rows: slice) -> bool:
+    """Whether `unpadded_hidden` costs less than the shared-prompt pass for `rows`, by a FLOP count of each:
+
+        shared:    tokens P_pad * groups + R * T_pad (padding computed),  masked attention over R * T_pad * (P_pad + T_pad)
+        unpadded:  tokens sum_i (P_i + C_i) (each prompt once per row),  causal attention over sum_i (P_i + C_i)^2 / 2
+
+    a token costs 2 FLOPs per decoder weight, a query-key pair 4 per layer and attention dimension; attention runs
+    at 0.7 (masked, every block) and 0.55 (causal) of the matrix products' speed (SDPA's CPU kernels against oneDNN
+    at 1024 tokens, measured 2026-12-03). Short completions of one prompt favour sharing it; long or uneven ones,
+    the unpadded pass."""
+    config = hf_model(model).config.get_text_config()
+    layers, width = config.num_hidden_layers, config.num_attention_heads * getattr(
+        config, "head_dim", config.hidden_size // config.num_attention_heads)
+    decoder = hf_model(model).get_decoder()
+    per_token = 2.0 * sum(p.numel() for p in getattr(decoder, "layers", decoder).parameters())  # not the embedding
+    per_pair = 4.0 * layers * width
+    prompt_lengths, lengths = real_lengths(rollout, rows)
+    G = rollout.group_size
+    groups = (rows.stop - 1) // G - rows.start // G + 1
+    p_pad, t_pad = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    R = rows.stop - rows.start
+    shared = per_token * (p_pad * groups + R * t_pad) + per_pair * R * t_pad * (p_pad + t_pad) / 0.7
+    unpadded = per_token * sum(p + c for p, c in zip(prompt_lengths, lengths, strict=True)) \
+        + per_pair * sum((p + c) ** 2 / 2 for p, c in zip(prompt_lengths, lengths, strict=True)) / 0.55
+    return unpadded < shared
+
+
 def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float, chunk_size: int | None,
-                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        with_entropy: bool = False, unpadded: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [R, T] (and entropy, else None) of the completion tokens of `rows` under `model`
-    (a peft model answers for the policy, or for the reference inside `disable_adapter()`)."""
+    (a peft model answers for the policy, or for the reference inside `disable_adapter()`); padding positions hold
+    0 in the unpadded pass and a padded token's value in the shared-prompt pass: masks leave them out.
+
+    `unpadded`: run `unpadded_hidden` (True), the shared-prompt pass (False), or whichever `unpadded_pays` (None);
+    under gradient checkpointing always the unpadded pass (it needs no KV cache). The head, log-softmax and gather
+    run on the real completion tokens only in the unpadded pass; both give the same numbers to rounding."""
     tokens = rollout.completion_ids[rows]
     head = plain_head(model)
     if head is None:
@@ -128,8 +195,24 @@ def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float
         if with_entropy:
             return algorithm.token_logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=chunk_size)
         return algorithm.token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size), None
+    if checkpointing(model) or (unpadded if unpadded is not None else unpadded_pays(model, rollout, rows)):
+        real = rollout.completion_mask[rows].bool()
+        hidden = unpadded_hidden(model, rollout, rows)[None]
+        logp, entropy = _head_logprobs(head, hidden, tokens[real][None], temperature, chunk_size, with_entropy)
+        return _scattered(logp[0], real), None if entropy is None else _scattered(entropy[0], real)
     hidden = completion_hidden(model, rollout, rows)
+    return _head_logprobs(head, hidden, tokens, temperature, chunk_size, with_entropy)
+
+
+def _head_logprobs(head, hidden, tokens, temperature, chunk_size, with_entropy):
     products = algorithm.HeadProducts(head.product, head.product_back) \
         if isinstance(head, PackedLinear) and head.frozen_on_cpu(hidden) else None
     return algorithm.head_token_logprobs(hidden, head.weight, tokens, bias=head.bias, temperature=temperature,
                                          chunk_size=chunk_size, with_entropy=with_entropy, products=products)
+
+
+def _scattered(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """[R, T] with `values` (one per real position, row after row) at the real positions, 0 elsewhere."""
+    out = values.new_zeros(real.shape)
+    out[real] = values
+    return out
