@@ -22,9 +22,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import grpo_cli.config  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
-from grpo_cli import algorithm, checkpoint, distributed, rundir
+from grpo_cli import algorithm, checkpoint, distributed, memory, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
-from grpo_cli.errors import Interrupted, InvariantError, UserCodeError
+from grpo_cli.errors import Interrupted, InvariantError, RunError, UserCodeError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
 from grpo_cli.ranks import is_rank_zero
 from grpo_cli.rollout import episodes
@@ -117,6 +117,10 @@ class Run:
             except UserCodeError as failed:  # it failed before the update: the state after `step` steps is intact
                 restore_rng(last_complete)
                 raise self.keeping_the_last_state(failed, step) from None
+            except (RuntimeError, MemoryError) as error:
+                if not memory.is_out_of_memory(error):
+                    raise
+                raise self.out_of_memory(error, step) from None
             if result is None:  # stopped before the update: checkpoint the state after `step` complete steps
                 restore_rng(last_complete)
                 raise Interrupted(trainer.stop.signum or signal.SIGTERM, self.checkpoint_at(step),
@@ -124,6 +128,14 @@ class Run:
             self.record(tracker, step, *result)
             last_complete = rng_snapshot()
             self.checkpoint_if_due(step + 1)
+
+    def out_of_memory(self, error: BaseException, step: int) -> RunError:
+        """One line for an allocation that failed in `step`: nothing of the step is saved (an update may have
+        begun), the newest checkpoint on disk is kept and named, with the command that resumes from it."""
+        kept = "no checkpoint was written yet" if self.last_checkpoint is None else (
+            f"the checkpoint after {self.last_checkpoint[0]} step(s), {self.last_checkpoint[1]}, is kept; resume "
+            f"with the same command plus trainer.resume=auto hydra.run.dir={self.run_dir}")
+        return RunError(f"{memory.out_of_memory_line(error, step, self.trainer.lm.device)}; {kept}")
 
     def keeping_the_last_state(self, failed: UserCodeError, done: int) -> UserCodeError:
         """`failed`, its line extended by the checkpoint of the state after `done` complete steps and how to go on

@@ -48,6 +48,8 @@ FINGERPRINT_KEYS = (
     "trainer.max_grad_norm",
 )
 NOT_FINGERPRINTED = ("algo.check", "reward.timeout_s", "reward.accuracy")  # checks and limits, not the computation
+# trainer.micro_batch_tokens, memory_budget_gb and gradient_checkpointing are not in FINGERPRINT_KEYS either: they
+# change rounding, not what a step computes, and lowering them is how a run that ran out of memory goes on
 # the saved adapter, base weights or optimizer state cannot take a change of these: refused even when allowed
 NEVER_CHANGED = ("model.name_or_path", "model.lora.r", "model.lora.target_modules", "model.tiny", "optimizer.name")
 

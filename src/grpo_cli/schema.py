@@ -120,6 +120,7 @@ DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
 DOTTED_PATHS = Rule(lambda v: isinstance(v, ListConfig) and all(isinstance(t, str) and "." in t for t in v),
                    "a list of pkg.module.fn", failure="needs a list of dotted paths of callables, e.g. "
                    "'rollout.tools=[grpo_cli.calculator.calculator]'")
+AUTO_OR_COUNT = Rule(lambda v: v == "auto" or (is_int(v) and v >= 1), "auto or an integer >= 1", verb="use")
 MODEL_NAME = Rule(TEXT.test, "hub id, dir, embedded:NAME, tiny-random",
                   failure="give a hub id, a local directory, embedded:NAME or tiny-random")
 
@@ -244,6 +245,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("trainer.device", DEVICE, "auto = the first CUDA device, else the CPU", "auto"),
     Option("trainer.micro_batch_size", integer(1), "completions per forward/backward; null = a whole mini-batch",
       None, nullable=True),
+    Option("trainer.micro_batch_tokens", AUTO_OR_COUNT, "tokens (prompt + completion) per forward/backward at most; "
+      "a longer row goes alone; auto = what memory_budget_gb fits, else 4096 on the CPU and none on CUDA; null = none", "auto", nullable=True,
+      row="memory"),
+    Option("trainer.memory_budget_gb", number(0, low_open=True), "memory a step must fit in (GiB): the tokens per "
+      "micro-batch and activation checkpointing follow, said in one line at start; null = none", None,
+      nullable=True, row="memory"),
     Option("trainer.max_grad_norm", number(0, low_open=True), "gradient clipping norm", 1.0),
     Option("trainer.logprob_chunk_size", integer(1), "token rows per log-softmax chunk (bounds memory); null = one "
       "pass", 1024, nullable=True),

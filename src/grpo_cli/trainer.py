@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from grpo_cli import algorithm, distributed, dynamic_sampling
+from grpo_cli import algorithm, distributed, dynamic_sampling, memory
 from grpo_cli.config_rules import is_on_policy
 from grpo_cli.data import PromptSampler, load_rows
-from grpo_cli.errors import Interrupted, InvariantError
+from grpo_cli.errors import Interrupted, InvariantError, warn
 from grpo_cli.evaluate import final_eval_on
 from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
@@ -43,7 +43,7 @@ from grpo_cli.rollout import (
     sampling_options,
 )
 from grpo_cli.rollout import rows as row_ops
-from grpo_cli.rollout.logprobs import loss_mask
+from grpo_cli.rollout.logprobs import loss_mask, real_lengths
 from grpo_cli.schema import view
 from grpo_cli.stopping import StopRequest
 
@@ -194,9 +194,14 @@ class GRPOTrainer:
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
         self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
-        if self.tcfg.gradient_checkpointing:
-            enable_activation_checkpointing(self.model)
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
+        self.memory = memory.plan(self.tcfg, self.lm, rows=cfg.data.prompts_per_step * self.algo.num_generations
+                                  // self.dist.world_size, chunk_size=self.tcfg.logprob_chunk_size,
+                                  longest_row=cfg.data.max_prompt_tokens + self.roll.max_new_tokens)
+        if self.memory.budget_gb is not None:
+            warn(self.memory.line())
+        if self.memory.checkpointing:
+            enable_activation_checkpointing(self.model)
         self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype, stop=self.stop,
                                              environment=self.episodes and self.episodes.environment_factory)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -264,9 +269,11 @@ class GRPOTrainer:
     def on_policy(self) -> bool:
         return is_on_policy(self.algo)
 
-    def micro_batches(self, rows: slice) -> list[slice]:
-        size = self.tcfg.micro_batch_size or (rows.stop - rows.start)
-        return [slice(i, min(i + size, rows.stop)) for i in range(rows.start, rows.stop, max(1, size))]
+    def micro_batches(self, batch: Batch, rows: slice) -> list[slice]:
+        """The micro-batches of `rows`: trainer.micro_batch_size rows and the memory plan's tokens at most."""
+        prompts, completions = real_lengths(batch.rollout, rows)
+        tokens = [p + c for p, c in zip(prompts, completions, strict=True)]
+        return memory.cut(rows, tokens, self.tcfg.micro_batch_size, self.memory.micro_batch_tokens)
 
     def _logprobs(self, batch: Batch, rows: slice, *, grad: bool, with_entropy: bool = False):
         with torch.set_grad_enabled(grad):
@@ -289,7 +296,7 @@ class GRPOTrainer:
         for part in groups:
             spans.append(slice(start, start + len(part) * G))
             start += len(part) * G
-        micro = [self.micro_batches(rows) for rows in spans]
+        micro = [self.micro_batches(ordered, rows) for rows in spans]
         local = [[float(rows.stop - rows.start), float(ordered.mask[rows].sum()), float(len(parts))]
                  for rows, parts in zip(spans, micro, strict=True)]
         total = distributed.sum_floats([x for counts in local for x in counts], self.dist, self.lm.device)

@@ -1,0 +1,132 @@
+"""Memory (grpo_cli/memory.py): micro-batches cut by tokens, the plan a budget gives (and its refusal), the same
+update whatever the cut, and the one line of a budget that is too small or of an allocation that failed."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import fixed_batch, gradients_at_step, make_trainer, run_cli, tiny_lora_policy
+
+from grpo_cli import memory
+from grpo_cli.errors import ConfigError
+
+
+def test_cut_by_rows_and_tokens():
+    rows = slice(4, 10)
+    assert memory.cut(rows, [5] * 6, None, None) == [slice(4, 10)]
+    assert memory.cut(rows, [5] * 6, 2, None) == [slice(4, 6), slice(6, 8), slice(8, 10)]
+    assert memory.cut(rows, [5, 5, 5, 30, 5, 5], None, 12) == [slice(4, 6), slice(6, 7), slice(7, 8), slice(8, 10)]
+    assert memory.cut(rows, [5] * 6, 2, 12) == [slice(4, 6), slice(6, 8), slice(8, 10)]
+
+
+def trainer_section(**given):
+    return SimpleNamespace(**{"micro_batch_tokens": "auto", "gradient_checkpointing": False,
+                              "memory_budget_gb": None, **given})
+
+
+def test_the_plan_without_a_budget_is_the_settings_as_given():
+    lm = tiny_lora_policy()
+    plan = memory.plan(trainer_section(), lm, rows=8, longest_row=100, chunk_size=1024)
+    assert plan == memory.MemoryPlan(memory.CPU_MICRO_BATCH_TOKENS, False)
+    plan = memory.plan(trainer_section(micro_batch_tokens=None, gradient_checkpointing=True), lm, rows=8,
+                       longest_row=100, chunk_size=1024)
+    assert plan == memory.MemoryPlan(None, True)
+
+
+def test_a_budget_takes_the_most_tokens_that_fit_then_checkpointing_then_refuses():
+    lm = tiny_lora_policy()
+    now = memory.in_use_bytes(lm.device)
+    plain = memory.activation_bytes_per_token(lm.model.config, lm.dtype, False)
+    lean = memory.activation_bytes_per_token(lm.model.config, lm.dtype, True)
+    vocab = lm.model.get_output_embeddings().weight.shape[0]
+    head = memory.HEAD_BLOCKS * 64 * vocab * 4
+    row = 20_000  # the tiny model's rows must weigh far more than the process's own drift between two readings
+
+    def budget_for(per_token: float, tokens: int) -> float:  # GiB that leave room for `tokens` and a little more
+        return (now + head + (tokens + row / 2) * per_token) / 0.95 / memory.GIB
+
+    roomy = memory.plan(trainer_section(micro_batch_tokens=None, memory_budget_gb=budget_for(plain, 3 * row)), lm,
+                        rows=4, longest_row=row, chunk_size=64)
+    assert not roomy.checkpointing and 3 * row <= roomy.micro_batch_tokens < 4 * row
+    assert "trainer.memory_budget_gb=" in roomy.line() and "activation checkpointing off" in roomy.line()
+    capped = memory.plan(trainer_section(micro_batch_tokens=30_000, memory_budget_gb=budget_for(plain, 3 * row)), lm,
+                         rows=4, longest_row=row, chunk_size=64)
+    assert capped.micro_batch_tokens == 30_000
+    tight = memory.plan(trainer_section(memory_budget_gb=budget_for(lean, row)), lm, rows=4, longest_row=row,
+                        chunk_size=64)
+    assert tight.checkpointing and row <= tight.micro_batch_tokens < 2 * row * plain / lean
+    with pytest.raises(ConfigError, match=r"trainer.memory_budget_gb=[\d.]+ is too small for rows of up to 20000 "
+                                          r"tokens .*raise trainer.memory_budget_gb"):
+        memory.plan(trainer_section(memory_budget_gb=budget_for(lean, row // 2)), lm, rows=4, longest_row=row,
+                    chunk_size=64)
+
+
+def test_the_activation_estimate_follows_the_widths():
+    small = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128)
+    per_layer = 6 * 64 + 2 * 32 + 4 * 128
+    assert memory.activation_bytes_per_token(small, torch.float32, False) == pytest.approx(
+        2 * per_layer * 4 * memory.ALLOCATOR_FACTOR)
+    assert memory.activation_bytes_per_token(small, torch.bfloat16, True) == pytest.approx(
+        2 * per_layer * 2 * memory.ALLOCATOR_FACTOR * memory.CHECKPOINTED_SHARE)
+
+
+@pytest.mark.slow
+def test_micro_batches_cut_by_tokens_give_the_whole_batchs_gradient(compose, tmp_path):
+    """Rows of about 40 tokens, at most 90 a micro-batch: two rows each; the gradient of the step equals the one
+    micro-batch gradient to fp32 reordering (the bound of test_mini_batches)."""
+    whole = make_trainer(compose, tmp_path, "trainer.micro_batch_tokens=null", "optimizer.lr=1e-2")
+    cut = make_trainer(compose, tmp_path, "trainer.micro_batch_tokens=90", "optimizer.lr=1e-2")
+    batch = fixed_batch(whole, lambda i, G: (i * 7 % 5) % G)
+    _, minis = cut.mini_batch_layout(batch)
+    assert len(minis[0].micro) > 2 and all(s.stop - s.start <= 2 for s in minis[0].micro)
+    grads = [gradients_at_step(t) for t in (whole, cut)]
+    whole.update(0, batch)
+    cut.update(0, batch)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * float(want.abs().max()))
+
+
+TINY = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "rollout.max_new_tokens=4", "data.prompts_per_step=2",
+        "algo.num_generations=2", "trainer.log_samples_every=0"]
+
+
+@pytest.mark.slow
+def test_a_budget_too_small_stops_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli([*TINY, "trainer.max_steps=2", "trainer.save_every=1", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    proc = run_cli([*TINY, "trainer.max_steps=4", "trainer.save_every=1", "trainer.memory_budget_gb=0.01",
+                    "trainer.resume=auto", "trainer.resume_allow_changes=[trainer.max_steps]", f"hydra.run.dir={run}"],
+                   tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"grpo-train: trainer.memory_budget_gb=0.01 is too small for rows of up to "
+                                        r"\d+ tokens .* raise trainer.memory_budget_gb", lines[0]), lines
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == kept
+
+
+@pytest.mark.slow
+def test_an_allocation_that_fails_is_one_line_naming_the_knobs_and_the_kept_checkpoint(tmp_path):
+    """A real out-of-memory: the data segment limited (RLIMIT_DATA) below what the resumed run's full logits need
+    (no chunking, 8 x 768 positions x 49k vocabulary, 1.2 GB a copy): exit 1, one line, the checkpoint kept."""
+    run = tmp_path / "run"
+    proc = run_cli([*TINY, "trainer.max_steps=1", "trainer.save_every=1", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    heavy = ["rollout.max_new_tokens=768", "rollout.min_new_tokens=768", "algo.num_generations=4",
+             "trainer.logprob_chunk_size=null", "trainer.max_steps=2", "trainer.resume=auto",
+             "trainer.resume_allow_changes=[rollout.max_new_tokens,rollout.min_new_tokens,algo.num_generations,"
+             "trainer.logprob_chunk_size,trainer.max_steps]", f"hydra.run.dir={run}"]
+    proc = run_cli([*TINY[:3], TINY[4], *TINY[6:], *heavy], tmp_path, rlimits={"RLIMIT_DATA": (2 * 2**30, 2 * 2**30)})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr
+    assert re.match(r"grpo-train: out of memory in step 1 on cpu: an allocation of [\d.]+ GiB failed \(peak so far "
+                    r"[\d.]+ GiB\); set trainer.memory_budget_gb .*; the "
+                    r"checkpoint after 1 step\(s\), .*step-000001, is kept; resume with the same command plus "
+                    r"trainer.resume=auto", lines[-1]), lines[-3:]
+    assert (run / "checkpoints" / "step-000001").is_dir()
