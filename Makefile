@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup setup-vllm test test-fast test-vllm lint quickstart bench bench-scaling clean
+.PHONY: setup setup-vllm test test-fast test-vllm lint quickstart bench bench-scaling bench-long clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,12 @@ bench: $(STAMP)
 
 bench-scaling: $(STAMP)
 	$(PY) scripts/bench.py --mode scaling
+
+# long completions, ours against TRL (hours on 2 CPU cores): the T-scaling table, then the memory-cap table
+bench-long: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) scripts/bench_long.py --mode lengths
+	$(PY) scripts/bench_long.py --mode budget
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) outputs multirun

@@ -16,6 +16,12 @@ from pathlib import Path
 
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "auto": "auto"}  # model.dtype; QUANTIZED: model.quantization
 QUANTIZED = ("nf4", "fp4", "int8")
+# TRL's settings the bench runs: nogc (one forward of the whole batch, no recomputation: TRL at its fastest, what
+# `make bench` compares against), default (GRPOConfig's own: gradient_checkpointing=True), lean (TRL's documented
+# memory settings: checkpointing and one completion per forward, gradient accumulation over the batch)
+TRL_SETTINGS = {"nogc": {"gradient_checkpointing": False, "rows": None},
+                "default": {"gradient_checkpointing": True, "rows": None},
+                "lean": {"gradient_checkpointing": True, "rows": 1}}
 QUESTION = "State the final answer to the following arithmetic problem: {a} {op} {b} = Answer with just the number."
 
 
@@ -51,6 +57,7 @@ def compose_cfg(spec: dict):
         overrides += ["rollout.vllm_kv_cache_gib=1", *(["model.tiny.num_heads=1"] if spec["model"] == "tiny" else [])]
     if spec.get("model_dir"):
         overrides.append(f"model.name_or_path={spec['model_dir']}")
+    overrides += list(spec.get("overrides", ()))  # ours only: e.g. trainer.memory_budget_gb=8
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
@@ -128,7 +135,7 @@ def time_phases(trainer, device) -> dict:
 def worker_ours(spec: dict) -> dict:
     import torch
     cfg = compose_cfg(spec)
-    n_steps = 1 + spec["steps"]
+    n_steps = spec.get("warmup", 1) + spec["steps"]
     t_load = time.perf_counter()
     from grpo_cli.trainer import GRPOTrainer
     trainer = GRPOTrainer(cfg, rows=bench_rows(spec["prompts"] * n_steps, spec["seed"]))  # no run dir: it only steps
@@ -149,8 +156,10 @@ def worker_ours(spec: dict) -> dict:
         steps.append({"s": time.perf_counter() - t0, "gen_s": metrics["gen_time_s"], "compile_s": metrics["gen_compile_s"],
                       "completion_tokens": int(roll.completion_ids.numel()), "prompt_width": int(roll.prompt_ids.shape[1]),
                       "phases": dict(phases)})
+    warm = spec.get("warmup", 1)
     return {"side": "ours", "engine": cfg.rollout.engine if cfg.rollout.engine != "auto" else trainer.engine.name,
-            "load_s": load_s, "warmup": steps[0], "steps": steps[1:], "prompts": prompts,
+            "load_s": load_s, "warmup": steps[0] if warm else None, "steps": steps[warm:], "prompts": prompts,
+            "memory_plan": trainer.memory.line() if trainer.memory.budget_gb is not None else None,
             "compile_s": sum(st["compile_s"] for st in steps), "weight_bytes": weight_bytes(lm.model),
             "dtype": str(lm.dtype), "threads": torch.get_num_threads(), **mem.result()}
 
@@ -185,7 +194,8 @@ def worker_trl(spec: dict) -> dict:
     from grpo_cli.models import load_base_model, load_tokenizer, resolve_device
     cfg = compose_cfg(spec)
     P, G, T = spec["prompts"], spec["G"], spec["max_new_tokens"]
-    n_steps = 1 + spec["steps"]
+    n_steps = spec.get("warmup", 1) + spec["steps"]
+    settings = TRL_SETTINGS[spec.get("trl", "nogc")]
     sampler = PromptSampler(bench_rows(P * n_steps, spec["seed"]), P, spec["seed"])  # our order, unshuffled for TRL
     ordered = [r for k in range(n_steps) for r in sampler.batch(k)]
     dataset = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in ordered])
@@ -197,13 +207,14 @@ def worker_trl(spec: dict) -> dict:
     base.generation_config.pad_token_id = tokenizer.pad_token_id
     reward_funcs, reward_weights = trl_reward_functions(cfg)
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=P * G, num_generations=G,
-        generation_batch_size=P * G, gradient_accumulation_steps=1, steps_per_generation=None, num_iterations=1,
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=settings["rows"] or P * G,
+        num_generations=G, generation_batch_size=P * G, steps_per_generation=None, num_iterations=1,
+        gradient_accumulation_steps=P * G // (settings["rows"] or P * G),
         max_completion_length=T, generation_kwargs={"min_new_tokens": T}, temperature=1.0, top_p=1.0, top_k=0,
         beta=spec["beta"], epsilon=0.2, loss_type="grpo", scale_rewards="group", reward_weights=reward_weights,
         use_vllm=False, learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0, max_steps=n_steps, shuffle_dataset=False,
-        seed=spec["seed"], gradient_checkpointing=False,  # TRL's default recomputes; ours does not
+        seed=spec["seed"], gradient_checkpointing=settings["gradient_checkpointing"],
         use_cpu=device.type == "cpu", bf16=dtype == torch.bfloat16, fp16=False, logging_strategy="no",
         save_strategy="no", eval_strategy="no", report_to="none", log_completions=False, disable_tqdm=True,
         dataloader_num_workers=0)
@@ -245,18 +256,30 @@ def worker_trl(spec: dict) -> dict:
         raise RuntimeError(f"TRL ran {len(steps)} optimizer steps and {len(gen_log)} generate calls, expected "
                            f"{n_steps} of each: the batch settings do not give one generation per step")
     timed = [{"s": s, **g} for s, g in zip(steps, gen_log, strict=True)]
-    return {"side": "trl", "load_s": load_s, "warmup": timed[0], "steps": timed[1:],
+    warm = spec.get("warmup", 1)
+    return {"side": "trl", "settings": spec.get("trl", "nogc"), "load_s": load_s, "warmup": timed[0] if warm else None,
+            "steps": timed[warm:],
             "prompts": [r["prompt"][0]["content"] for r in dataset], "weight_bytes": weight_bytes(trainer.model),
             "dtype": str(dtype), "threads": torch.get_num_threads(), **mem.result()}
 
 
 def main(side: str, spec_json: str, result: str) -> None:
     spec = json.loads(spec_json)
+    if spec.get("rlimit_gb"):  # a memory cap the whole process must keep: its data segment (heap and anonymous maps)
+        cap = int(spec["rlimit_gb"] * 2**30)
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     if spec.get("threads"):
         import torch
 
         torch.set_num_threads(spec["threads"])
-    out = worker_ours(spec) if side == "ours" else worker_trl(spec)
+    try:
+        out = worker_ours(spec) if side == "ours" else worker_trl(spec)
+    except Exception as error:  # an allocation past the cap is a result ("does not fit"), not a crash of the bench
+        from grpo_cli.memory import is_out_of_memory
+        if not is_out_of_memory(error):
+            raise
+        out = {"side": side, "oom": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}",
+               "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
     Path(result).write_text(json.dumps({**out, "spec": spec}))
 
 

@@ -1,7 +1,7 @@
 """Memory: how many tokens one forward/backward may hold, activation checkpointing where a budget needs it, and
 what an out-of-memory error says.
 
-    trainer.micro_batch_tokens   tokens (prompt + completion) of one forward/backward at most (auto: 4096 on the CPU)
+    trainer.micro_batch_tokens   tokens (prompt + completion) of one forward/backward at most (auto: 2048 on the CPU)
     trainer.memory_budget_gb     a budget the step must fit: the tokens per micro-batch and checkpointing follow
 
 A step's peak is the model and its engine (read off the process once they are loaded), then the larger of the
@@ -34,7 +34,7 @@ from grpo_cli.errors import ConfigError
 GIB = 2**30
 ALLOCATOR_FACTOR = 1.7       # peak RSS growth over the saved tensors' bytes (CPU, glibc), measured
 CHECKPOINTED_SHARE = 0.4     # a checkpointed pass's peak per token over a plain one's, measured
-CPU_MICRO_BATCH_TOKENS = 4096  # auto on the CPU: the products run at full speed from a few hundred tokens on
+CPU_MICRO_BATCH_TOKENS = 2048  # auto on the CPU: the products run at full speed from a few hundred tokens on
 HEAD_BLOCKS = 3              # fp32 [chunk, vocab] blocks alive at once in the head pass (logits, p, onehot - p)
 
 

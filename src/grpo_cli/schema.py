@@ -246,7 +246,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("trainer.micro_batch_size", integer(1), "completions per forward/backward; null = a whole mini-batch",
       None, nullable=True),
     Option("trainer.micro_batch_tokens", AUTO_OR_COUNT, "tokens (prompt + completion) per forward/backward at most; "
-      "a longer row goes alone; auto = what memory_budget_gb fits, else 4096 on the CPU and none on CUDA; null = none", "auto", nullable=True,
+      "a longer row goes alone; auto = what memory_budget_gb fits, else 2048 on the CPU and none on CUDA; null = none", "auto", nullable=True,
       row="memory"),
     Option("trainer.memory_budget_gb", number(0, low_open=True), "memory a step must fit in (GiB): the tokens per "
       "micro-batch and activation checkpointing follow, said in one line at start; null = none", None,

@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Long completions: our GRPO step against TRL 1.16's as the completions grow, and the longest completion each
+fits in a memory cap (make bench-long).
+
+    python scripts/bench_long.py --mode lengths                      # T in 256, 1024, 4096: s/step, peak RSS
+    python scripts/bench_long.py --mode budget --caps 8,16           # the longest T (doubling from 256) under a cap
+
+Both at P=1 prompt x G=8 completions of exactly T new tokens (min_new_tokens) on the embedded SmolLM2-135M, fp32,
+LoRA r=16 on all linear layers, beta 0.04, one update per step; each cell is one step in a fresh subprocess
+(scripts/bench_worker.py), one after another, alone on the machine. TRL runs at each of `--trl` settings: `nogc`
+(the whole batch in one forward, no recomputation: TRL at its fastest), `default` (GRPOConfig's own defaults:
+gradient_checkpointing=True) and `lean` (its documented memory settings: checkpointing and one completion per
+forward, gradient accumulation over the batch). Ours runs at its defaults, and under a cap with
+trainer.memory_budget_gb set to the cap. A cap is enforced on the whole process (RLIMIT_DATA: its heap and anonymous
+memory); an allocation past it counts as "does not fit", and so does a cell past `--cell-timeout` seconds (an hour)
+for the time table. `--warmup 0` (the default here) times the first step: at these lengths the first step's extra
+costs are seconds against minutes. The last line printed is one JSON object with every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import DEFAULTS, fmt, note, print_table, spawn, versions
+
+TRL_SIDES = ("nogc", "default", "lean")
+
+
+def run_cell(side: str, spec: dict, log_dir: Path, tag: str, timeout: int) -> dict:
+    """One measurement: {"status": ok | oom | timeout | failed, ...the worker's numbers}."""
+    note(f"bench-long: {tag} ...")
+    try:
+        res = spawn("trl" if side.startswith("trl") else "ours", spec, log_dir, tag, timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "timeout_s": timeout}
+    except SystemExit as failed:
+        return {"status": "failed", "error": str(failed)[-400:]}
+    if res.get("oom"):
+        return {"status": "oom", **res}
+    step = res["steps"][0]
+    rows = spec["prompts"] * spec["G"]
+    out = {"status": "ok", "s": step["s"], "gen_s": step["gen_s"], "peak_mb": res["peak_mb"],
+           "decode_ms_per_row_step": 1000.0 * step["gen_s"] / spec["max_new_tokens"] / rows,
+           "phases": step.get("phases"), "memory_plan": res.get("memory_plan"), "wall_s": res["wall_s"]}
+    note(f"bench-long:   {tag}: {out['s']:.1f} s/step (generation {out['gen_s']:.1f} s), peak {out['peak_mb']:.0f} MB")
+    return out
+
+
+def spec_for(args, T: int, side: str, **extra) -> dict:
+    spec = {**DEFAULTS, "prompts": 1, "G": args.G, "max_new_tokens": T, "model": "embedded", "model_dir": None,
+            "device": "cpu", "steps": 1, "warmup": args.warmup, "threads": args.threads, "engine": "auto",
+            "precision": "fp32", **extra}
+    if side.startswith("trl-"):
+        spec["trl"] = side.removeprefix("trl-")
+    return spec
+
+
+def shown(cell: dict | None, key: str, spec: str = ".1f") -> str:
+    if cell is None:
+        return "not run"
+    if cell["status"] != "ok":
+        return {"oom": "out of memory", "timeout": "> 1 h", "failed": "failed"}[cell["status"]]
+    return fmt(cell[key], spec)
+
+
+def lengths(args, log_dir: Path) -> dict:
+    sides = ["ours", *(f"trl-{s}" for s in args.trl)]
+    cells: dict[str, dict[int, dict]] = {side: {} for side in sides}
+    for T in args.lengths:
+        for side in sides:
+            if side in args.skip.get(T, ()):
+                continue
+            cells[side][T] = run_cell(side, spec_for(args, T, side), log_dir, f"lengths-T{T}-{side}", args.cell_timeout)
+    rows = []
+    for T in args.lengths:
+        for key, label, f in (("s", "s / step", ".1f"), ("gen_s", "generation s", ".1f"),
+                              ("decode_ms_per_row_step", "decode ms / row-step", ".2f"), ("peak_mb", "peak RSS MB", ".0f")):
+            rows.append([f"T={T} {label}", *(shown(cells[s].get(T), key, f) for s in sides)])
+        ours = cells["ours"].get(T)
+        for other in sides[1:]:
+            theirs = cells[other].get(T)
+            if ours and theirs and ours["status"] == theirs["status"] == "ok":
+                rows.append([f"T={T} ours / {other}", "", *("" for _ in sides[1:])])
+                rows[-1][1 + sides.index(other)] = f"{ours['s'] / theirs['s']:.2f} time, " \
+                                                   f"{ours['peak_mb'] / theirs['peak_mb']:.2f} memory"
+    print_table(f"GRPO step as completions grow: P=1 G={args.G}, exactly T new tokens, fp32, threads={args.threads}",
+                ["", *sides], rows)
+    return {"mode": "lengths", "cells": cells}
+
+
+def budget(args, log_dir: Path) -> dict:
+    sides = ["ours", *(f"trl-{s}" for s in args.trl)]
+    found: dict[str, dict[float, dict]] = {side: {} for side in sides}
+    for cap in args.caps:
+        for side in sides:
+            longest, tried = None, {}
+            for T in args.lengths:
+                extra = {"rlimit_gb": cap, **({"overrides": [f"trainer.memory_budget_gb={cap}"]} if side == "ours" else {})}
+                cell = run_cell(side, spec_for(args, T, side, **extra), log_dir, f"budget-{cap}g-T{T}-{side}",
+                                args.cell_timeout)
+                tried[T] = cell
+                if cell["status"] != "ok":
+                    break
+                longest = T
+            found[side][cap] = {"longest": longest, "cells": tried}
+    rows = [[f"{cap:g} GiB", *(str(found[s][cap]["longest"] or "none") for s in sides)] for cap in args.caps]
+    print_table(f"the longest T (doubling from {args.lengths[0]}, at most {args.lengths[-1]}) whose step fits the cap: "
+                f"P=1 G={args.G}, fp32, threads={args.threads}", ["cap", *sides], rows)
+    return {"mode": "budget", "found": found}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("lengths", "budget"), default="lengths")
+    p.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="T values; default 256,1024,4096 (lengths), 256,512,...,4096 (budget)")
+    p.add_argument("--caps", type=lambda v: [float(x) for x in v.split(",")], default=[8.0, 16.0], help="GiB")
+    p.add_argument("--trl", type=lambda v: v.split(","), default=list(TRL_SIDES), help="TRL settings to run")
+    p.add_argument("--skip", type=lambda v: {int(t): s.split("+") for t, s in (x.split(":") for x in v.split(","))},
+                   default={}, help="cells not to run, e.g. 4096:trl-nogc+trl-default (said in the table)")
+    p.add_argument("--G", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per subprocess (2 = both cores here)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed steps before the timed one")
+    p.add_argument("--cell-timeout", type=int, default=3600, help="seconds a cell may take")
+    p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--log-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.lengths = args.lengths or ([256, 1024, 4096] if args.mode == "lengths" else [256, 512, 1024, 2048, 4096])
+    if not set(args.trl) <= set(TRL_SIDES):
+        p.error(f"--trl takes {', '.join(TRL_SIDES)}")
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="grpo-bench-long-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    note(f"bench-long: subprocess logs in {log_dir}")
+    load_before = os.getloadavg()
+    result = (lengths if args.mode == "lengths" else budget)(args, log_dir)
+    result.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "threads": args.threads,
+                   "G": args.G, "lengths": args.lengths, "trl_settings": args.trl, "cell_timeout_s": args.cell_timeout,
+                   "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "loadavg_before": load_before,
+                            "loadavg_after": os.getloadavg(), "avx512": "avx512f" in Path("/proc/cpuinfo").read_text()},
+                   "versions": versions()})
+    line = json.dumps(result, default=str)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(line + "\n")
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
