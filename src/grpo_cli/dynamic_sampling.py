@@ -21,6 +21,7 @@ import torch
 
 from grpo_cli import algorithm
 from grpo_cli.data import PromptSampler
+from grpo_cli.rewards import Outcomes
 from grpo_cli.rollout import episodes
 
 DRAW_SEED = 7_919  # round d of a step samples with the step's seed + d * DRAW_SEED
@@ -66,10 +67,14 @@ def concat_batches(batches: list, pad_token_id: int):
         texts=[t for b in batches for t in b.rollout.texts])
     rollout = episodes.concat_rows([b.rollout for b in batches], rollout, tc)
     per_function = {k: [x for b in batches for x in b.per_function[k]] for k in first.per_function}
+    named = {k: v.kinds for b in batches for k, v in b.outcomes.items()}  # a round whose every call failed gave none
+    outcomes = {k: Outcomes([t for b in batches for t in (b.outcomes[k].texts if k in b.outcomes else
+                                                           [None] * len(b.prompts))], kinds)
+                for k, kinds in named.items()}
     return dataclasses.replace(
         first, rollout=rollout, prompts=[p for b in batches for p in b.prompts], rewards=cat(lambda b: b.rewards),
         per_function=per_function, advantages=cat(lambda b: b.advantages), mask=cat(lambda b: b.mask, tc, 0.0),
-        reward_errors=sum(b.reward_errors for b in batches))
+        reward_errors=sum(b.reward_errors for b in batches), outcomes=outcomes)
 
 
 def filtered_batch(trainer, step: int):

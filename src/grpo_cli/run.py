@@ -169,6 +169,7 @@ class Run:
             rows.append({"prompt": batch.prompts[i], "completion": text, "reward": float(batch.rewards[i]),
                          "advantage": float(batch.advantages[i]),
                          **{f"reward/{k}": v[i] for k, v in batch.per_function.items()},
+                         **{f"outcome/{k}": v.texts[i] for k, v in batch.outcomes.items()},
                          **episodes.sample_fields(batch.rollout, i)})
         tracker.samples(step, rows)
 

@@ -32,7 +32,7 @@ from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.evaluate import final_eval_on
 from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
-from grpo_cli.rewards import RewardSet
+from grpo_cli.rewards import Outcomes, RewardSet
 from grpo_cli.rewards.aggregation import present_mean
 from grpo_cli.rollout import (
     Rollout,
@@ -64,6 +64,7 @@ class Scores:
     totals: torch.Tensor             # [N] weighted sum over the reward functions
     per_function: dict[str, list[float]]
     errors: int                      # reward calls that raised (reward.on_error=zero)
+    outcomes: dict[str, Outcomes] = field(default_factory=dict)  # of the functions that give them (rewards.Scored)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Batch:
     mask: torch.Tensor               # [N, T] float: completion tokens that count in the loss
     reward_errors: int = 0
     stats: dict = field(default_factory=dict)
+    outcomes: dict[str, Outcomes] = field(default_factory=dict)
 
     def select_groups(self, groups: list[int]) -> Batch:
         """The batch of the given groups, in that order (rows stay grouped)."""
@@ -96,7 +98,8 @@ class Batch:
         return dataclasses.replace(
             self, rollout=rollout, prompts=[self.prompts[i] for i in rows], rewards=take(self.rewards, rows),
             per_function={k: [v[i] for i in rows] for k, v in self.per_function.items()},
-            advantages=take(self.advantages, rows), mask=take(self.mask, rows))
+            advantages=take(self.advantages, rows), mask=take(self.mask, rows),
+            outcomes={k: v.select(rows) for k, v in self.outcomes.items()})
 
 
 @dataclass(frozen=True)
@@ -249,13 +252,12 @@ class GRPOTrainer:
         G = self.algo.num_generations
         fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}  # messages: only for rewards naming it
         try:
-            totals, per_function, errors = self.rewards.score(generation.prompts, generation.rollout.texts,
-                                                              fields | episodes.reward_fields(generation.rollout),
-                                                              group_size=G)
+            scoring = self.rewards.score_all(generation.prompts, generation.rollout.texts,
+                                             fields | episodes.reward_fields(generation.rollout), group_size=G)
         except Interrupted:
             return None
-        totals = episodes.with_environment_reward(generation.rollout, totals, per_function)
-        return Scores(torch.tensor(totals, dtype=torch.float32), per_function, errors)
+        totals = episodes.with_environment_reward(generation.rollout, scoring.totals, scoring.per_function)
+        return Scores(torch.tensor(totals, dtype=torch.float32), scoring.per_function, scoring.errors, scoring.outcomes)
 
     def make_batch(self, generation: Generation, scores: Scores) -> Batch:
         """The step's Batch: the group advantages of its rewards, and the completion tokens that count in the loss."""
@@ -266,7 +268,7 @@ class GRPOTrainer:
         advantages = algorithm.advantages_of(self.algo.advantage, scores.totals, self.algo.num_generations,
                                              eps=self.algo.adv_eps, scale=self.algo.scale_rewards, lengths=mask.sum(1))
         return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(self.lm.device), mask,
-                     scores.errors, stats=generation.stats)
+                     scores.errors, stats=generation.stats, outcomes=scores.outcomes)
 
     @property
     def on_policy(self) -> bool:
@@ -445,9 +447,11 @@ class GRPOTrainer:
             **{k: v for k, v in batch.stats.items() if k.startswith("filter_")},
             **episodes.episode_metrics(batch.rollout),
             **self.sampler_correction.metrics(),
+            **{f"outcomes/{name}/{kind}": n for name, o in batch.outcomes.items() for kind, n in o.counts().items()},
         }
         if self.dist.enabled:  # every rank has as many rows: rank means average exactly; counts add up
-            summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped")
+            summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped",
+                      *(k for k in row if k.startswith("outcomes/")))
             averaged = ["reward", "reward_std", "frac_reward_zero_std", "completion_len", "truncated_frac",
                         *(k for k in row if k.startswith("reward/"))]
             keys = [*averaged, *summed]

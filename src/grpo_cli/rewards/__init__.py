@@ -8,7 +8,8 @@ A function must return
 one real number per completion: int, float, bool (True = 1.0: a pass/fail check is a reward), or a numpy /
 torch scalar. Anything else (a string, even "1.0", None, a list per completion, the wrong count) is a bug in
 the function and stops the run with one line, whatever reward.on_error says; on_error=zero is for functions
-that raise on some inputs.
+that raise on some inputs. A function that also says what happened to each completion returns a `Scored`
+list: its outcomes go to samples.jsonl (outcome/NAME) and are counted in the metrics (outcomes/NAME/KIND).
 
 Each call runs in a daemon thread that the caller waits on, polling the run's stop request, for at most
 `reward.timeout_s` seconds (null: no limit). A call that runs over is abandoned: a Python thread cannot be
@@ -76,6 +77,49 @@ def to_scores(name: str, returned, expected: int, allow_none: bool = False) -> l
                               f"it must return {SCORE_TYPES}")
         scores.append(number)
     return scores
+
+
+class Scored(list):
+    """What a reward function returns when it says what happened to each completion: the scores (this list) and
+    `outcomes`, one short text per completion ("passed 3/4", "timeout"), whose first word is its kind; `kinds`
+    are the kinds the metrics count every step, 0 included (kinds outside it are counted when they occur)."""
+
+    def __init__(self, scores, outcomes, kinds=()):
+        super().__init__(scores)
+        if len(outcomes) != len(self):
+            raise ValueError(f"{len(outcomes)} outcomes for {len(self)} scores")
+        self.outcomes, self.kinds = [str(o) for o in outcomes], tuple(kinds)
+
+
+@dataclass(frozen=True)
+class Outcomes:
+    """The outcome of each completion under one reward function (None: it gave none for that completion)."""
+
+    texts: list[str | None]
+    kinds: tuple[str, ...] = ()
+
+    def select(self, rows: list[int]) -> Outcomes:
+        return Outcomes([self.texts[i] for i in rows], self.kinds)
+
+    def counts(self) -> dict[str, int]:
+        """How many completions had each kind of outcome (the first word of its text)."""
+        counts = dict.fromkeys(self.kinds, 0)
+        for text in self.texts:
+            if text:
+                kind = text.split()[0].rstrip(":")
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+
+@dataclass
+class Scoring:
+    """What RewardSet.score_all gives: the totals, each function's raw scores, the scores zeroed by
+    on_error=zero, and the outcomes of the functions that return `Scored`."""
+
+    totals: list[float]
+    per_function: dict[str, list[float | None]]
+    errors: int
+    outcomes: dict[str, Outcomes]
 
 
 @dataclass
@@ -148,33 +192,45 @@ class RewardSet:
     def _call_one(self, rf: RewardFunction, prompts, completions, fields, i: int):
         return self._call(rf, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in fields.items()})
 
-    def _one_at_a_time(self, rf: RewardFunction, prompts, completions, fields) -> tuple[list[float], int]:
-        """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero)."""
-        scores, errors = [], 0
+    def _one_at_a_time(self, rf: RewardFunction, prompts, completions, fields) -> tuple[list[float], int, Outcomes | None]:
+        """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero), and the
+        outcome "error" when the function gives outcomes."""
+        scores, errors, texts, kinds = [], 0, [], None
         for i in range(len(completions)):
             try:
                 returned = self._call_one(rf, prompts, completions, fields, i)
             except CALL_FAILED:
-                scores, errors = [*scores, 0.0], errors + 1
+                scores, errors, texts = [*scores, 0.0], errors + 1, [*texts, "error"]
             else:
                 scores += to_scores(rf.name, returned, 1, allow_none=True)
-        return scores, errors
+                texts.append(returned.outcomes[0] if isinstance(returned, Scored) else None)
+                kinds = returned.kinds if isinstance(returned, Scored) else kinds
+        return scores, errors, None if kinds is None else Outcomes(texts, (*kinds, "error"))
 
     def score(self, prompts: list, completions: list[str], fields: dict[str, list],
               group_size: int | None = None) -> tuple[list[float], dict[str, list[float | None]], int]:
         """Return (totals per reward.aggregation, raw scores per function (None: not applicable), number of scores
         zeroed by on_error=zero). `group_size` is G, which normalize_then_sum needs."""
-        per_fn, errors = {}, 0
+        scoring = self.score_all(prompts, completions, fields, group_size)
+        return scoring.totals, scoring.per_function, scoring.errors
+
+    def score_all(self, prompts: list, completions: list[str], fields: dict[str, list],
+                  group_size: int | None = None) -> Scoring:
+        """`score`, with the outcomes of the functions that give them."""
+        per_fn, errors, outcomes = {}, 0, {}
         for rf in self.functions:
             try:
                 returned = self._call(rf, prompts, completions, fields)
             except CALL_FAILED as failure:
                 if self.on_error != "zero":
                     raise self._one_line(rf, failure, prompts, completions, fields) from None
-                scores, failed = self._one_at_a_time(rf, prompts, completions, fields)
+                scores, failed, given = self._one_at_a_time(rf, prompts, completions, fields)
                 errors += failed
             else:
                 scores = to_scores(rf.name, returned, len(completions), allow_none=True)
+                given = Outcomes(returned.outcomes, returned.kinds) if isinstance(returned, Scored) else None
+            if given is not None:
+                outcomes[rf.name] = given
             for i, s in enumerate(scores):
                 if s is not None and not math.isfinite(s):
                     if self.on_error != "zero":
@@ -182,7 +238,7 @@ class RewardSet:
                     scores[i], errors = 0.0, errors + 1
             per_fn[rf.name] = scores
         weights = {rf.name: rf.weight for rf in self.functions}
-        return combine(weights, per_fn, self.aggregation, group_size), per_fn, errors
+        return Scoring(combine(weights, per_fn, self.aggregation, group_size), per_fn, errors, outcomes)
 
     def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
         if isinstance(failure, RewardTimeout):
