@@ -104,7 +104,7 @@ FLOORS = {
     "sweep_rerun": RUN, "sweep_stats": RUN, "config": RUN,
     "trainer": STEP, "rollout": STEP, "algorithm": STEP, "dynamic_sampling": STEP, "calculator": STEP,
     "rewards": STEP, "data": STEP, "models": STEP, "adapter_fit": STEP, "precision": STEP, "optim": STEP,
-    "evaluate": STEP, "distributed": STEP, "stopping": STEP, "prepack": STEP,
+    "evaluate": STEP, "distributed": STEP, "stopping": STEP, "prepack": STEP, "sandbox": STEP,
     "": GROUND, "config_rules": GROUND, "schema": GROUND, "option_table": GROUND, "metrics": GROUND,
     "registry": GROUND, "errors": GROUND, "console": GROUND, "overrides": GROUND, "ranks": GROUND,
 }

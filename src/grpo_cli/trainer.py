@@ -270,10 +270,6 @@ class GRPOTrainer:
         return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(self.lm.device), mask,
                      scores.errors, stats=generation.stats, outcomes=scores.outcomes)
 
-    @property
-    def on_policy(self) -> bool:
-        return is_on_policy(self.algo)
-
     def micro_batches(self, rows: slice) -> list[slice]:
         size = self.tcfg.micro_batch_size or (rows.stop - rows.start)
         return [slice(i, min(i + size, rows.stop)) for i in range(rows.start, rows.stop, max(1, size))]
@@ -367,7 +363,7 @@ class GRPOTrainer:
         ordered, minis = self.mini_batch_layout(batch)
         parts = [rows for mini in minis for rows in mini.micro]
         ref = self._no_grad_logprobs(ordered, parts, adapter=False) if self.algo.beta > 0 else None
-        old = self._no_grad_logprobs(ordered, parts, adapter=True) if not self.on_policy else None
+        old = self._no_grad_logprobs(ordered, parts, adapter=True) if not is_on_policy(self.algo) else None
         totals, first, max_logp, losses, grad_norms = UpdateSums(), None, -math.inf, [], []
         for iteration in range(self.algo.num_iterations):
             for mini in minis:
