@@ -105,6 +105,7 @@ FLOORS = {
     "trainer": STEP, "rollout": STEP, "algorithm": STEP, "dynamic_sampling": STEP, "calculator": STEP,
     "rewards": STEP, "data": STEP, "models": STEP, "adapter_fit": STEP, "precision": STEP, "optim": STEP,
     "evaluate": STEP, "distributed": STEP, "stopping": STEP, "prepack": STEP, "sandbox": STEP,
+    "code_tasks": STEP,
     "": GROUND, "config_rules": GROUND, "schema": GROUND, "option_table": GROUND, "metrics": GROUND,
     "registry": GROUND, "errors": GROUND, "console": GROUND, "overrides": GROUND, "ranks": GROUND,
 }
