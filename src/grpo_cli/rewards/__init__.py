@@ -129,6 +129,17 @@ class RewardFunction:
     weight: float
 
 
+class CompletionsFailed(Exception):
+    """Raised by a reward that scored some completions and could not score the others (a service that refused,
+    timed out or answered garbage): `scores` holds each scored completion's score (None where it does not apply;
+    anything at the failed ones), `failed` the indices of the others. reward.on_error=zero keeps the scores and
+    zeroes the failed ones without calling the function again; raise names the first failed one and why."""
+
+    def __init__(self, message: str, scores: list, failed: list[int]):
+        super().__init__(message)
+        self.scores, self.failed = scores, failed
+
+
 class RewardTimeout(Exception):
     """A reward call ran past reward.timeout_s (and was abandoned)."""
 
@@ -222,9 +233,15 @@ class RewardSet:
             try:
                 returned = self._call(rf, prompts, completions, fields)
             except CALL_FAILED as failure:
+                partial = getattr(failure, "error", None)
                 if self.on_error != "zero":
                     raise self._one_line(rf, failure, prompts, completions, fields) from None
-                scores, failed, given = self._one_at_a_time(rf, prompts, completions, fields)
+                if isinstance(partial, CompletionsFailed):
+                    scores = to_scores(rf.name, [0.0 if i in partial.failed else s for i, s in enumerate(partial.scores)],
+                                       len(completions), allow_none=True)
+                    failed, given = len(partial.failed), None
+                else:
+                    scores, failed, given = self._one_at_a_time(rf, prompts, completions, fields)
                 errors += failed
             else:
                 scores = to_scores(rf.name, returned, len(completions), allow_none=True)
@@ -246,6 +263,9 @@ class RewardSet:
                                f"{len(completions)} completions; fix it, raise reward.timeout_s or set "
                                "reward.on_error=zero")
         err = failure.error
+        if isinstance(err, CompletionsFailed):
+            return RewardError(f"reward {rf.name} could not score completion {err.failed[0]} ({len(err.failed)} of "
+                               f"{len(completions)} failed): {err}; fix it or set reward.on_error=zero")
         index = self._first_failing(rf, prompts, completions, fields)
         where = f" on completion {index}" if index is not None else ""
         return RewardError(f"reward {rf.name} raised {type(err).__name__}{where}: {err}; fix it or set reward.on_error=zero")
