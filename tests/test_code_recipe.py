@@ -29,7 +29,7 @@ def test_the_generated_train_and_held_out_splits_share_no_task(compose):
     cfg = compose(["+recipe=code"])
     train = load_rows(cfg.data, split="train", seed=3)
     held_out = eval_rows(cfg)
-    assert len(train) == 132 and len(held_out) == 63
+    assert len(train) == 168 and len(held_out) == 87
     assert not questions(train) & questions(held_out)
     assert not {r["entry_point"] + r["tests"] for r in train} & {r["entry_point"] + r["tests"] for r in held_out}
     assert questions(train) == questions(load_rows(cfg.data, split="train", seed=4))  # another order, the same tasks
@@ -44,15 +44,16 @@ def test_the_humaneval_splits_share_no_problem(compose):
     assert all(r["preamble"] and "def check(candidate)" in r["tests"] for r in train + held_out)
 
 
-@pytest.mark.slow  # 390 programs in the sandbox
+@pytest.mark.slow  # 300 programs in the sandbox
 def test_each_generated_task_passes_its_own_solution_and_fails_a_wrong_one():
     tasks = code_tasks.all_generated()
-    tests = [t.tests for t in tasks]
-    right = passes_tests([None] * len(tasks), [fenced(t.solution) for t in tasks], tests)
+    right = passes_tests([None] * len(tasks), [fenced(t.solution) for t in tasks], [t.tests for t in tasks])
     assert right.outcomes == ["passed 3/3"] * len(tasks)
-    wrong = passes_tests([None] * len(tasks), [fenced(f"def {t.entry_point}(*args):\n    return None\n") for t in tasks],
-                         tests)
-    assert wrong.outcomes == ["failed 0/3"] * len(tasks)
+    firsts = list({t.question.split("` that ")[1]: t for t in reversed(tasks)}.values())  # one task of each template
+    assert len(firsts) >= 40
+    wrong = passes_tests([None] * len(firsts), [fenced(f"def {t.entry_point}(*args):\n    return None\n")
+                                                for t in firsts], [t.tests for t in firsts])
+    assert wrong.outcomes == ["failed 0/3"] * len(firsts)
 
 
 @pytest.mark.slow  # 164 programs in the sandbox

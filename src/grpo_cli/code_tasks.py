@@ -77,6 +77,10 @@ def _list(rng: random.Random) -> tuple:
     return (_ints(rng),)
 
 
+def _sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 5)))
+
+
 def _small(rng: random.Random) -> tuple:
     return (rng.randint(0, 8),)
 
@@ -133,6 +137,35 @@ TEMPLATES = (
       "how_many_even"), "return sum(x % 2 == 0 for x in xs)", _list),
     T("n", "the list of the numbers from 1 to n", ("up_to", "count_up", "one_to_n", "numbers_to", "range_list"),
       "return list(range(1, n + 1))", _small),
+    # two steps each: what the base model gets wrong more often
+    T("xs", "the sum of the even numbers in the list xs", ("sum_even", "even_sum", "add_evens", "total_even",
+      "evens_total"), "return sum(x for x in xs if x % 2 == 0)", _list),
+    T("s", "the number of vowels (a, e, i, o, u) in the string s", ("count_vowels", "vowels", "num_vowels",
+      "vowel_count", "how_many_vowels"), "return sum(c in 'aeiou' for c in s)", _word),
+    T("xs", "True if every number in the list xs is greater than 0, else False", ("all_positive", "positive_only",
+      "every_positive", "above_zero", "all_above_zero"), "return all(x > 0 for x in xs)",
+      lambda r: ([r.randint(1, 9) for _ in range(3)] if r.random() < 0.5 else _ints(r),)),
+    T("xs", "a new list of the squares of the numbers in the list xs", ("squares", "square_all", "squared_list",
+      "map_square", "all_squared"), "return [x * x for x in xs]", _list),
+    T("a, b, c", "the largest of a, b and c", ("largest_of_three", "max3", "biggest_of_three", "top_of_three",
+      "max_three"), "return max(a, b, c)", lambda r: (_int(r), _int(r), _int(r))),
+    T("n", "the sum of the digits of the non-negative integer n", ("digit_sum", "sum_digits", "add_digits",
+      "digits_total", "cross_sum"), "return sum(int(d) for d in str(n))", lambda r: (r.randint(0, 9999),)),
+    T("xs", "the product of the numbers in the list xs", ("product_list", "multiply_all", "list_product", "prod",
+      "times_all"), "result = 1\nfor x in xs:\n    result *= x\nreturn result",
+      lambda r: ([r.randint(-3, 6) for _ in range(r.randint(1, 4))],)),
+    T("s", "the number of words in the string s (words are separated by spaces)", ("count_words", "word_count",
+      "num_words", "words", "how_many_words"), "return len(s.split())", lambda r: (_sentence(r),)),
+    T("xs", "the list xs without duplicates, each number where it first appears", ("unique", "dedupe", "distinct",
+      "no_duplicates", "remove_duplicates"), "seen = []\nfor x in xs:\n    if x not in seen:\n        "
+      "seen.append(x)\nreturn seen", lambda r: ([r.randint(0, 4) for _ in range(r.randint(2, 6))],)),
+    T("s", "the string s with its words in reverse order", ("reverse_words", "flip_words", "words_backwards",
+      "backwards_words", "mirror_words"), "return ' '.join(s.split()[::-1])", lambda r: (_sentence(r),)),
+    T("n", "True if n is a prime number, else False", ("is_prime", "prime", "check_prime", "prime_number", "isprime"),
+      "if n < 2:\n    return False\nfor d in range(2, n):\n    if n % d == 0:\n        return False\nreturn True",
+      lambda r: (r.randint(0, 30),)),
+    T("xs", "the index of the largest number in the list xs (the first, if it is there twice)", ("argmax",
+      "index_of_max", "max_index", "where_largest", "position_of_max"), "return xs.index(max(xs))", _list),
     T("n", "n factorial (1 for n = 0)", ("factorial", "fact", "product_up_to", "fac", "n_factorial"),
       "result = 1\nfor i in range(2, n + 1):\n    result *= i\nreturn result", _small),
 )
