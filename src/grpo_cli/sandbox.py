@@ -71,8 +71,10 @@ class Finished:
 
 # ---- the command of each kind ----------------------------------------------------------------------
 def interpreter() -> tuple[str, list[str]]:
-    """The Python programs run with (the file behind a venv's link), and the folders it needs besides SYSTEM_DIRS."""
-    python, prefix = os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
+    """The Python programs run with (the venv's base interpreter: a venv's own copy would lie outside the folders
+    bound), and the folders it needs besides SYSTEM_DIRS."""
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    python, prefix = os.path.realpath(base), os.path.realpath(sys.base_prefix)
     covered = any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS)
     return python, [] if covered else [prefix]
 

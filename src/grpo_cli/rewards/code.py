@@ -190,7 +190,7 @@ def outcome_of(done: Finished, nonce: str, tests: int) -> Outcome:
              if line.startswith(nonce + " ")]
     if "started" not in lines:
         raise SandboxError(f"the sandboxed interpreter did not start (exit code {done.returncode}: "
-                                   f"{_last_line(done.stderr) or 'no message'}); check memory_mb and the sandbox")
+                           f"{_last_line(done.stderr) or 'no message'}); check memory_mb and the sandbox")
     results = [json.loads(line) for line in lines if line != "started"]
     if results:
         result = results[-1]
