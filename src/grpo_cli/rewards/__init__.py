@@ -9,7 +9,9 @@ one real number per completion: int, float, bool (True = 1.0: a pass/fail check 
 torch scalar. Anything else (a string, even "1.0", None, a list per completion, the wrong count) is a bug in
 the function and stops the run with one line, whatever reward.on_error says; on_error=zero is for functions
 that raise on some inputs. A function that also says what happened to each completion returns a `Scored`
-list: its outcomes go to samples.jsonl (outcome/NAME) and are counted in the metrics (outcomes/NAME/KIND).
+list: its outcomes go to samples.jsonl (outcome/NAME) and are counted in the metrics (outcomes/NAME/KIND). A
+function that scored some completions and could not score the others (a service that refused) raises
+`CompletionsFailed` with the scores it has: on_error=zero keeps them without calling it again.
 
 Each call runs in a daemon thread that the caller waits on, polling the run's stop request, for at most
 `reward.timeout_s` seconds (null: no limit). A call that runs over is abandoned: a Python thread cannot be
