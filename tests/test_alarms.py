@@ -19,3 +19,7 @@ def test_the_zero_std_alarm_fires_after_10_steps_of_equal_rewards(compose, tmp_p
     assert [r["frac_reward_zero_std"] for r in rows] == [1.0] * 11
     warned = [r["step"] for r in rows if ZERO_STD in (r.get("warning") or "")]
     assert warned == [9], [r.get("warning") for r in rows]  # the tenth step in a row, and only once
+    # the monitors beside it: the length ratio from the tenth step (two windows of 5); one weighted reward (the
+    # quickstart's bare weighs 0) shares nothing
+    assert [("monitor/length_ratio" in r) for r in rows] == [False] * 9 + [True] * 2
+    assert not any("monitor/top_reward_share" in r for r in rows)

@@ -101,10 +101,11 @@ FLOOR_NAMES = {ENTRY: "entry points", RUN: "the run", STEP: "the step", GROUND: 
 FLOORS = {
     "cli": ENTRY, "train": ENTRY, "export": ENTRY, "report": ENTRY,
     "run": RUN, "rundir": RUN, "checkpoint": RUN, "tracking": RUN, "sweep": RUN, "sweep_summary": RUN,
-    "sweep_rerun": RUN, "sweep_stats": RUN, "config": RUN,
+    "sweep_rerun": RUN, "sweep_stats": RUN, "config": RUN, "monitors": RUN,
     "trainer": STEP, "rollout": STEP, "algorithm": STEP, "dynamic_sampling": STEP, "calculator": STEP,
     "rewards": STEP, "data": STEP, "models": STEP, "adapter_fit": STEP, "precision": STEP, "optim": STEP,
-    "evaluate": STEP, "distributed": STEP, "stopping": STEP, "prepack": STEP, "memory": STEP,
+    "evaluate": STEP, "distributed": STEP, "stopping": STEP, "prepack": STEP, "memory": STEP, "sandbox": STEP,
+    "code_tasks": STEP,
     "": GROUND, "config_rules": GROUND, "schema": GROUND, "option_table": GROUND, "metrics": GROUND,
     "registry": GROUND, "errors": GROUND, "console": GROUND, "overrides": GROUND, "ranks": GROUND,
     "user_code": GROUND,

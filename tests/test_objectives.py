@@ -234,17 +234,6 @@ def test_a_user_objective_is_one_decorated_function():
         del algorithm.OBJECTIVES["test_plain_pg"]
 
 
-def test_truncation_warning_fires_once_after_ten_steps():
-    streak, fired = 0, []
-    for step in range(15):
-        streak, text = algorithm.truncation_warning({"truncated_frac": 1.0}, streak, bool(fired))
-        if text:
-            fired.append(step)
-    assert fired == [9]
-    streak, text = algorithm.truncation_warning({"truncated_frac": 0.5}, 9, False)
-    assert streak == 0 and text is None
-
-
 @pytest.mark.slow
 def test_a_run_that_only_truncates_is_warned(compose, tmp_path):
     """The tiny random model never ends before 2 new tokens: truncated_frac is 1 every step."""

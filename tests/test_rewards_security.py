@@ -3,7 +3,7 @@
 Reward modules are discovered with pkgutil, so rewards added later (e.g. ``grpo_cli.rewards.arithmetic``)
 are covered automatically: each public function whose first two parameters are ``(prompts, completions)``
 is fed code-injection payloads in a temporary cwd. A payload that ran would create a sentinel file or
-reach a (patched) process-spawning call.
+reach a (patched) process-spawning call. The rewards in SANDBOXED run code by design, in the sandbox.
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ def _rewards() -> list[tuple[str, Callable[..., list[float]]]]:
     return sorted(found.values(), key=lambda item: item[0])
 
 
-REWARDS = _rewards()
+# Rewards that run the completion as a program on purpose, in grpo_cli.sandbox: tests/test_code_reward.py gives them
+# hostile programs instead.
+SANDBOXED = {"grpo_cli.rewards.code.passes_tests"}
+REWARDS = [(name, fn) for name, fn in _rewards() if name not in SANDBOXED]
 
 
 def _payloads(sentinel_abs: Path) -> list[str]:

@@ -44,7 +44,7 @@ def letters(tmp_path, monkeypatch):
 
 
 def test_the_built_in_sources_are_registered():
-    assert SOURCES.names() == ("sums", "reasoning_gym", "hf", "jsonl")
+    assert SOURCES.names() == ("sums", "reasoning_gym", "code_tasks", "humaneval", "hf", "jsonl")
 
 
 def test_a_source_from_a_plugin_module_is_a_valid_choice_and_gives_the_rows(compose, letters):
@@ -56,9 +56,9 @@ def test_a_source_from_a_plugin_module_is_a_valid_choice_and_gives_the_rows(comp
 
 
 def test_an_unregistered_source_names_the_registered_ones(compose):
-    with pytest.raises(ConfigError, match=r"data.source=letters is invalid: use one of sums, reasoning_gym, hf, jsonl"):
+    with pytest.raises(ConfigError, match=r"data.source=letters is invalid: use one of sums, reasoning_gym, code_tasks, humaneval, hf, jsonl"):
         validate(compose(["+recipe=quickstart", "model=tiny", "data.source=letters"]))
-    with pytest.raises(ConfigError, match=r"^data.source=letters is invalid: use one of sums, reasoning_gym, hf, jsonl$"):
+    with pytest.raises(ConfigError, match=r"^data.source=letters is invalid: use one of sums, reasoning_gym, code_tasks, humaneval, hf, jsonl$"):
         load_rows(OmegaConf.create({"source": "letters"}))
 
 

@@ -1,11 +1,18 @@
 """rollout.engine=vllm: the engine samples the policy being trained (greedy equal to the hf engine's after an
 update), its seeds reproduce, the episode loop runs over it, a 2-step grpo-train run with the sampler correction,
-and the refusals. Skipped where vllm is not importable (the main venv); `make test-vllm` runs them in .venv-vllm.
+and the refusals; and rewards.judge.Judge against vLLM's own OpenAI-compatible server of the embedded model. Skipped where vllm is not importable (the main venv); `make test-vllm` runs them in .venv-vllm.
 
 The tiny model here has one attention head (head_dim 64): vLLM's CPU attention has no kernel for the default
 tiny model's head_dim 16."""
 
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -146,3 +153,69 @@ def test_lora_sync_samples_the_policy(lm):
             assert engine.sync_s > 0
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """vLLM's OpenAI-compatible server (vllm.entrypoints.openai.api_server, what `vllm serve` runs) of the embedded
+    model on the CPU, on a free port of 127.0.0.1; its base URL."""
+    folder = tmp_path_factory.mktemp("smollm2")
+    tokenizer = load_tokenizer("embedded:smollm2-135m")
+    load_base_model("embedded:smollm2-135m", tokenizer, torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = (folder / "server.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                               "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "1024",
+                               "--host", "127.0.0.1", "--port", str(port)],
+                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "vLLM's server did not come up in 420 s"
+            try:
+                with urllib.request.urlopen(url + "/models", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def test_the_judge_scores_through_vllms_openai_server(served):
+    """The 135M model is no judge, but its replies come back as chat completions: each one with a score in it is
+    that score / 10, each one without is an error of its completion (reward.on_error=zero: 0 and counted). Greedy,
+    one request at a time, so the replies asked for again below are the judge's."""
+    from grpo_cli.rewards import RewardFunction, RewardSet
+    from grpo_cli.rewards.judge import Judge, parse_score
+
+    template = ('Give a score from 0 to 10 to this answer. Start your reply with "Score:".\nQuestion: {question}\n'
+                "Answer: {completion}")
+    judge = Judge(url=served, model="smollm2", template=template, max_tokens=12, concurrency=1)
+    questions = ["What is 2 + 2?", "What is the capital of France?", "What is 3 times 3?", "Name a color."]
+    completions = ["4", "Paris", "The answer is 12.", "Blue"]
+    messages = [[{"role": "user", "content": q}] for q in questions]
+
+    def reply(completion: str, chat: list) -> str:
+        asked = [{"role": "user", "content": judge.request("", completion, chat, {})}]
+        return judge.service.post({"model": "smollm2", "messages": asked, **judge.sampling})["choices"][0]["message"]["content"]
+
+    replies = [reply(c, m) for c, m in zip(completions, messages, strict=True)]
+    assert all(isinstance(r, str) and r.strip() for r in replies), replies
+    expected = [parse_score(r, 10) for r in replies]
+    assert any(e is not None for e in expected), replies  # "Score: N" comes back for some
+    totals, _, errors = RewardSet([RewardFunction("judge", judge, 1.0)], on_error="zero").score(
+        ["p"] * 4, completions, {"messages": messages})
+    assert totals == [0.0 if e is None else e / 10 for e in expected], replies
+    assert errors == sum(e is None for e in expected)

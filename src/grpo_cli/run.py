@@ -22,10 +22,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import grpo_cli.config  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
-from grpo_cli import algorithm, checkpoint, distributed, memory, rundir
+from grpo_cli import checkpoint, distributed, memory, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.errors import Interrupted, InvariantError, RunError, UserCodeError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
+from grpo_cli.monitors import Monitors
 from grpo_cli.ranks import is_rank_zero
 from grpo_cli.rollout import episodes
 from grpo_cli.schema import view
@@ -35,9 +36,6 @@ from grpo_cli.tracking import Tracker, open_tracker
 if TYPE_CHECKING:  # the trainer (transformers, peft) loads only once the dir is claimed and the libraries quieted
     from grpo_cli.models import LoadedModel
     from grpo_cli.trainer import Batch, GRPOTrainer
-
-ZERO_STD_SHARE, ZERO_STD_STEPS = 0.9, 10  # frac_reward_zero_std above the share for this many steps: a warning
-
 
 class Run:
     """One attempt of a training run in `run_dir`. Constructing it claims the dir (raises rundir.RunDirError,
@@ -53,8 +51,8 @@ class Run:
         self.built_trainer = False
         self.last_eval: tuple[int, dict] | None = None  # (complete steps, result) of the newest eval.every eval
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
-        self.zero_std_streak, self.warned_zero_std = 0, False
-        self.truncated_streak, self.warned_truncated = 0, False
+        weights = {name: float(spec.get("weight", 1.0)) for name, spec in (cfg.reward.functions or {}).items()}
+        self.monitors = Monitors(weights)
 
     def __enter__(self) -> Run:
         return self
@@ -162,6 +160,7 @@ class Run:
             trainer.entropy_control.restore(state)
         if self.main:
             rundir.roll_back_records(self.run_dir, start, found)
+            self.monitors.replay([r for r in read_metrics(self.run_dir / METRICS) if r["step"] < start])
         return start
 
     def open_tracker(self, start: int) -> Tracker:
@@ -173,9 +172,11 @@ class Run:
 
     # ---- what a step leaves behind --------------------------------------------------------------
     def record(self, tracker: Tracker, step: int, metrics: dict, batch: Batch) -> None:
-        """Everything a finished step leaves behind but the checkpoint: warnings, eval, metrics, samples."""
-        self.track_zero_std(metrics, tracker)
-        self.track_truncation(metrics, tracker)
+        """Everything a finished step leaves behind but the checkpoint: the monitors and their alarms, eval, metrics,
+        samples."""
+        for line in self.monitors.observe(metrics):
+            metrics["warning"] = f"{metrics['warning']}; {line}" if "warning" in metrics else line
+            tracker.warn(line)
         trainer, every = self.trainer, view(self.cfg.eval, "eval").every
         if trainer.evaluator is not None and every and (step + 1) % every == 0:
             if self.main:
@@ -199,26 +200,9 @@ class Run:
             rows.append({"prompt": batch.prompts[i], "completion": text, "reward": float(batch.rewards[i]),
                          "advantage": float(batch.advantages[i]),
                          **{f"reward/{k}": v[i] for k, v in batch.per_function.items()},
+                         **{f"outcome/{k}": v.texts[i] for k, v in batch.outcomes.items()},
                          **episodes.sample_fields(batch.rollout, i)})
         tracker.samples(step, rows)
-
-    def track_zero_std(self, metrics: dict, tracker: Tracker) -> None:
-        self.zero_std_streak = self.zero_std_streak + 1 if metrics["frac_reward_zero_std"] > ZERO_STD_SHARE else 0
-        if self.zero_std_streak >= ZERO_STD_STEPS and not self.warned_zero_std:
-            self.warned_zero_std = True
-            text = (f"frac_reward_zero_std > {ZERO_STD_SHARE} for {ZERO_STD_STEPS} steps in a row: almost every group "
-                    "has equal rewards, so there is no learning signal; make the task easier, raise "
-                    "algo.num_generations or rollout.temperature")
-            metrics["warning"] = text
-            tracker.warn(text)
-
-    def track_truncation(self, metrics: dict, tracker: Tracker) -> None:
-        self.truncated_streak, warning = algorithm.truncation_warning(metrics, self.truncated_streak,
-                                                                      self.warned_truncated)
-        if warning:
-            self.warned_truncated = True
-            metrics["warning"] = f"{metrics['warning']}; {warning}" if "warning" in metrics else warning
-            tracker.warn(warning)
 
     # ---- checkpoints and the adapter ------------------------------------------------------------
     def checkpoint_if_due(self, done: int) -> None:

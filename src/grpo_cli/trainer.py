@@ -32,7 +32,7 @@ from grpo_cli.errors import Interrupted, InvariantError, warn
 from grpo_cli.evaluate import final_eval_on
 from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
-from grpo_cli.rewards import RewardSet
+from grpo_cli.rewards import Outcomes, RewardSet
 from grpo_cli.rewards.aggregation import present_mean
 from grpo_cli.rollout import (
     Rollout,
@@ -65,6 +65,7 @@ class Scores:
     totals: torch.Tensor             # [N] weighted sum over the reward functions
     per_function: dict[str, list[float]]
     errors: int                      # reward calls that raised (reward.on_error=zero)
+    outcomes: dict[str, Outcomes] = field(default_factory=dict)  # of the functions that give them (rewards.Scored)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Batch:
     mask: torch.Tensor = row_ops.per_token()                # [N, T] float: completion tokens that count in the loss
     reward_errors: int = row_ops.summed(default=0)
     stats: dict = field(default_factory=dict)
+    outcomes: dict[str, Outcomes] = row_ops.per_row_dict(default_factory=dict)  # of the rewards that say them
 
     def select_groups(self, groups: list[int]) -> Batch:
         """The batch of the given groups, in that order (rows stay grouped)."""
@@ -159,7 +161,7 @@ def make_batch(generation: Generation, scores: Scores, algo, device) -> Batch:
     advantages = algorithm.advantages_of(algo.advantage, scores.totals, algo.num_generations, eps=algo.adv_eps,
                                          scale=algo.scale_rewards, lengths=mask.sum(1))
     return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(device), mask,
-                 scores.errors, stats=generation.stats)
+                 scores.errors, stats=generation.stats, outcomes=scores.outcomes)
 
 
 def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
@@ -256,18 +258,14 @@ class GRPOTrainer:
         G, roll = self.algo.num_generations, generation.rollout
         fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}  # messages: only for rewards naming it
         try:
-            totals, per_function, errors = self.rewards.score(generation.prompts, roll.texts,
-                                                              fields | episodes.reward_fields(roll), group_size=G)
+            scoring = self.rewards.score_all(generation.prompts, roll.texts, fields | episodes.reward_fields(roll),
+                                             group_size=G)
         except Interrupted:
             return None
-        return Scores(torch.tensor(totals, dtype=torch.float32), per_function, errors)
+        return Scores(torch.tensor(scoring.totals), scoring.per_function, scoring.errors, scoring.outcomes)  # float32
 
     def make_batch(self, generation: Generation, scores: Scores) -> Batch:
         return make_batch(generation, scores, self.algo, self.lm.device)
-
-    @property
-    def on_policy(self) -> bool:
-        return is_on_policy(self.algo)
 
     def micro_batches(self, batch: Batch, rows: slice) -> list[slice]:
         """The micro-batches of `rows`: trainer.micro_batch_size rows and the memory plan's tokens at most."""
@@ -366,7 +364,7 @@ class GRPOTrainer:
         ordered, minis = self.mini_batch_layout(batch)
         parts = [rows for mini in minis for rows in mini.micro]
         ref = self._no_grad_logprobs(ordered, parts, adapter=False) if self.algo.beta > 0 else None
-        old = self._no_grad_logprobs(ordered, parts, adapter=True) if not self.on_policy else None
+        old = self._no_grad_logprobs(ordered, parts, adapter=True) if not is_on_policy(self.algo) else None
         totals, first, max_logp, losses, grad_norms = UpdateSums(), None, -math.inf, [], []
         for iteration in range(self.algo.num_iterations):
             for mini in minis:
@@ -446,9 +444,11 @@ class GRPOTrainer:
             **{k: v for k, v in batch.stats.items() if k.startswith("filter_")},
             **episodes.episode_metrics(batch.rollout),
             **self.sampler_correction.metrics(),
+            **{f"outcomes/{name}/{kind}": n for name, o in batch.outcomes.items() for kind, n in o.counts().items()},
         }
         if self.dist.enabled:  # every rank has as many rows: rank means average exactly; counts add up
-            summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped")
+            summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped",
+                      *(k for k in row if k.startswith("outcomes/")))
             averaged = ["reward", "reward_std", "frac_reward_zero_std", "completion_len", "truncated_frac",
                         *(k for k in row if k.startswith("reward/"))]
             keys = [*averaged, *summed]

@@ -91,14 +91,11 @@ from grpo_cli.algorithm.sampler_correction import (
     sampler_mismatch_stats,
 )
 from grpo_cli.algorithm.settings import (
-    TRUNCATED_WARN_FRAC,
-    TRUNCATED_WARN_STEPS,
     adaptive_entropy,
     aggregation_of,
     config_problem,
     loss_settings,
     needs_entropy,
-    truncation_warning,
 )
 
 __all__ = [
@@ -121,6 +118,5 @@ __all__ = [
     "AdaptiveEntropy", "high_entropy_mask",
     "SAMPLER_CORRECTIONS", "SamplerCorrection", "sampler_correction_weights", "sampler_mismatch_stats",
     "LossSettings", "policy_loss",
-    "TRUNCATED_WARN_FRAC", "TRUNCATED_WARN_STEPS", "adaptive_entropy", "aggregation_of", "config_problem",
-    "loss_settings", "needs_entropy", "truncation_warning",
+    "adaptive_entropy", "aggregation_of", "config_problem", "loss_settings", "needs_entropy",
 ]

@@ -74,15 +74,3 @@ def config_problem(algo, world_size: int = 1) -> tuple[str, object, str] | None:
         return ("algo.entropy_coef", algo.entropy_coef, "needs <= 1 with algo.entropy_target (the adaptive bound)")
     return None
 
-
-TRUNCATED_WARN_FRAC, TRUNCATED_WARN_STEPS = 0.9, 10
-
-
-def truncation_warning(metrics: dict, streak: int, warned: bool) -> tuple[int, str | None]:
-    """(the new streak of steps with truncated_frac > 0.9, the warning to give once when it reaches 10, else None)."""
-    streak = streak + 1 if metrics["truncated_frac"] > TRUNCATED_WARN_FRAC else 0
-    if streak < TRUNCATED_WARN_STEPS or warned:
-        return streak, None
-    return streak, (f"truncated_frac > {TRUNCATED_WARN_FRAC} for {TRUNCATED_WARN_STEPS} steps in a row: almost every "
-                    "completion hits the length limit before EOS, so the rewards judge cut-off text; raise "
-                    "rollout.max_new_tokens (or set algo.mask_truncated=true)")

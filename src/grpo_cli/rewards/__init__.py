@@ -17,7 +17,10 @@ A function must return
 one real number per completion: int, float, bool (True = 1.0: a pass/fail check is a reward), or a numpy /
 torch scalar. Anything else (a string, even "1.0", None, a list per completion, the wrong count) is a bug in
 the function and stops the run with one line, whatever reward.on_error says; on_error=zero is for functions
-that raise on some inputs.
+that raise on some inputs. A function that also says what happened to each completion returns a `Scored`
+list: its outcomes go to samples.jsonl (outcome/NAME) and are counted in the metrics (outcomes/NAME/KIND). A
+function that scored some completions and could not score the others (a service that refused) raises
+`CompletionsFailed` with the scores it has: on_error=zero keeps them without calling it again.
 
 Each call runs behind the user-code boundary (grpo_cli.user_code: a daemon thread, waited on while polling the
 run's stop request) for at most `reward.timeout_s` seconds (null: no limit); a call that runs over is abandoned.
@@ -112,6 +115,57 @@ def call_reward(fn, prompts, completions, fields: dict):
     return user_code.awaited(fn(*args, **kwargs))
 
 
+class Scored(list):
+    """What a reward function returns when it says what happened to each completion: the scores (this list) and
+    `outcomes`, one short text per completion ("passed 3/4", "timeout"), whose first word is its kind; `kinds`
+    are the kinds the metrics count every step, 0 included (kinds outside it are counted when they occur)."""
+
+    def __init__(self, scores, outcomes, kinds=()):
+        super().__init__(scores)
+        if len(outcomes) != len(self):
+            raise ValueError(f"{len(outcomes)} outcomes for {len(self)} scores")
+        self.outcomes, self.kinds = [str(o) for o in outcomes], tuple(kinds)
+
+
+@dataclass(frozen=True)
+class Outcomes:
+    """The outcome of each completion under one reward function (None: it gave none for that completion)."""
+
+    texts: list[str | None]
+    kinds: tuple[str, ...] = ()
+
+    def select(self, rows: list[int]) -> Outcomes:
+        return Outcomes([self.texts[i] for i in rows], self.kinds)
+
+    @classmethod
+    def joined(cls, parts: list[Outcomes | None], lengths: list[int]) -> Outcomes:
+        """The outcomes of records joined one after another; a record without them (a round whose every call
+        failed gave none) counts as None for each of its `lengths` rows."""
+        kinds = next(p.kinds for p in parts if p is not None)
+        return cls([t for p, n in zip(parts, lengths, strict=True) for t in (p.texts if p is not None else [None] * n)],
+                   kinds)
+
+    def counts(self) -> dict[str, int]:
+        """How many completions had each kind of outcome (the first word of its text)."""
+        counts = dict.fromkeys(self.kinds, 0)
+        for text in self.texts:
+            if text:
+                kind = text.split()[0].rstrip(":")
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+
+@dataclass
+class Scoring:
+    """What RewardSet.score_all gives: the totals, each function's raw scores, the scores zeroed by
+    on_error=zero, and the outcomes of the functions that return `Scored`."""
+
+    totals: list[float]
+    per_function: dict[str, list[float | None]]
+    errors: int
+    outcomes: dict[str, Outcomes]
+
+
 @dataclass
 class RewardFunction:
     name: str
@@ -121,6 +175,18 @@ class RewardFunction:
 
     def __post_init__(self):
         self.label = self.label or f"reward {self.name}"
+
+
+class CompletionsFailed(Exception):
+    """Raised by a reward that scored some completions and could not score the others (a service that refused,
+    timed out or answered garbage): `scores` holds each scored completion's score (None where it does not apply;
+    anything at the failed ones), `failed` the indices of the others. reward.on_error=zero keeps the scores and
+    zeroes the failed ones without calling the function again; raise names the first failed one and why."""
+
+    def __init__(self, message: str, scores: list, failed: list[int]):
+        super().__init__(message)
+        self.scores, self.failed = scores, failed
+
 
 
 def environment_reward(environment_class) -> RewardFunction | None:
@@ -164,33 +230,51 @@ class RewardSet:
     def _call_one(self, rf: RewardFunction, prompts, completions, fields, i: int):
         return self._call(rf, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in fields.items()})
 
-    def _one_at_a_time(self, rf: RewardFunction, prompts, completions, fields) -> tuple[list[float], int]:
-        """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero)."""
-        scores, errors = [], 0
+    def _one_at_a_time(self, rf: RewardFunction, prompts, completions, fields) -> tuple[list[float], int, Outcomes | None]:
+        """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero), and the
+        outcome "error" when the function gives outcomes."""
+        scores, errors, texts, kinds = [], 0, [], None
         for i in range(len(completions)):
             try:
                 returned = self._call_one(rf, prompts, completions, fields, i)
             except user_code.FAILED:
-                scores, errors = [*scores, 0.0], errors + 1
+                scores, errors, texts = [*scores, 0.0], errors + 1, [*texts, "error"]
             else:
                 scores += to_scores(rf.name, returned, 1, allow_none=True, label=rf.label)
-        return scores, errors
+                texts.append(returned.outcomes[0] if isinstance(returned, Scored) else None)
+                kinds = returned.kinds if isinstance(returned, Scored) else kinds
+        return scores, errors, None if kinds is None else Outcomes(texts, (*kinds, "error"))
 
     def score(self, prompts: list, completions: list[str], fields: dict[str, list],
               group_size: int | None = None) -> tuple[list[float], dict[str, list[float | None]], int]:
         """Return (totals per reward.aggregation, raw scores per function (None: not applicable), number of scores
         zeroed by on_error=zero). `group_size` is G, which normalize_then_sum needs."""
-        per_fn, errors = {}, 0
+        scoring = self.score_all(prompts, completions, fields, group_size)
+        return scoring.totals, scoring.per_function, scoring.errors
+
+    def score_all(self, prompts: list, completions: list[str], fields: dict[str, list],
+                  group_size: int | None = None) -> Scoring:
+        """`score`, with the outcomes of the functions that give them."""
+        per_fn, errors, outcomes = {}, 0, {}
         for rf in self.functions:
             try:
                 returned = self._call(rf, prompts, completions, fields)
             except user_code.FAILED as failure:
+                partial = getattr(failure, "error", None)
                 if self.on_error != "zero":
                     raise self._one_line(rf, failure, prompts, completions, fields) from None
-                scores, failed = self._one_at_a_time(rf, prompts, completions, fields)
+                if isinstance(partial, CompletionsFailed):
+                    scores = to_scores(rf.name, [0.0 if i in partial.failed else s for i, s in enumerate(partial.scores)],
+                                       len(completions), allow_none=True)
+                    failed, given = len(partial.failed), None
+                else:
+                    scores, failed, given = self._one_at_a_time(rf, prompts, completions, fields)
                 errors += failed
             else:
                 scores = to_scores(rf.name, returned, len(completions), allow_none=True, label=rf.label)
+                given = Outcomes(returned.outcomes, returned.kinds) if isinstance(returned, Scored) else None
+            if given is not None:
+                outcomes[rf.name] = given
             for i, s in enumerate(scores):
                 if s is not None and not math.isfinite(s):
                     if self.on_error != "zero":
@@ -199,7 +283,7 @@ class RewardSet:
                     scores[i], errors = 0.0, errors + 1
             per_fn[rf.name] = scores
         weights = {rf.name: rf.weight for rf in self.functions}
-        return combine(weights, per_fn, self.aggregation, group_size), per_fn, errors
+        return Scoring(combine(weights, per_fn, self.aggregation, group_size), per_fn, errors, outcomes)
 
     def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
         if isinstance(failure, user_code.TimedOut):
@@ -207,6 +291,9 @@ class RewardSet:
                                f"{len(completions)} completions; fix it, raise reward.timeout_s or set "
                                "reward.on_error=zero")
         err = failure.error
+        if isinstance(err, CompletionsFailed):
+            return RewardError(f"{rf.label} could not score completion {err.failed[0]} ({len(err.failed)} of "
+                               f"{len(completions)} failed): {err}; fix it or set reward.on_error=zero")
         index = self._first_failing(rf, prompts, completions, fields)
         where = f" on completion {index}" if index is not None else ""
         return RewardError(f"{rf.label} raised {type(err).__name__}{where}: {err}; fix it or set reward.on_error=zero")

@@ -42,7 +42,8 @@ def nested(**kwargs):
 
 
 def per_row_dict(**kwargs):
-    """A dict of per-row lists (a reward function's scores by name)."""
+    """A dict of per-row values by name: lists (a reward function's scores), or records with `select(rows)` and a
+    `joined(parts, lengths)` classmethod (a reward's outcomes); a name some records lack is joined as missing."""
     return dataclasses.field(metadata={KIND: "row_dict"}, **kwargs)
 
 
@@ -72,7 +73,7 @@ def select(record, rows: list[int], groups: list[int]):
         elif kind in ("row", "token"):
             changes[name] = _take(value, rows)
         elif kind == "row_dict":
-            changes[name] = {k: _take(v, rows) for k, v in value.items()}
+            changes[name] = {k: v.select(rows) if hasattr(v, "select") else _take(v, rows) for k, v in value.items()}
         elif kind == "nested":
             changes[name] = select(value, rows, groups)
     return dataclasses.replace(record, **changes)
@@ -100,6 +101,28 @@ def _joined(name: str, values: list, meta: dict, pad_token_id: int, width: int |
     return torch.cat(values)
 
 
+def _rows_of(record) -> int:
+    """How many completion rows `record` holds (the length of its first per-row or per-token field)."""
+    for name, kind, _ in _kinds(record):
+        if kind in ("row", "token") and getattr(record, name) is not None and len(getattr(record, name)):
+            return len(getattr(record, name))
+        if kind == "nested":
+            return _rows_of(getattr(record, name))
+    return 0
+
+
+def _joined_dicts(values: list[dict], lengths: list[int]) -> dict:
+    joined = {}
+    for key in dict.fromkeys(k for v in values for k in v):
+        parts = [v.get(key) for v in values]
+        given = next(p for p in parts if p is not None)
+        if hasattr(given, "joined"):
+            joined[key] = type(given).joined(parts, lengths)
+        else:
+            joined[key] = [x for p, n in zip(parts, lengths, strict=True) for x in (p if p is not None else [None] * n)]
+    return joined
+
+
 def join(records: list, pad_token_id: int, width: int | None = None):
     """One record of `records`' rows and groups, in order: prompts left-padded to the widest, every per-token field
     right-padded to one width (the widest of them all); the other fields are the first record's, summed ones
@@ -116,7 +139,7 @@ def join(records: list, pad_token_id: int, width: int | None = None):
         if kind in ("group", "row", "token"):
             changes[name] = _joined(name, values, meta, pad_token_id, width if kind == "token" else None)
         elif kind == "row_dict":
-            changes[name] = {k: [x for v in values for x in v[k]] for k in values[0]}
+            changes[name] = _joined_dicts(values, [_rows_of(r) for r in records])
         elif kind == "nested":
             changes[name] = join(values, pad_token_id, width)
         elif kind == "sum":

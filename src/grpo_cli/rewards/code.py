@@ -1,0 +1,287 @@
+"""A reward that runs the completion's program against the row's tests, in a sandbox (grpo_cli.sandbox).
+
+    reward:
+      functions:
+        tests:
+          _target_: grpo_cli.rewards.code.passes_tests
+          weight: 1.0
+          all_or_nothing: false     # true: 1 when every test passes, else 0; false: the share of tests passed
+          timeout_s: 5              # wall clock (interpreter start included) and CPU seconds per program
+          memory_mb: 1024           # the program's address space
+          max_processes: 32         # processes and threads at once
+          max_output_bytes: 65536   # stdout + stderr; more ends the program (crashed)
+          sandbox: auto             # auto (the strongest that works here) | bwrap | unshare | rlimits
+          workers: null             # programs run at once; null = the CPU count
+
+The row's fields: `tests`, Python source, either `assert` statements (each top-level statement holding an assert is
+one test) or HumanEval's `def check(candidate)` with the row's `entry_point` (each statement of check's body holding
+an assert is one test, `candidate` being the program's entry point); optionally `preamble`, code run before the
+program (HumanEval's prompt: its imports and helper functions). The other statements of the tests are set-up, run
+in order; a set-up statement that raises fails the tests after it.
+
+The program is the completion's first fenced block of Python (```python or a bare ```; with an entry point, the
+first that defines it), or the whole completion when it has no fence. It runs in a fresh interpreter in the
+sandbox, then each test in turn in its namespace. Each completion gets an outcome, in samples.jsonl as
+outcome/NAME and counted in the metrics as outcomes/NAME/KIND:
+
+    passed k/k        every test passed                                   score 1
+    failed k/n        the program ran; k < n tests passed                 k/n (all_or_nothing: 0)
+    timeout           over timeout_s, wall clock or CPU                   0
+    crashed: why      the program raised before its tests, was killed (memory, a signal), or printed too much   0
+    refused: why      no code to run in the completion                    0
+
+A program and its tests share one interpreter: a program written to find its harness's secret could fake a pass
+(the sandbox still keeps it from everything outside). Results are cached per (program, tests, limits), so a second
+entry of the same reward (all_or_nothing for reward.accuracy) does not run the program again.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import os
+import re
+import secrets
+import signal
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_cli.errors import ConfigError, warn
+from grpo_cli.option_table import is_int, is_number
+from grpo_cli.rewards import Scored
+from grpo_cli.sandbox import (
+    CHOICES,
+    Finished,
+    Limits,
+    Sandbox,
+    SandboxError,
+    resolve,
+    setup_fix,
+    weaker_than_wanted,
+)
+
+__all__ = ["OUTCOMES", "Outcome", "passes_tests", "program_of", "split_tests"]
+
+OUTCOMES = ("passed", "failed", "timeout", "crashed", "refused")
+
+# ```lang ... ``` (an unclosed fence runs to the end: a completion cut by max_new_tokens)
+_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+_PYTHON = ("", "python", "python3", "py")
+
+
+def program_of(completion: Any, entry_point: str | None = None) -> str:
+    """The program in a completion: its first fenced Python block (with `entry_point`, the first one that defines
+    it), "" when it fences only other languages, else the whole text."""
+    text = completion if isinstance(completion, str) else ""
+    blocks = _FENCE.findall(text)
+    if not blocks:
+        return text
+    python = [body for lang, body in blocks if lang.lower() in _PYTHON]
+    if entry_point:
+        defines = re.compile(rf"^\s*(?:async\s+)?def\s+{re.escape(entry_point)}\s*\(|^\s*{re.escape(entry_point)}\s*=",
+                             re.M)
+        python = [b for b in python if defines.search(b)] or python
+    return python[0] if python else ""
+
+
+def _holds_assert(statement: ast.stmt) -> bool:
+    """Whether a statement is a test: it runs an assert (not `assert True`; a definition runs none)."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return False
+    return any(isinstance(node, ast.Assert) and not isinstance(node.test, ast.Constant)
+               for node in ast.walk(statement))
+
+
+@functools.lru_cache(maxsize=1024)
+def split_tests(tests: str, entry_point: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The row's tests as steps in order: ("test", source) for each statement holding an assert (`assert True`
+    alone is not a test), ("setup", source) for the others. ValueError for tests that cannot be run."""
+    try:
+        tree = ast.parse(tests)
+    except SyntaxError as err:
+        raise ValueError(f"the row's tests are not valid Python ({err.msg}, line {err.lineno})") from None
+    body = tree.body
+    steps = []
+    check = next((s for s in body if isinstance(s, ast.FunctionDef) and s.name == "check"), None)
+    if check is not None and entry_point:
+        if not entry_point.isidentifier():
+            raise ValueError(f"the row's entry_point {entry_point!r} is not a Python name")
+        steps = [("setup", ast.unparse(s)) for s in body if s is not check]
+        argument = check.args.args[0].arg if check.args.args else "candidate"
+        steps.append(("setup", f"{argument} = {entry_point}"))
+        body = check.body
+    steps += [("test" if _holds_assert(s) else "setup", ast.unparse(s)) for s in body]
+    if not any(kind == "test" for kind, _ in steps):
+        raise ValueError("the row's tests hold no assert statement" + (
+            "" if check is None or entry_point else " outside check(); give the row an entry_point"))
+    return tuple(steps)
+
+
+# Runs in the sandbox: reads the job, marks its start, runs the preamble and the program, then each step; writes its
+# result as one line after the nonce (only the first process writes: a forked child exits silently).
+_HARNESS = r"""
+import json, os, sys
+def _run():
+    job = json.loads(sys.stdin.read())
+    nonce, me, out = job["nonce"], os.getpid(), os.dup(1)
+    def report(result):
+        if os.getpid() == me:
+            os.write(out, ("\n" + nonce + " " + json.dumps(result) + "\n").encode())
+        os._exit(0)
+    def why(err):
+        text = " ".join(str(err).split())
+        return (type(err).__name__ + (": " + text if text else ""))[:120]
+    os.write(out, ("\n" + nonce + " started\n").encode())
+    space = {"__name__": "solution", "__builtins__": __builtins__}
+    for name in ("preamble", "program"):
+        try:
+            exec(compile(job[name], name + ".py", "exec"), space)
+        except BaseException as err:
+            report({"crashed": why(err)})
+    passed = 0
+    for kind, code in job["steps"]:
+        try:
+            exec(compile(code, "tests.py", "exec"), space)
+        except BaseException:
+            if kind == "setup":
+                break
+        else:
+            passed += kind == "test"
+    report({"passed": passed})
+_run()
+"""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str                  # one of OUTCOMES
+    passed: int = 0
+    total: int = 0
+    why: str = ""
+
+    def score(self, all_or_nothing: bool) -> float:
+        if self.kind not in ("passed", "failed"):
+            return 0.0
+        if all_or_nothing:
+            return float(self.passed == self.total)
+        return self.passed / self.total
+
+    def __str__(self) -> str:
+        if self.kind in ("passed", "failed"):
+            return f"{self.kind} {self.passed}/{self.total}"
+        return f"{self.kind}: {self.why}" if self.why else self.kind
+
+
+def _last_line(data: bytes) -> str:
+    lines = [line.strip() for line in data.decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:120] if lines else ""
+
+
+def outcome_of(done: Finished, nonce: str, tests: int) -> Outcome:
+    """What a finished run says: its result line, or how it ended. SandboxError when the harness never started."""
+    if done.timed_out:
+        return Outcome("timeout")
+    if done.overflowed:
+        return Outcome("crashed", why="output over max_output_bytes")
+    lines = [line[len(nonce) + 1:] for line in done.stdout.decode(errors="replace").splitlines()
+             if line.startswith(nonce + " ")]
+    if "started" not in lines:
+        raise SandboxError(f"the sandboxed interpreter did not start (exit code {done.returncode}: "
+                           f"{_last_line(done.stderr) or 'no message'}); check memory_mb and the sandbox")
+    results = [json.loads(line) for line in lines if line != "started"]
+    if results:
+        result = results[-1]
+        if "crashed" in result:
+            return Outcome("crashed", why=result["crashed"])
+        return Outcome("passed" if result["passed"] == tests else "failed", result["passed"], tests)
+    code = done.returncode  # killed by signal S: -S run directly, 128 + S through bwrap's or sh's exit status
+    signum = -code if code < 0 else code - 128 if code > 128 else None
+    if signum == signal.SIGXCPU:  # over the CPU seconds
+        return Outcome("timeout")
+    return Outcome("crashed", why=_last_line(done.stderr) or (f"killed by signal {signum}" if signum
+                                                               else f"exit code {code}"))
+
+
+@functools.lru_cache(maxsize=4096)
+def run_tests(program: str, tests: str, entry_point: str | None, preamble: str, limits: Limits,
+              kind: str) -> Outcome:
+    """The outcome of `program` against `tests` in a `kind` sandbox (cached: the same inputs give the same outcome)."""
+    steps = split_tests(tests, entry_point)
+    if not program.strip():
+        return Outcome("refused", why="no code")
+    try:
+        ast.parse(program)  # parsing runs nothing: a program that does not parse needs no sandbox
+    except SyntaxError as err:
+        return Outcome("crashed", why=f"SyntaxError: {err.msg} (line {err.lineno})")
+    except (ValueError, RecursionError, MemoryError) as err:  # null bytes, nesting too deep for the parser
+        return Outcome("crashed", why=f"{type(err).__name__}: cannot be parsed")
+    nonce = secrets.token_hex(16)
+    job = json.dumps({"nonce": nonce, "preamble": preamble, "program": program, "steps": steps}).encode()
+    done = Sandbox(kind).run(_HARNESS, job, limits)
+    return outcome_of(done, nonce, sum(kind == "test" for kind, _ in steps))
+
+
+def _limits(timeout_s, memory_mb, max_processes, max_output_bytes) -> Limits:
+    return Limits(timeout_s=float(timeout_s), memory_mb=int(memory_mb), processes=int(max_processes),
+                          output_bytes=int(max_output_bytes))
+
+
+def passes_tests(prompts: Sequence[Any], completions: Sequence[Any], tests: Sequence[str],
+                 entry_point: Sequence[str | None] | None = None, preamble: Sequence[str | None] | None = None, *,
+                 all_or_nothing: bool = False, timeout_s: float = 5.0, memory_mb: int = 1024, max_processes: int = 32,
+                 max_output_bytes: int = 65536, sandbox: str = "auto", workers: int | None = None,
+                 **_: Any) -> Scored:
+    """The share of the row's tests each completion's program passes (all_or_nothing: 1 or 0), with its outcome;
+    see the module docstring. ValueError for a row whose tests cannot be run; SandboxError when the sandbox fails."""
+    n = len(completions)
+    entry_point = list(entry_point) if entry_point is not None else [None] * n
+    preamble = list(preamble) if preamble is not None else [None] * n
+    kind = resolve(sandbox).kind
+    limits = _limits(timeout_s, memory_mb, max_processes, max_output_bytes)
+
+    def one(i: int) -> Outcome:
+        entry = entry_point[i] or None
+        return run_tests(program_of(completions[i], entry), str(tests[i]), entry, preamble[i] or "", limits, kind)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers or os.cpu_count() or 1)) as pool:
+        outcomes = list(pool.map(one, range(n)))
+    return Scored([o.score(all_or_nothing) for o in outcomes], [str(o) for o in outcomes], OUTCOMES)
+
+
+# ---- options, checked before the model loads ------------------------------------------------------
+_RULES = {  # option: (what it needs, the test)
+    "all_or_nothing": ("true or false", lambda v: isinstance(v, bool)),
+    "timeout_s": ("a number > 0", lambda v: is_number(v) and v > 0),
+    "memory_mb": ("an integer >= 64 (the interpreter needs some)", lambda v: is_int(v) and v >= 64),
+    "max_processes": ("an integer >= 1", lambda v: is_int(v) and v >= 1),
+    "max_output_bytes": ("an integer >= 1024", lambda v: is_int(v) and v >= 1024),
+    "workers": ("an integer >= 1, or null for the CPU count", lambda v: v is None or (is_int(v) and v >= 1)),
+    "sandbox": (f"one of {', '.join(CHOICES)}", lambda v: v in CHOICES),
+}
+
+
+def check_options(prefix: str, options: dict[str, Any]) -> None:
+    """ConfigError for a bad option; then the sandbox is set up once, here, before the model loads: a sandbox
+    named that does not work is one line; auto falling back to rlimits alone is a warning."""
+    for key, value in options.items():
+        if key not in _RULES:
+            raise ConfigError(f"{prefix}.{key}={value} is invalid: passes_tests takes no option {key}; its options: "
+                              f"{', '.join(_RULES)}")
+        needs, test = _RULES[key]
+        if not test(value):
+            raise ConfigError(f"{prefix}.{key}={value} is invalid: needs {needs}")
+    choice = options.get("sandbox", "auto")
+    try:
+        kind = resolve(choice).kind
+    except SandboxError as err:
+        raise ConfigError(f"{prefix}.sandbox={choice} cannot be set up: {err}; {setup_fix()}"
+                          + (", or use sandbox=auto" if choice != "auto" else "")) from None
+    if kind == "rlimits" and choice == "auto":
+        warn(f"{prefix}: neither bubblewrap nor unshare namespaces work here ({weaker_than_wanted()}), so programs "
+             f"run under rlimits alone: they can read and write your files and reach the network; {setup_fix()}")
+
+
+passes_tests.check_options = check_options
