@@ -99,21 +99,24 @@ def lengths(args, log_dir: Path) -> dict:
 
 
 def budget(args, log_dir: Path) -> dict:
+    """Caps in increasing order; a step that fits a cap fits every larger one, so under a larger cap each side starts
+    at the first T that did not fit the smaller one (the cells it skips say so)."""
     sides = ["ours", *(f"trl-{s}" for s in args.trl)]
     found: dict[str, dict[float, dict]] = {side: {} for side in sides}
-    for cap in args.caps:
-        for side in sides:
-            longest, tried = None, {}
-            for T in args.lengths:
+    for side in sides:
+        longest, start = None, 0
+        for cap in sorted(args.caps):
+            tried = {T: {"status": "ok", "fits_a_smaller_cap": True} for T in args.lengths[:start]}
+            for i, T in enumerate(args.lengths[start:], start):
                 extra = {"rlimit_gb": cap, **({"overrides": [f"trainer.memory_budget_gb={cap}"]} if side == "ours" else {})}
-                cell = run_cell(side, spec_for(args, T, side, **extra), log_dir, f"budget-{cap}g-T{T}-{side}",
+                cell = run_cell(side, spec_for(args, T, side, **extra), log_dir, f"budget-{cap:g}g-T{T}-{side}",
                                 args.cell_timeout)
                 tried[T] = cell
                 if cell["status"] != "ok":
                     break
-                longest = T
+                longest, start = T, i + 1
             found[side][cap] = {"longest": longest, "cells": tried}
-    rows = [[f"{cap:g} GiB", *(str(found[s][cap]["longest"] or "none") for s in sides)] for cap in args.caps]
+    rows = [[f"{cap:g} GiB", *(str(found[s][cap]["longest"] or "none") for s in sides)] for cap in sorted(args.caps)]
     print_table(f"the longest T (doubling from {args.lengths[0]}, at most {args.lengths[-1]}) whose step fits the cap: "
                 f"P=1 G={args.G}, fp32, threads={args.threads}", ["cap", *sides], rows)
     return {"mode": "budget", "found": found}
@@ -125,7 +128,8 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="T values; default 256,1024,4096 (lengths), 256,512,...,4096 (budget)")
     p.add_argument("--caps", type=lambda v: [float(x) for x in v.split(",")], default=[8.0, 16.0], help="GiB")
-    p.add_argument("--trl", type=lambda v: v.split(","), default=list(TRL_SIDES), help="TRL settings to run")
+    p.add_argument("--trl", type=lambda v: v.split(","), default=None,
+                   help="TRL settings to run; default nogc,default,lean (lengths), default,lean (budget)")
     p.add_argument("--skip", type=lambda v: {int(t): s.split("+") for t, s in (x.split(":") for x in v.split(","))},
                    default={}, help="cells not to run, e.g. 4096:trl-nogc+trl-default (said in the table)")
     p.add_argument("--G", type=int, default=8)
@@ -136,6 +140,7 @@ def main(argv=None) -> None:
     p.add_argument("--log-dir", type=Path, default=None)
     args = p.parse_args(argv)
     args.lengths = args.lengths or ([256, 1024, 4096] if args.mode == "lengths" else [256, 512, 1024, 2048, 4096])
+    args.trl = args.trl or (list(TRL_SIDES) if args.mode == "lengths" else ["default", "lean"])
     if not set(args.trl) <= set(TRL_SIDES):
         p.error(f"--trl takes {', '.join(TRL_SIDES)}")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="grpo-bench-long-"))
