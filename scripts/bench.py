@@ -77,7 +77,8 @@ def versions() -> dict:
 
 
 # ---- the parent: orchestration and the report -----------------------------------------------------
-def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int, python: str | None = None) -> dict:
+def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int, python: str | None = None,
+          preexec=None) -> dict:
     result, log = log_dir / f"{tag}.json", log_dir / f"{tag}.log"
     env = {**os.environ, "OMP_WAIT_POLICY": spec.get("omp_wait_policy", os.environ.get("OMP_WAIT_POLICY", "PASSIVE")),
            "HF_HUB_OFFLINE": "1",
@@ -94,7 +95,8 @@ def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int, python: 
     cmd = [python or sys.executable, str(Path(__file__).with_name("bench_worker.py")), side, json.dumps(spec), str(result)]
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=REPO)
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=REPO,
+                              preexec_fn=preexec)
     if proc.returncode != 0 or not result.is_file():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise SystemExit(f"bench: the {side} worker failed (exit {proc.returncode}); last lines of {log}:\n{tail}")

@@ -11,8 +11,9 @@ LoRA r=16 on all linear layers, beta 0.04, one update per step; each cell is one
 (the whole batch in one forward, no recomputation: TRL at its fastest), `default` (GRPOConfig's own defaults:
 gradient_checkpointing=True) and `lean` (its documented memory settings: checkpointing and one completion per
 forward, gradient accumulation over the batch). Ours runs at its defaults, and under a cap with
-trainer.memory_budget_gb set to the cap. A cap is enforced on the whole process (RLIMIT_DATA: its heap and anonymous
-memory); an allocation past it counts as "does not fit", and so does a cell past `--cell-timeout` seconds (an hour)
+trainer.memory_budget_gb set to the cap. A cap is enforced on the whole process by a cgroup's memory limit (what it
+holds in memory, as a container would count it; its OOM killer ends the worker at the cap), or RLIMIT_DATA where no
+cgroup can be made; an allocation past it counts as "does not fit", and so does a cell past `--cell-timeout` seconds (an hour)
 for the time table. With two threads (the default here: the machine is the benchmark's alone) OpenMP keeps its own wait policy:
 PASSIVE, which the one-thread bench sets for a shared machine, makes each of a decode step's many small products
 wait for sleeping threads (93 against 69 ms a decode step at T=256, 2026-12-03). `--warmup 0` (the default here)
@@ -36,22 +37,67 @@ from bench import DEFAULTS, fmt, note, print_table, spawn, versions
 TRL_SIDES = ("nogc", "default", "lean")
 
 
-def run_cell(side: str, spec: dict, log_dir: Path, tag: str, timeout: int) -> dict:
-    """One measurement: {"status": ok | oom | timeout | failed, ...the worker's numbers}."""
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+class MemoryCap:
+    """A memory cap on one worker: a cgroup (v1 memory controller) whose limit counts what the process holds in
+    memory, as a container or a small machine would, and whose OOM killer ends it at the cap; else, where no cgroup
+    can be made, RLIMIT_DATA in the worker (stricter: it counts reserved memory too)."""
+
+    def __init__(self, cap_gb: float | None, tag: str):
+        self.cap, self.dir, self.kind = cap_gb, None, None
+        if cap_gb is None:
+            return
+        try:
+            self.dir = CGROUP_V1 / f"grpo-bench-{os.getpid()}-{tag}"
+            self.dir.mkdir()
+            (self.dir / "memory.limit_in_bytes").write_text(str(int(cap_gb * 2**30)))
+            self.kind = "cgroup"
+        except OSError:
+            self.dir, self.kind = None, "rlimit_data"
+
+    def spec(self, spec: dict) -> dict:
+        return {**spec, "rlimit_gb": self.cap} if self.kind == "rlimit_data" else spec
+
+    def preexec(self):
+        if self.dir is None:
+            return None
+        tasks = self.dir / "tasks"
+        return lambda: tasks.write_text(str(os.getpid()))
+
+    def close(self) -> dict:
+        """What the cap saw: its kind, the peak it charged (cgroup) and whether its OOM killer ended the worker."""
+        if self.dir is None:
+            return {"cap_gb": self.cap, "cap_kind": self.kind}
+        peak = int((self.dir / "memory.max_usage_in_bytes").read_text()) / 2**20
+        control = dict(line.split() for line in (self.dir / "memory.oom_control").read_text().splitlines())
+        killed = int(control.get("oom_kill", 0)) > 0
+        self.dir.rmdir()
+        return {"cap_gb": self.cap, "cap_kind": self.kind, "cgroup_peak_mb": peak, "oom_killed": killed}
+
+
+def run_cell(side: str, spec: dict, log_dir: Path, tag: str, timeout: int, cap_gb: float | None = None) -> dict:
+    """One measurement: {"status": ok | oom | timeout | failed, ...the worker's numbers}, under `cap_gb` if given."""
     note(f"bench-long: {tag} ...")
+    cap = MemoryCap(cap_gb, tag)
     try:
-        res = spawn("trl" if side.startswith("trl") else "ours", spec, log_dir, tag, timeout)
+        res = spawn("trl" if side.startswith("trl") else "ours", cap.spec(spec), log_dir, tag, timeout,
+                    preexec=cap.preexec())
     except subprocess.TimeoutExpired:
-        return {"status": "timeout", "timeout_s": timeout}
+        return {"status": "timeout", "timeout_s": timeout, **cap.close()}
     except SystemExit as failed:
-        return {"status": "failed", "error": str(failed)[-400:]}
-    if res.get("oom"):
+        seen = cap.close()
+        return {"status": "oom" if seen.get("oom_killed") else "failed", "error": str(failed)[-400:], **seen}
+    res.update(cap.close())
+    if res.get("oom"):  # an allocation past RLIMIT_DATA, which the worker reports
         return {"status": "oom", **res}
     step = res["steps"][0]
     rows = spec["prompts"] * spec["G"]
     out = {"status": "ok", "s": step["s"], "gen_s": step["gen_s"], "peak_mb": res["peak_mb"],
            "decode_ms_per_row_step": 1000.0 * step["gen_s"] / spec["max_new_tokens"] / rows,
-           "phases": step.get("phases"), "memory_plan": res.get("memory_plan"), "wall_s": res["wall_s"]}
+           "phases": step.get("phases"), "memory_plan": res.get("memory_plan"), "wall_s": res["wall_s"],
+           **{k: res[k] for k in ("cap_gb", "cap_kind", "cgroup_peak_mb") if k in res}}
     note(f"bench-long:   {tag}: {out['s']:.1f} s/step (generation {out['gen_s']:.1f} s), peak {out['peak_mb']:.0f} MB")
     return out
 
@@ -108,9 +154,12 @@ def budget(args, log_dir: Path) -> dict:
         for cap in sorted(args.caps):
             tried = {T: {"status": "ok", "fits_a_smaller_cap": True} for T in args.lengths[:start]}
             for i, T in enumerate(args.lengths[start:], start):
-                extra = {"rlimit_gb": cap, **({"overrides": [f"trainer.memory_budget_gb={cap}"]} if side == "ours" else {})}
+                if side in args.skip.get(T, ()):
+                    tried[T] = {"status": "not run"}
+                    break
+                extra = {"overrides": [f"trainer.memory_budget_gb={cap}"]} if side == "ours" else {}
                 cell = run_cell(side, spec_for(args, T, side, **extra), log_dir, f"budget-{cap:g}g-T{T}-{side}",
-                                args.cell_timeout)
+                                args.cell_timeout, cap_gb=cap)
                 tried[T] = cell
                 if cell["status"] != "ok":
                     break

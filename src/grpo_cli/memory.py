@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_cli import prepack
 from grpo_cli.errors import ConfigError
 
 GIB = 2**30
@@ -92,14 +93,16 @@ class MemoryPlan:
         tokens = f"at most {self.micro_batch_tokens} tokens" if self.micro_batch_tokens else "no token limit"
         checkpointing = "on" if self.checkpointing else "off"
         return (f"trainer.memory_budget_gb={self.budget_gb:g}: micro-batches of {tokens}, activation checkpointing "
-                f"{checkpointing} (model and engine {self.loaded_gb:.1f} GiB now; a step's estimated peak "
-                f"{self.estimate_gb:.1f} GiB)")
+                f"{checkpointing} (model and engine {self.loaded_gb:.1f} GiB with their packed weights; a step's "
+                f"estimated peak {self.estimate_gb:.1f} GiB)")
 
 
-def plan(tcfg, lm, *, rows: int, longest_row: int, chunk_size: int | None) -> MemoryPlan:
+def plan(tcfg, lm, engine=None, *, rows: int, longest_row: int, chunk_size: int | None) -> MemoryPlan:
     """The micro-batch token limit and checkpointing for trainer section `tcfg` (its micro_batch_tokens,
     gradient_checkpointing, memory_budget_gb) and the loaded model `lm`. `rows`: completions a step generates on
-    this rank; `longest_row`: the most tokens (prompt + completion) one row can have. Without a budget the settings
+    this rank; `longest_row`: the most tokens (prompt + completion) one row can have. What the model and `engine` (a
+    rollout Engine) hold is read off the process, plus what their weights will take once packed (model.prepack packs
+    lazily, at the first product). Without a budget the settings
     stand as given. With one, the largest micro-batch that fits is taken (no more than micro_batch_tokens when
     that is a number; auto leaves it to the budget), without checkpointing if one whole row fits so, else with it; a budget that cannot hold
     one row even checkpointed is a ConfigError naming the knobs."""
@@ -108,7 +111,8 @@ def plan(tcfg, lm, *, rows: int, longest_row: int, chunk_size: int | None) -> Me
         return MemoryPlan(micro_batch_tokens(tcfg.micro_batch_tokens, lm.device), bool(tcfg.gradient_checkpointing))
     tokens = None if tcfg.micro_batch_tokens == "auto" else tcfg.micro_batch_tokens  # auto: the budget decides
     config, dtype = lm.model.config, lm.dtype
-    loaded = in_use_bytes(lm.device)
+    packed = [(lm.model, ("forward", "backward"))] + ([] if engine is None else engine.packed_models())
+    loaded = in_use_bytes(lm.device) + prepack.pending_bytes(*packed)
     vocab = lm.model.get_output_embeddings().weight.shape[0]
     head = HEAD_BLOCKS * min(chunk_size or longest_row, longest_row) * vocab * 4.0
     room = budget * GIB * 0.95 - loaded - head  # 5 %: what the estimate does not see (records, the optimizer step)

@@ -130,3 +130,22 @@ def prepack_frozen_linears(model: torch.nn.Module) -> int:
                 setattr(parent, name, PackedLinear.of(child))
                 swapped += 1
     return swapped
+
+
+def pending_bytes(*models: tuple[torch.nn.Module, tuple[str, ...]]) -> int:
+    """Bytes the packed copies of these models will take once used, beyond what is packed now: for each (model,
+    directions), every PackedLinear's weight once per direction it has not packed yet ("forward" for inference,
+    "backward" too for a model that trains). A weight shared between models (the LM head of the inference copy)
+    counts once; oneDNN's blocked layout is the weight's size, give or take its padding."""
+    seen: set[tuple[int, str]] = set()
+    total = 0
+    for model, directions in models:
+        for module in model.modules():
+            if not isinstance(module, PackedLinear):
+                continue
+            for direction in directions:
+                key = (module.weight.data_ptr(), direction)
+                if key not in seen and direction not in module._packs:
+                    seen.add(key)
+                    total += module.weight.numel() * module.weight.element_size()
+    return total

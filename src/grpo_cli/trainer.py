@@ -197,8 +197,8 @@ class GRPOTrainer:
         self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
-        self.memory = memory.plan(self.tcfg, self.lm, rows=cfg.data.prompts_per_step * self.algo.num_generations
-                                  // self.dist.world_size, chunk_size=self.tcfg.logprob_chunk_size,
+        self.memory = memory.plan(self.tcfg, self.lm, self.engine, chunk_size=self.tcfg.logprob_chunk_size,
+                                  rows=cfg.data.prompts_per_step * self.algo.num_generations // self.dist.world_size,
                                   longest_row=cfg.data.max_prompt_tokens + self.roll.max_new_tokens)
         if self.memory.budget_gb is not None:
             warn(self.memory.line())

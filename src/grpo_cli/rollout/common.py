@@ -221,6 +221,11 @@ class Engine:
                  stop_strings: Sequence[str] = (), stop: StopFn | None = None) -> Rollout:
         raise NotImplementedError
 
+    def packed_models(self) -> list[tuple[torch.nn.Module, tuple[str, ...]]]:
+        """Models of the engine's own (beside the policy) whose prepacked weights it multiplies through, with the
+        directions it packs (prepack.pending_bytes): none here; an inference copy's, forward."""
+        return []
+
     def policy_changed(self) -> None:
         """The policy's trainable weights changed (an optimizer step, a loaded checkpoint)."""
 

@@ -99,5 +99,8 @@ class FollowsThePolicy:
         self.sync_s = time.perf_counter() - t0
         return self.copy.model
 
+    def packed_models(self) -> list:
+        return [] if self.copy is None else [(self.copy.model, ("forward",))]
+
     def drop_copy(self) -> None:
         self.copy = self.source = None
