@@ -1,0 +1,51 @@
+#!/usr/bin/env python
+"""Peak memory of one row's forward+backward through the LoRA policy (the embedded SmolLM2-135M, fp32, r=16 on all
+linear layers, one thread): what docs/usage.md's "Known limit" table under "Long completions and memory" reports.
+
+    python scripts/probe_row_memory.py 2048 gc       # T tokens, activation checkpointing on (nogc: off)
+    MALLOC_MMAP_THRESHOLD_=65536 python scripts/probe_row_memory.py 2048 gc   # glibc returning large blocks on free
+
+It prints the process's peak RSS before, after the decoder, after the LM head's log-prob pass and after the backward,
+and the peak's growth per token. Run each setting in a fresh process (ru_maxrss only grows).
+"""
+
+import resource
+import sys
+import time
+
+import torch
+
+from grpo_cli import algorithm
+from grpo_cli.models import attach_lora, enable_activation_checkpointing, load_base_model, load_tokenizer
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    T, checkpointing = int(sys.argv[1]), sys.argv[2] == "gc"
+    torch.set_num_threads(1)
+    name = "embedded:smollm2-135m"
+    base = load_base_model(name, load_tokenizer(name), torch.float32)
+    model = attach_lora(base, 16, 32, 0.0, "all-linear")
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    model.train()
+    ids = torch.randint(0, base.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    before, start = peak_mib(), time.perf_counter()
+    hidden = model.get_base_model().get_decoder()(input_ids=ids, position_ids=torch.arange(T)[None],
+                                                  use_cache=False).last_hidden_state
+    after_decoder = peak_mib()
+    head = model.get_output_embeddings()
+    logp, _ = algorithm.head_token_logprobs(hidden, head.weight, ids, chunk_size=1024)
+    after_head = peak_mib()
+    logp.sum().backward()
+    peak = peak_mib()
+    print(f"T={T} checkpointing={checkpointing}: peak RSS before {before:.0f} MiB, after the decoder {after_decoder:.0f}, "
+          f"after the head {after_head:.0f}, after the backward {peak:.0f}: {(peak - before) / T:.2f} MiB a token, "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
