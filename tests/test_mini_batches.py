@@ -70,9 +70,11 @@ def reference_update(trainer: GRPOTrainer, batch) -> float:
         ref = completion_logprobs(trainer.model, batch.rollout, rows, temperature, chunk)[0]
     trainer.optimizer.zero_grad(set_to_none=True)
     logp = completion_logprobs(trainer.model, batch.rollout, rows, temperature, chunk)[0]
-    loss, _ = algorithm.policy_loss(logp, None, ref, batch.advantages, batch.mask, beta=algo.beta,
-                                    eps_low=algo.clip_eps, loss_type=algo.loss_type,
-                                    max_new_tokens=trainer.roll.max_new_tokens)
+    bounds = algorithm.ObjectiveOptions(eps_low=algo.clip_eps, eps_high=algo.clip_eps)
+    settings = algorithm.LossSettings(beta=algo.beta, options=bounds, loss_type=algo.loss_type,
+                                      max_new_tokens=trainer.roll.max_new_tokens)
+    loss, _ = algorithm.policy_loss(algorithm.LossInputs(logp, batch.advantages, batch.mask, ref_logp=ref,
+                                                         settings=settings))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(trainer.params, trainer.tcfg.max_grad_norm)
     trainer.optimizer.step()
@@ -171,8 +173,9 @@ def test_bnpo_differs_from_dapo_with_micro_batches_and_equals_it_without(compose
     parts = [slice(i, i + 8) for i in range(0, batch.rewards.numel(), 8)]
     for rows in parts:
         logp = completion_logprobs(trainer.model, batch.rollout, rows, 0.8, None)[0]
-        loss, _ = algorithm.policy_loss(logp, None, ref[rows], batch.advantages[rows], batch.mask[rows],
-                                        beta=0.1, eps_low=0.2, loss_type="bnpo")
+        settings = algorithm.LossSettings(beta=0.1, loss_type="bnpo")
+        loss, _ = algorithm.policy_loss(algorithm.LossInputs(logp, batch.advantages[rows], batch.mask[rows],
+                                                             ref_logp=ref[rows], settings=settings))
         (loss / len(parts)).backward()
     torch.testing.assert_close(got["bnpo", 8], grads(trainer), rtol=1e-4, atol=1e-7)
 
