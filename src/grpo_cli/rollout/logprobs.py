@@ -143,28 +143,32 @@ def unpadded_hidden(model, rollout: Rollout, rows: slice) -> torch.Tensor:
 
 
 def unpadded_pays(model, rollout: Rollout, rows: slice) -> bool:
-    """Whether `unpadded_hidden` costs less than the shared-prompt pass for `rows`, by a FLOP count of each:
+    """Whether `unpadded_hidden` costs less than the shared-prompt pass for `rows`, by a FLOP count of each (R rows,
+    prompts P_i, completions C_i, padded widths P_pad and T_pad):
 
-        shared:    tokens P_pad * groups + R * T_pad (padding computed),  masked attention over R * T_pad * (P_pad + T_pad)
-        unpadded:  tokens sum_i (P_i + C_i) (each prompt once per row),  causal attention over sum_i (P_i + C_i)^2 / 2
+        shared:    decoder tokens P_pad * groups + R * T_pad, the head at R * T_pad positions,
+                   masked attention over R * T_pad * (P_pad + T_pad) query-key pairs
+        unpadded:  decoder tokens sum_i (P_i + C_i) (each prompt once per row), the head at sum_i C_i positions,
+                   causal attention over sum_i (P_i + C_i)^2 / 2 pairs
 
-    a token costs 2 FLOPs per decoder weight, a query-key pair 4 per layer and attention dimension; attention runs
-    at 0.7 (masked, every block) and 0.55 (causal) of the matrix products' speed (SDPA's CPU kernels against oneDNN
-    at 1024 tokens, measured 2026-12-03). Short completions of one prompt favour sharing it; long or uneven ones,
-    the unpadded pass."""
-    config = hf_model(model).config.get_text_config()
-    layers, width = config.num_hidden_layers, config.num_attention_heads * getattr(
-        config, "head_dim", config.hidden_size // config.num_attention_heads)
-    decoder = hf_model(model).get_decoder()
+    A token costs 2 FLOPs per decoder weight, a head position 2 per head weight, a query-key pair 4 per layer and
+    attention width; attention runs at 0.7 (masked: every block) and 0.55 (causal) of the products' speed (SDPA's
+    CPU kernels against oneDNN at 1024 tokens, 2026-12-03). Short completions of one prompt favour sharing it, long
+    or uneven ones the unpadded pass."""
+    inner = hf_model(model)
+    config = inner.config.get_text_config()
+    heads = config.num_attention_heads
+    per_pair = 4.0 * config.num_hidden_layers * heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    decoder = inner.get_decoder()
     per_token = 2.0 * sum(p.numel() for p in getattr(decoder, "layers", decoder).parameters())  # not the embedding
-    per_pair = 4.0 * layers * width
+    per_position = 2.0 * inner.get_output_embeddings().weight.numel()
     prompt_lengths, lengths = real_lengths(rollout, rows)
-    G = rollout.group_size
+    G, R = rollout.group_size, rows.stop - rows.start
     groups = (rows.stop - 1) // G - rows.start // G + 1
     p_pad, t_pad = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-    R = rows.stop - rows.start
-    shared = per_token * (p_pad * groups + R * t_pad) + per_pair * R * t_pad * (p_pad + t_pad) / 0.7
-    unpadded = per_token * sum(p + c for p, c in zip(prompt_lengths, lengths, strict=True)) \
+    shared = per_token * (p_pad * groups + R * t_pad) + per_position * R * t_pad \
+        + per_pair * R * t_pad * (p_pad + t_pad) / 0.7
+    unpadded = per_token * (sum(prompt_lengths) + sum(lengths)) + per_position * sum(lengths) \
         + per_pair * sum((p + c) ** 2 / 2 for p, c in zip(prompt_lengths, lengths, strict=True)) / 0.55
     return unpadded < shared
 
