@@ -35,7 +35,13 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     page and exit 1; say it in one line, exit 2. A single run is composed once here for that (and returned,
     Hydra's part set up so `${hydra:...}` resolves); a sweep without the values it sweeps (each job's are composed
     by sweep.check_jobs), and returns None; help is left to Hydra (None). Bad input raises ConfigError."""
-    from grpo_cli.config import CONF_DIR, available_recipes, composition_checked, read_recipe, unknown_key_hint
+    from grpo_cli.config import (
+        CONF_DIR,
+        available_recipes,
+        composition_checked,
+        read_recipe,
+        unknown_key_hint,
+    )
 
     known = available_recipes()
     for arg in argv:
