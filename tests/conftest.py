@@ -187,6 +187,18 @@ def make_trainer(compose, tmp_path, *overrides, **collaborators):
     return GRPOTrainer(Config.of(compose([*TINY_TRAINER, *overrides])), **collaborators)
 
 
+def use_loss(trainer, loss_type: str, micro_batch_size: int | None) -> None:
+    """Change the loss type and the micro-batch size of `trainer` between its updates. Its config sections are
+    frozen: each changed one is a new section, and the loss settings derived from it are derived again."""
+    import dataclasses
+
+    from grpo_cli import algorithm
+
+    trainer.algo = dataclasses.replace(trainer.algo, loss_type=loss_type)
+    trainer.loss_settings = algorithm.loss_settings(trainer.algo, trainer.roll.max_new_tokens)
+    trainer.tcfg = dataclasses.replace(trainer.tcfg, micro_batch_size=micro_batch_size)
+
+
 def fit(trainer, run_dir):
     """The whole run of `trainer` in `run_dir`, as a program runs it (grpo_cli.run.train)."""
     from grpo_cli.run import train

@@ -168,7 +168,7 @@ def test_checkpoint_export(tiny_cfg, tiny_run, tmp_path):
     step = run / "checkpoints" / "step-000003"
     step.mkdir(parents=True)
     (step / "state.json").write_text('{"step": 3}')
-    lm = load_policy(tiny_cfg.model, "cpu", seed=tiny_cfg.trainer.seed)
+    lm = load_policy(Config.of(tiny_cfg).model, "cpu", seed=tiny_cfg.trainer.seed)
     perturb(lm.model, seed=7)
     lm.model.save_pretrained(step / "adapter")
     tokenizer = load_tokenizer("tiny-random")

@@ -10,11 +10,12 @@ from functools import partial
 import pytest
 import torch
 from conftest import VARIED_REWARD as VARIED_BY_LENGTH
-from conftest import fixed_batch, gradients_at_step, make_trainer, read_jsonl, straight_and_resumed
+from conftest import fixed_batch, gradients_at_step, make_trainer, read_jsonl, straight_and_resumed, use_loss
 
 from grpo_cli import algorithm
 from grpo_cli.optim import lr_factor
 from grpo_cli.run import train
+from grpo_cli.schema import Config
 from grpo_cli.trainer import GRPOTrainer, completion_logprobs, mini_batch_groups
 
 
@@ -157,7 +158,7 @@ def test_bnpo_differs_from_dapo_with_micro_batches_and_equals_it_without(compose
     got = {}
     for micro in (None, 8):
         for loss_type in ("bnpo", "dapo"):
-            trainer.algo.loss_type, trainer.tcfg.micro_batch_size = loss_type, micro
+            use_loss(trainer, loss_type, micro)
             trainer.update(0, batch)
             got[loss_type, micro] = grads(trainer)
     assert got["bnpo", None].abs().max() > 0
@@ -226,7 +227,7 @@ def test_clip_eps_changes_training_only_when_updates_are_off_policy(compose, tmp
         for clip in (0.05, 0.3):
             cfg = compose([*CLIPPED, f"algo.mini_batches={mini}", f"algo.clip_eps={clip}"])
             if lm is None:
-                lm = load_policy(cfg.model, "cpu", seed=cfg.trainer.seed)
+                lm = load_policy(Config.of(cfg).model, "cpu", seed=cfg.trainer.seed)
                 fresh = {n: p.detach().clone() for n, p in lm.model.named_parameters() if p.requires_grad}
             with torch.no_grad():
                 for n, p in lm.model.named_parameters():

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import TINY_TRAINER, fit, fixed_batch, make_trainer
+from conftest import TINY_TRAINER, fit, fixed_batch, make_trainer, use_loss
 
 from grpo_cli import algorithm
 from grpo_cli.schema import Config
@@ -48,7 +48,7 @@ def test_micro_batches_give_the_full_batch_gradient(compose, tmp_path):
     for loss_type in (name for name, t in algorithm.LOSS_TYPES.items() if t.accumulate != "micro_batches"):
         grads = []
         for micro_batch_size in (None, 4):
-            trainer.algo.loss_type, trainer.tcfg.micro_batch_size = loss_type, micro_batch_size
+            use_loss(trainer, loss_type, micro_batch_size)
             trainer.update(0, batch)
             grads.append(torch.cat([p.grad.flatten() for p in trainer.params]))
         assert grads[0].abs().max() > 0
