@@ -141,30 +141,62 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture
 def compose():
-    """Compose the packaged config like grpo-train does, without running it."""
+    """Compose the packaged config like grpo-train does, without running it (a value of the wrong type is the
+    ConfigError grpo-train says)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from grpo_cli.config import CONF_DIR, register_recipes
+    from grpo_cli.config import CONF_DIR, composition_checked, register_recipes
 
     register_recipes()
 
     def _compose(overrides: list[str]):
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), composition_checked():
             return hydra_compose("config", overrides=overrides)
 
     return _compose
 
 
+@pytest.fixture
+def config(compose):
+    """The typed config (schema.Config) of a composition, as grpo-train hands it to everything below its entry
+    point."""
+    from grpo_cli.schema import Config
+
+    return lambda overrides: Config.of(compose(overrides))
+
+
 TINY_TRAINER = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu"]
+
+
+def data_config(**keys):
+    """A typed data section (schema.DataConfig) of the hf source with `keys`, the rest as data=hf gives them."""
+    from grpo_cli.schema import DataConfig, typed
+
+    hf = {"source": "hf", "question_suffix": "", "system_prompt": None, "prompts_per_step": 4, "max_prompt_tokens": 256,
+          "overlong": "truncate", "path": None, "eval_path": None}
+    return typed(DataConfig, hf | keys)
 
 
 def make_trainer(compose, tmp_path, *overrides, **collaborators):
     """An in-process GRPOTrainer on the tiny model (6 new tokens, CPU) with extra overrides; `tmp_path` is the
     run dir a test's `fit` gives it."""
+    from grpo_cli.schema import Config
     from grpo_cli.trainer import GRPOTrainer
 
-    return GRPOTrainer(compose([*TINY_TRAINER, *overrides]), **collaborators)
+    return GRPOTrainer(Config.of(compose([*TINY_TRAINER, *overrides])), **collaborators)
+
+
+def use_loss(trainer, loss_type: str, micro_batch_size: int | None) -> None:
+    """Change the loss type and the micro-batch size of `trainer` between its updates. Its config sections are
+    frozen: each changed one is a new section, and the loss settings derived from it are derived again."""
+    import dataclasses
+
+    from grpo_cli import algorithm
+
+    trainer.algo = dataclasses.replace(trainer.algo, loss_type=loss_type)
+    trainer.loss_settings = algorithm.loss_settings(trainer.algo, trainer.roll.max_new_tokens)
+    trainer.tcfg = dataclasses.replace(trainer.tcfg, micro_batch_size=micro_batch_size)
 
 
 def fit(trainer, run_dir):

@@ -1,5 +1,6 @@
 """Tests for grpo_cli.algorithm against the formulas of docs/algorithm.md (sections 1-5)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,6 +8,9 @@ import torch
 
 from grpo_cli.algorithm import (
     LOSS_TYPES,
+    LossInputs,
+    LossSettings,
+    ObjectiveOptions,
     group_advantages,
     group_std_mean,
     kl_k3,
@@ -338,16 +342,15 @@ def test_loss_types_trivial_hand_numbers():
         "dr_grpo": (-4 + 3) / 8,
     }
     for lt, w in want.items():
-        loss, stats = policy_loss(
-            logp, None, None, adv, mask, beta=0.0, eps_low=0.2, loss_type=lt, max_new_tokens=4,
-            total_tokens=10 if lt == "dapo" else None,
-        )  # fmt: skip
+        settings = LossSettings(loss_type=lt, max_new_tokens=4)
+        loss, stats = policy_loss(LossInputs(logp, adv, mask, total_tokens=10 if lt == "dapo" else None,
+                                             settings=settings))
         assert loss.item() == pytest.approx(w, abs=1e-6), lt
         assert stats["num_tokens"].item() == 5.0
         assert stats["kl"].item() == 0.0 and stats["clip_fraction"].item() == 0.0
         assert stats["clip_fraction/low"].item() == stats["clip_fraction/high"].item() == 0.0
         assert stats["ratio_mean"].item() == pytest.approx(1.0)
-    loss, _ = policy_loss(logp, None, None, adv, mask, beta=0.0, eps_low=0.2, loss_type="dapo")
+    loss, _ = policy_loss(LossInputs(logp, adv, mask, settings=LossSettings(loss_type="dapo")))
     assert loss.item() == pytest.approx(-0.2, abs=1e-6)
 
 
@@ -356,11 +359,12 @@ def test_loss_types_trivial_hand_numbers():
 @pytest.mark.parametrize("beta", [0.0, 0.3])
 def test_loss_matches_reference(loss_type, ratio_level, beta):
     logp, old, ref, adv, mask = _batch(spread=0.4 if ratio_level == "token" else 1.0)
-    kw = dict(beta=beta, eps_low=0.2, eps_high=0.28, loss_type=loss_type, ratio_level=ratio_level,
-              max_new_tokens=8, total_tokens=40 if loss_type == "dapo" else None)  # fmt: skip
-    loss, stats = policy_loss(logp, old, ref, adv, mask, **kw)
+    total = 40 if loss_type == "dapo" else None
+    settings = LossSettings(beta=beta, options=ObjectiveOptions(eps_low=0.2, eps_high=0.28), loss_type=loss_type,
+                            ratio_level=ratio_level, max_new_tokens=8)
+    loss, stats = policy_loss(LossInputs(logp, adv, mask, old, ref, total_tokens=total, settings=settings))
     want = _ref_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), beta, 0.2, 0.28,
-                     loss_type, ratio_level, mnt=8, total=kw["total_tokens"])  # fmt: skip
+                     loss_type, ratio_level, mnt=8, total=total)
     assert loss.item() == pytest.approx(want[0], abs=1e-5)
     assert stats["kl"].item() == pytest.approx(want[1], abs=1e-5)
     assert stats["clip_fraction"].item() == pytest.approx(want[2], abs=1e-6)
@@ -372,6 +376,12 @@ def test_loss_matches_reference(loss_type, ratio_level, beta):
     assert all(not v.requires_grad and v.dim() == 0 for v in stats.values())
 
 
+def clipped(eps_low: float, eps_high: float | None = None, **settings) -> LossSettings:
+    """The settings of the clipped surrogate with these bounds (eps_high: eps_low where not given)."""
+    bounds = ObjectiveOptions(eps_low=eps_low, eps_high=eps_low if eps_high is None else eps_high)
+    return LossSettings(options=bounds, **settings)
+
+
 def test_clip_fraction_hand_made_ratios():
     ratios = torch.tensor([[0.5, 1.3, 1.0, 1.1], [0.5, 1.3, 0.9, 1.0]])
     old = torch.full((2, 4), -1.0)
@@ -379,22 +389,22 @@ def test_clip_fraction_hand_made_ratios():
     adv = torch.tensor([1.0, -1.0])
     mask = torch.ones(2, 4)
     # A>0 row: only 1.3 (> 1.2) is clipped; A<0 row: only 0.5 (< 0.8) is clipped -> 2/8
-    _, s = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.2)
+    _, s = policy_loss(LossInputs(logp, adv, mask, old))
     assert s["clip_fraction"].item() == pytest.approx(0.25)
     assert s["clip_fraction/low"].item() == pytest.approx(0.125)   # the A<0 row's 0.5
     assert s["clip_fraction/high"].item() == pytest.approx(0.125)  # the A>0 row's 1.3
     assert s["ratio_mean"].item() == pytest.approx(ratios.mean().item(), abs=1e-6)
     # eps_high = 0.35: 1.3 no longer clipped on the high side -> 1/8
-    _, s = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.2, eps_high=0.35)
+    _, s = policy_loss(LossInputs(logp, adv, mask, old, settings=clipped(0.2, 0.35)))
     assert s["clip_fraction"].item() == pytest.approx(0.125)
     assert (s["clip_fraction/low"].item(), s["clip_fraction/high"].item()) == pytest.approx((0.125, 0.0))
     # eps_low = 0.6: 0.5 no longer clipped on the low side -> 1/8
-    _, s = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.6, eps_high=0.2)
+    _, s = policy_loss(LossInputs(logp, adv, mask, old, settings=clipped(0.6, 0.2)))
     assert s["clip_fraction"].item() == pytest.approx(0.125)
     assert (s["clip_fraction/low"].item(), s["clip_fraction/high"].item()) == pytest.approx((0.0, 0.125))
     # masking the clipped A<0 token: 1 of 7 real tokens
     mask[1, 0] = 0
-    _, s = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.2)
+    _, s = policy_loss(LossInputs(logp, adv, mask, old))
     assert s["clip_fraction"].item() == pytest.approx(1 / 7)
 
 
@@ -416,9 +426,7 @@ def test_ratio_one_gradient_is_plain_policy_gradient(loss_type, use_old):
     logp, _, _, adv, mask = _batch(seed=21)
     x = logp.clone().requires_grad_(True)
     old = x.detach() if use_old else None
-    loss, _ = policy_loss(
-        x, old, None, adv, mask, beta=0.0, eps_low=0.2, loss_type=loss_type, max_new_tokens=9
-    )
+    loss, _ = policy_loss(LossInputs(x, adv, mask, old, settings=LossSettings(loss_type=loss_type, max_new_tokens=9)))
     loss.backward()
     want = -adv.double()[:, None] * _agg_weights(mask, loss_type, mnt=9)
     assert torch.allclose(x.grad.double(), want, atol=1e-7)
@@ -430,9 +438,7 @@ def test_ratio_one_gradient_through_logits():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
     adv = torch.tensor([0.5, -1.5, 2.0])
     x1 = logits.clone().requires_grad_(True)
-    loss, _ = policy_loss(
-        token_logprobs(x1, tokens, chunk_size=3), None, None, adv, mask, beta=0.0, eps_low=0.2
-    )
+    loss, _ = policy_loss(LossInputs(token_logprobs(x1, tokens, chunk_size=3), adv, mask))
     loss.backward()
     x2 = logits.clone().requires_grad_(True)
     w = (-adv[:, None] * _agg_weights(mask, "grpo")).float()
@@ -444,11 +450,11 @@ def test_ratio_one_gradient_through_logits():
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
 def test_padding_changes_nothing_even_with_nan(loss_type, ratio_level):
     logp, old, ref, adv, mask = _batch(seed=23)
-    kw = dict(beta=0.1, eps_low=0.2, loss_type=loss_type, ratio_level=ratio_level, max_new_tokens=10)
+    settings = LossSettings(beta=0.1, loss_type=loss_type, ratio_level=ratio_level, max_new_tokens=10)
 
     def run(lp, o, r, m):
         x = lp.clone().requires_grad_(True)
-        loss, stats = policy_loss(x, o, r, adv, m, **kw)
+        loss, stats = policy_loss(LossInputs(x, adv, m, o, r, settings=settings))
         loss.backward()
         return loss.detach(), stats, x.grad
 
@@ -478,8 +484,8 @@ def test_sequence_level_ratio_hand_computed():
     mask = torch.tensor([[1, 1, 0]])
     r = math.exp(0.2)
     # A > 0, eps 0.3: unclipped. grpo loss = -(r*A + r*A)/2 = -r*A
-    loss, s = policy_loss(logp, old, None, torch.tensor([2.0]), mask, beta=0.0, eps_low=0.3,
-                          ratio_level="sequence")  # fmt: skip
+    loss, s = policy_loss(LossInputs(logp, torch.tensor([2.0]), mask, old,
+                                     settings=clipped(0.3, ratio_level="sequence")))
     assert loss.item() == pytest.approx(-2.0 * r, abs=1e-6)
     assert s["ratio_mean"].item() == pytest.approx(r, abs=1e-6)
     assert s["clip_fraction"].item() == 0.0
@@ -488,21 +494,21 @@ def test_sequence_level_ratio_hand_computed():
     assert torch.allclose(logp.grad, torch.tensor([[-r, -r, 0.0]]), atol=1e-6)
     # A > 0, eps 0.2: ratio 1.2214 > 1.2 is clipped on every token -> loss = -1.2*A, zero gradient
     logp.grad = None
-    loss, s = policy_loss(logp, old, None, torch.tensor([2.0]), mask, beta=0.0, eps_low=0.2,
-                          ratio_level="sequence")  # fmt: skip
+    loss, s = policy_loss(LossInputs(logp, torch.tensor([2.0]), mask, old,
+                                     settings=LossSettings(ratio_level="sequence")))
     assert loss.item() == pytest.approx(-2.4, abs=1e-6)
     assert s["clip_fraction"].item() == 1.0
     loss.backward()
     assert torch.equal(logp.grad, torch.zeros(1, 3))
     # token level differs: per-token ratios exp(.1), exp(.3); only exp(.3)=1.35 is clipped
-    loss, s = policy_loss(logp, old, None, torch.tensor([2.0]), mask, beta=0.0, eps_low=0.2)
+    loss, s = policy_loss(LossInputs(logp, torch.tensor([2.0]), mask, old))
     assert loss.item() == pytest.approx(-(2 * math.exp(0.1) + 2 * 1.2) / 2, abs=1e-6)
     assert s["clip_fraction"].item() == 0.5
 
 
-def _grads(logp, old, ref, adv, mask, scale=1.0, **kw):
+def _grads(logp, old, ref, adv, mask, settings: LossSettings, scale=1.0, total_tokens=None):
     x = logp.clone().requires_grad_(True)
-    loss, stats = policy_loss(x, old, ref, adv, mask, **kw)
+    loss, stats = policy_loss(LossInputs(x, adv, mask, old, ref, total_tokens=total_tokens, settings=settings))
     (loss * scale).backward()
     return x.grad, loss.detach(), stats
 
@@ -514,17 +520,15 @@ def test_micro_batches_accumulate_to_full_batch_gradient(loss_type, ratio_level)
     # equal real-token counts per half (7 and 7) so 1/K is exact for bnpo
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
     total = int(mask.sum())
-    kw = dict(beta=0.05, eps_low=0.2, eps_high=0.25, loss_type=loss_type, ratio_level=ratio_level,
-              max_new_tokens=5)  # fmt: skip
-    full, full_loss, _ = _grads(logp, old, ref, adv, mask, **kw)
+    settings = clipped(0.2, 0.25, beta=0.05, loss_type=loss_type, ratio_level=ratio_level, max_new_tokens=5)
+    full, full_loss, _ = _grads(logp, old, ref, adv, mask, settings)
     k = 2
     scale = 1.0 if loss_type == "dapo" else 1.0 / k
-    if loss_type == "dapo":
-        kw["total_tokens"] = total
+    whole = total if loss_type == "dapo" else None
     acc = torch.zeros_like(logp)
     acc_loss = 0.0
     for sl in (slice(0, 2), slice(2, 4)):
-        g, lo, _ = _grads(logp[sl], old[sl], ref[sl], adv[sl], mask[sl], scale=scale, **kw)
+        g, lo, _ = _grads(logp[sl], old[sl], ref[sl], adv[sl], mask[sl], settings, scale=scale, total_tokens=whole)
         acc[sl] += g
         acc_loss += lo.item() * scale
     assert torch.allclose(acc, full, atol=1e-7)
@@ -535,14 +539,13 @@ def test_micro_batches_accumulate_to_full_batch_gradient(loss_type, ratio_level)
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_uneven_micro_batches_weighted_by_rows(loss_type):
     logp, old, ref, adv, mask = _batch(b=4, t=5, seed=25)
-    kw = dict(beta=0.05, eps_low=0.2, loss_type=loss_type, max_new_tokens=5)
-    full, _, _ = _grads(logp, old, ref, adv, mask, **kw)
-    if loss_type == "dapo":
-        kw["total_tokens"] = int(mask.sum())
+    settings = LossSettings(beta=0.05, loss_type=loss_type, max_new_tokens=5)
+    full, _, _ = _grads(logp, old, ref, adv, mask, settings)
+    whole = int(mask.sum()) if loss_type == "dapo" else None
     acc = torch.zeros_like(logp)
     for sl, rows in ((slice(0, 3), 3), (slice(3, 4), 1)):
         scale = 1.0 if loss_type == "dapo" else rows / 4
-        acc[sl] += _grads(logp[sl], old[sl], ref[sl], adv[sl], mask[sl], scale=scale, **kw)[0]
+        acc[sl] += _grads(logp[sl], old[sl], ref[sl], adv[sl], mask[sl], settings, scale=scale, total_tokens=whole)[0]
     assert torch.allclose(acc, full, atol=1e-7)
 
 
@@ -550,9 +553,9 @@ def test_uneven_micro_batches_weighted_by_rows(loss_type):
 def test_beta_term_adds_beta_times_aggregated_kl(loss_type):
     logp, _, ref, adv, mask = _batch(seed=26, spread=0.7)
     beta = 0.4
-    kw = dict(eps_low=0.2, loss_type=loss_type, max_new_tokens=7)
-    g0, l0, s0 = _grads(logp, None, ref, adv, mask, beta=0.0, **kw)
-    g1, l1, s1 = _grads(logp, None, ref, adv, mask, beta=beta, **kw)
+    settings = LossSettings(loss_type=loss_type, max_new_tokens=7)
+    g0, l0, s0 = _grads(logp, None, ref, adv, mask, settings)
+    g1, l1, s1 = _grads(logp, None, ref, adv, mask, dataclasses.replace(settings, beta=beta))
     w = _agg_weights(mask, loss_type, mnt=7)
     d = (ref - logp).double()
     k3 = d.exp() - d - 1
@@ -567,8 +570,9 @@ def test_beta_term_adds_beta_times_aggregated_kl(loss_type):
 
 def test_fresh_adapter_kl_zero_and_float_mask_equals_bool_mask():
     logp, old, _, adv, mask = _batch(seed=27)
-    l1, s1 = policy_loss(logp, old, logp.clone(), adv, mask.float(), beta=0.1, eps_low=0.2)
-    l2, s2 = policy_loss(logp, old, logp.clone(), adv, mask.bool(), beta=0.1, eps_low=0.2)
+    settings = LossSettings(beta=0.1)
+    l1, s1 = policy_loss(LossInputs(logp, adv, mask.float(), old, logp.clone(), settings=settings))
+    l2, s2 = policy_loss(LossInputs(logp, adv, mask.bool(), old, logp.clone(), settings=settings))
     assert s1["kl"].item() == 0.0
     assert l1.item() == l2.item()
 
@@ -624,9 +628,15 @@ def test_kl_shape_error():
         kl_k3(torch.zeros(2, 4), torch.zeros(2, 3))
 
 
-def _loss_args():
+def _loss_inputs(**override) -> LossInputs:
+    """A small batch's inputs with beta 0.1 and clip bounds 0.2, with the `override`s: the tensors and the batch's
+    token count of LossInputs, the clip bounds and the other keys of LossSettings."""
     logp, old, ref, adv, mask = _batch(b=2, t=3, seed=28)
-    return dict(logp=logp, old_logp=old, ref_logp=ref, advantages=adv, mask=mask, beta=0.1, eps_low=0.2)
+    given = dict(logp=logp, old_logp=old, ref_logp=ref, advantages=adv, mask=mask, beta=0.1, eps_low=0.2) | override
+    bounds = {key: given.pop(key) for key in ("eps_low", "eps_high") if key in given}
+    bounds.setdefault("eps_high", bounds["eps_low"])
+    settings = {key: given.pop(key) for key in ("beta", "loss_type", "ratio_level", "max_new_tokens") if key in given}
+    return LossInputs(**given, settings=LossSettings(options=ObjectiveOptions(**bounds), **settings))
 
 
 @pytest.mark.parametrize(
@@ -651,16 +661,13 @@ def _loss_args():
     ],
 )
 def test_policy_loss_errors(override, match):
-    args = _loss_args()
-    args.update(override)
+    inputs = _loss_inputs(**override)
     with pytest.raises(ValueError, match=match):
-        policy_loss(**args)
+        policy_loss(inputs)
 
 
 def test_beta_zero_allows_missing_ref():
-    args = _loss_args()
-    args.update(beta=0.0, ref_logp=None)
-    loss, stats = policy_loss(**args)
+    loss, stats = policy_loss(_loss_inputs(beta=0.0, ref_logp=None))
     assert torch.isfinite(loss) and stats["kl"].item() == 0.0
 
 
@@ -692,8 +699,8 @@ def test_a_new_loss_type_is_one_function_and_one_entry(compose):
     try:
         logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.1, -0.2]])
         mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-        loss, _ = policy_loss(logp, None, None, torch.tensor([2.0, -1.0]), mask, beta=0.0, eps_low=0.2,
-                              loss_type="seq_sum_mean")
+        loss, _ = policy_loss(LossInputs(logp, torch.tensor([2.0, -1.0]), mask,
+                                         settings=LossSettings(loss_type="seq_sum_mean")))
         assert loss.item() == pytest.approx((-4 + 3) / 2)
         assert accumulation_weight("seq_sum_mean", rows=1, rows_total=4, micro_batches_total=2) == 0.25
         validate(compose(["+recipe=quickstart", "algo.loss_type=seq_sum_mean"]))

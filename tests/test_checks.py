@@ -3,11 +3,12 @@ of another option of its config group, an unwritable cache dir: each one line, e
 
 from __future__ import annotations
 
+import dataclasses
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_cli
-from omegaconf import OmegaConf
+from conftest import data_config, run_cli
 
 from grpo_cli.config import unknown_key_hint
 from grpo_cli.data import check_held_out_split, load_rows
@@ -26,7 +27,7 @@ def empty_parquet(path):
                                         ("rows.json", lambda p: p.write_text(""))])
 def test_an_empty_file_holds_no_rows(tmp_path, name, write):
     write(tmp_path / name)
-    cfg = OmegaConf.create({"source": "hf", "path": str(tmp_path / name), "prompt_column": "prompt"})
+    cfg = data_config(path=str(tmp_path / name), prompt_column="prompt")
     with pytest.raises(DataError, match=r"holds no rows") as err:
         load_rows(cfg)
     assert str(tmp_path / name) in str(err.value) and "could not be read" not in str(err.value)
@@ -34,10 +35,10 @@ def test_an_empty_file_holds_no_rows(tmp_path, name, write):
 
 def test_an_eval_split_of_a_single_file_is_refused_even_when_nothing_evaluates(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
-    cfg = OmegaConf.create({"source": "hf", "path": str(tmp_path / "rows.jsonl"), "eval_split": "test"})
+    cfg = data_config(path=str(tmp_path / "rows.jsonl"), eval_split="test")
     with pytest.raises(DataError, match=r"data.eval_split=test names a split, but data.path=.* is a file"):
         check_held_out_split(cfg)
-    check_held_out_split(OmegaConf.merge(cfg, {"eval_path": str(tmp_path / "rows.jsonl")}))  # eval_path: the held-out rows
+    check_held_out_split(dataclasses.replace(cfg, eval_path=str(tmp_path / "rows.jsonl")))  # eval_path: the held-out rows
 
 
 def test_a_key_of_another_group_option_names_that_option():

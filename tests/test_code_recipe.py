@@ -90,10 +90,10 @@ class KnownAnswers(Engine):
 
 
 @pytest.mark.slow  # 32 programs in the sandbox, and transformers' import for the tokenizer
-def test_the_evaluator_reports_pass_at_1_and_pass_at_k(compose):
+def test_the_evaluator_reports_pass_at_1_and_pass_at_k(config):
     from grpo_cli.models import load_tokenizer
 
-    cfg = compose(["+recipe=code", "eval.num_prompts=8", "eval.samples=3"])
+    cfg = config(["+recipe=code", "eval.num_prompts=8", "eval.samples=3"])
     rows = eval_rows(cfg)
     tokenizer = load_tokenizer("tiny-random")
     engine = KnownAnswers(tokenizer, {r["messages"][-1]["content"].split(" Reply")[0] for r in rows[:3]})
@@ -105,11 +105,11 @@ def test_the_evaluator_reports_pass_at_1_and_pass_at_k(compose):
 
 # ---- a training run: outcomes in samples.jsonl and the metrics ---------------------------------------------
 @pytest.mark.slow  # 2 steps of the tiny model in-process, 16 programs in the sandbox
-def test_a_code_run_writes_each_outcome_and_their_counts(compose, tmp_path):
+def test_a_code_run_writes_each_outcome_and_their_counts(config, tmp_path):
     from grpo_cli.run import train
     from grpo_cli.trainer import GRPOTrainer
 
-    cfg = compose(["+recipe=code", "model=tiny", "trainer.device=cpu", "rollout.max_new_tokens=6",
+    cfg = config(["+recipe=code", "model=tiny", "trainer.device=cpu", "rollout.max_new_tokens=6",
                    "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=2",
                    "trainer.log_samples_every=1", "eval.final=false"])
     train(cfg, tmp_path, GRPOTrainer(cfg))

@@ -86,9 +86,8 @@ def test_recipe_overrides_its_groups(compose):
 ])
 @pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_validate_names_key_and_value(compose, override, key):
-    cfg = compose(["+recipe=quickstart", override])
-    with pytest.raises(ConfigError) as err:
-        validate(cfg)
+    with pytest.raises(ConfigError) as err:  # a value of the wrong type is refused as the config is composed
+        validate(compose(["+recipe=quickstart", override]))
     message = str(err.value)
     assert message.startswith(key + "=") and "\n" not in message
 
@@ -118,15 +117,15 @@ def test_group_specific_keys(compose, overrides, key):
     assert str(err.value).startswith(key + "=") and "\n" not in str(err.value)
 
 
-def test_optimizer_name_picks_the_torch_optimizer(compose):
+def test_optimizer_name_picks_the_torch_optimizer(config):
     import torch
 
     from grpo_cli.optim import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
-    sgd = build_optimizer(params, compose(["optimizer=sgd", "optimizer.nesterov=true"]).optimizer)
+    sgd = build_optimizer(params, config(["optimizer=sgd", "optimizer.nesterov=true"]).optimizer)
     assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9 and sgd.defaults["nesterov"] is True
-    adamw = build_optimizer(params, compose(["+recipe=quickstart", "optimizer.lr=3e-4"]).optimizer)
+    adamw = build_optimizer(params, config(["+recipe=quickstart", "optimizer.lr=3e-4"]).optimizer)
     assert type(adamw) is torch.optim.AdamW and adamw.defaults["betas"] == (0.9, 0.99) and adamw.defaults["lr"] == 3e-4
 
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import read_jsonl, run_cli
-from omegaconf import OmegaConf
+from conftest import data_config, read_jsonl, run_cli
 
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import DataError
@@ -21,7 +20,7 @@ ROWS = [{"prompt": f"What is {i} + {i}?", "answer": f"x{2 * i}", "topic": "sums"
 
 
 def hf_cfg(**keys):
-    return OmegaConf.create({"source": "hf", "question_suffix": "", "system_prompt": None, **keys})
+    return data_config(**keys)
 
 
 def write_all_formats(directory, rows) -> dict[str, str]:

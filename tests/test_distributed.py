@@ -35,13 +35,14 @@ WORKER = textwrap.dedent('''
     from grpo_cli.config import CONF_DIR, register_recipes
     from grpo_cli.trainer import Batch, GRPOTrainer
     from grpo_cli.rollout import Rollout
+    from grpo_cli.schema import Config
 
     out, cases, order_overrides = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     register_recipes()
 
     def composed(overrides):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=overrides)
+            return Config.of(compose("config", overrides=overrides))
 
     # the first trainer of this process (trainer.device=auto): what held when its model loader ran
     seen = {}
@@ -99,11 +100,12 @@ def single_rank_batch_and_update(name: str, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from grpo_cli.config import CONF_DIR, register_recipes
+    from grpo_cli.schema import Config
     from grpo_cli.trainer import GRPOTrainer
 
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=CASES[name])
+        cfg = Config.of(compose("config", overrides=CASES[name]))
     single = GRPOTrainer(cfg)
     batch = fixed_batch(single, lambda i, G: i % 3)
     batch.mask[0, -2:] = 0  # uneven token counts across ranks

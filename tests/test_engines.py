@@ -17,6 +17,7 @@ from grpo_cli.evaluate import Evaluator
 from grpo_cli.models import load_policy
 from grpo_cli.rollout import HFEngine, make_engine
 from grpo_cli.rollout.compiled import CompiledEngine
+from grpo_cli.schema import Config
 from grpo_cli.trainer import GRPOTrainer
 
 TINY = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu"]
@@ -74,8 +75,8 @@ def test_greedy_compiled_equals_hf_on_the_tiny_model(tiny):
 
 
 @pytest.mark.slow
-def test_greedy_compiled_equals_hf_on_the_embedded_model(compose):
-    lm = load_policy(compose(["+recipe=quickstart", "trainer.device=cpu"]).model, "cpu")
+def test_greedy_compiled_equals_hf_on_the_embedded_model(config):
+    lm = load_policy(config(["+recipe=quickstart", "trainer.device=cpu"]).model, "cpu")
     randomise_lora(lm.model, scale=0.01)
     hf, compiled = engines(lm)
     prompts = chat_prompts(lm.tokenizer)
@@ -156,7 +157,7 @@ def compose_config(overrides: list[str]):
 
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=overrides)
+        return Config.of(compose("config", overrides=overrides))
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +209,8 @@ def test_merged_copy_gives_the_policy_logits_after_optimizer_steps(trained):
     torch.testing.assert_close(fresh, policy, rtol=0, atol=1e-5)
 
 
-def test_evaluator_gives_the_same_with_either_engine(compose, tiny):
-    cfg = compose([*TINY, "eval.num_prompts=3", "eval.samples=2"])
+def test_evaluator_gives_the_same_with_either_engine(config, tiny):
+    cfg = config([*TINY, "eval.num_prompts=3", "eval.samples=2"])
     evaluator = Evaluator.for_training(cfg, tiny)
     hf, compiled = engines(tiny)
     results = []
@@ -259,10 +260,10 @@ def teacher_forced_gap(model, roll) -> float:
 
 
 @pytest.mark.cuda
-def test_cuda_compiled_engine_in_training(compose, tmp_path):
+def test_cuda_compiled_engine_in_training(config, tmp_path):
     """bf16 on CUDA with the decode step compiled: compiled once, base bit-identical after 3 steps, the merged
     copy as close to an fp32 policy as the bf16 policy itself is, greedy decoding the policy's argmax."""
-    cfg = compose([*CUDA_TINY, "rollout.engine=auto", "optimizer.lr=1e-2"])
+    cfg = config([*CUDA_TINY, "rollout.engine=auto", "optimizer.lr=1e-2"])
     trainer = GRPOTrainer(cfg)
     assert isinstance(trainer.engine, CompiledEngine) and trainer.engine.compile
     randomise_lora(trainer.model, scale=0.02)
@@ -304,10 +305,11 @@ def real_embedded_gguf() -> bool:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not real_embedded_gguf(), reason="the embedded GGUF is not here (or is gpu_check.sh's stand-in)")
-def test_cuda_embedded_model_greedy_through_compiled(compose):
-    lm = load_policy(compose(["+recipe=quickstart", "trainer.device=cuda"]).model, "cuda")
+def test_cuda_embedded_model_greedy_through_compiled(config):
+    cfg = config(["+recipe=quickstart", "trainer.device=cuda"])
+    lm = load_policy(cfg.model, "cuda")
     randomise_lora(lm.model, scale=0.01)
-    engine = make_engine(compose(["+recipe=quickstart", "trainer.device=cuda"]).rollout, lm, max_prompt_tokens=128)
+    engine = make_engine(cfg.rollout, lm, max_prompt_tokens=128)
     assert isinstance(engine, CompiledEngine)
     prompts = chat_prompts(lm.tokenizer)
     roll = engine.generate(prompts, 2, max_new_tokens=24, greedy=True)

@@ -24,7 +24,6 @@ from grpo_cli import config
 from grpo_cli.errors import ConfigError, RewardError
 from grpo_cli.rollout import episodes
 from grpo_cli.rollout.episodes import EpisodeRunner
-from grpo_cli.rollout.logprobs import loss_mask
 
 TESTS = str(Path(__file__).parent)
 TOOL = ["rollout.tools=[test_episodes.multiply]", "rollout.max_new_tokens=48", "rollout.tool_timeout_s=1.0",
@@ -70,7 +69,7 @@ def test_the_trainer_trains_on_episodes_and_counts_only_the_models_tokens(compos
     assert scores.per_function["correct"] == [float(t.endswith(a)) for t, a in zip(roll.texts, "12 12 8 8".split(),
                                                                                    strict=True)]
     batch = trainer.make_batch(generation, scores)
-    assert torch.equal(batch.mask, loss_mask(roll).float()) and bool((batch.mask < roll.completion_mask).any())
+    assert torch.equal(batch.mask, roll.loss_mask().float()) and bool((batch.mask < roll.completion_mask).any())
     ordered, minis = trainer.mini_batch_layout(batch)  # two mini-batches: select_groups carries the episodes
     assert ordered.rollout.tool_calls.tolist() == [1, 1, 0, 0] or ordered.rollout.tool_calls.tolist() == [0, 0, 1, 1]
     assert sum(m.tokens_total for m in minis) == float(roll.model_mask.sum())  # dapo's normaliser: model tokens
@@ -86,7 +85,7 @@ def test_the_loss_mask_of_an_episode_is_its_model_tokens(compose, mask_truncated
     """The fast check that tool tokens never train: the step's batch of an episode (tool result tokens inside the
     completion, so in completion_mask for attention) masks exactly the tokens the model sampled."""
     from grpo_cli.rollout.episodes import Episodes
-    from grpo_cli.schema import view
+    from grpo_cli.schema import Config
     from grpo_cli.trainer import Generation, Scores, make_batch
 
     #  episode 0: 3 sampled, 2 tool-result tokens, 2 sampled; episode 1: 4 sampled, 3 padding
@@ -96,12 +95,12 @@ def test_the_loss_mask_of_an_episode_is_its_model_tokens(compose, mask_truncated
                     torch.tensor([False, False]), ["a", "b"], 2, model_mask=model, prompts=["p", "p"],
                     messages=[[], []], tool_calls=torch.tensor([1, 0]), failed_calls=torch.tensor([0, 0]),
                     turns=torch.tensor([2, 1]), cut=torch.tensor([False, False]))
-    algo = view(compose(["+recipe=quickstart", f"algo.mask_truncated={str(mask_truncated).lower()}",
-                         "algo.num_generations=2"]).algo, "algo")
+    algo = Config.of(compose(["+recipe=quickstart", f"algo.mask_truncated={str(mask_truncated).lower()}",
+                              "algo.num_generations=2"])).algo
     batch = make_batch(Generation(roll, [{}], ["p", "p"], {}), Scores(torch.tensor([1.0, 0.0]), {}, 0), algo,
                        torch.device("cpu"))
     assert torch.equal(batch.mask, model.float())
-    assert torch.equal(loss_mask(roll), model)
+    assert torch.equal(roll.loss_mask(), model)
 
 
 def test_dr_grpo_and_truncation_see_the_model_tokens(compose, tmp_path):
@@ -226,8 +225,8 @@ class Multiplies:
 
 
 @pytest.mark.parametrize(("environment", "line"), ENVIRONMENT_FAILURES, ids=[e.__name__ for e, _ in ENVIRONMENT_FAILURES])
-def test_an_environment_that_fails_on_the_first_row_is_refused_before_the_model_loads(compose, environment, line):
-    cfg = compose(["+recipe=quickstart", "model=tiny", f"env._target_=test_episodes.{environment.__name__}"])
+def test_an_environment_that_fails_on_the_first_row_is_refused_before_the_model_loads(config, environment, line):
+    cfg = config(["+recipe=quickstart", "model=tiny", f"env._target_=test_episodes.{environment.__name__}"])
     with pytest.raises(ConfigError) as err:
         episodes.check_before_model_load(cfg)
     assert str(err.value) == (f"env._target_=test_episodes.{environment.__name__} fails on the run's first row, before "

@@ -24,7 +24,6 @@ from grpo_cli.models import load_tokenizer
 from grpo_cli.rollout import HFEngine, completion_logprobs, positions
 from grpo_cli.rollout.common import Engine, finish_rollout, left_pad
 from grpo_cli.rollout.episodes import Episodes, run_episodes
-from grpo_cli.rollout.logprobs import loss_mask
 from grpo_cli.rollout.tools import (
     ToolCall,
     ToolFormat,
@@ -422,7 +421,7 @@ def test_a_stop_request_ends_the_loop_without_running_more_tools(tokenizer):
 
 def test_the_loss_mask_excludes_tool_tokens_from_every_count(tokenizer):
     roll = episodes(tokenizer, [script(call("multiply", a=3, b=4), "12."), script("No tool needed.")], G=2)
-    mask = loss_mask(roll)
+    mask = roll.loss_mask()
     assert torch.equal(mask, roll.model_mask) and bool((mask <= roll.completion_mask).all())
     tool_tokens = roll.completion_mask - mask
     assert int(tool_tokens[0].sum()) > 0 and int(tool_tokens[2].sum()) == 0
@@ -439,7 +438,7 @@ def test_the_loss_mask_excludes_tool_tokens_from_every_count(tokenizer):
     assert int(mask[0].sum()) == sampled  # the call, the answer and one EOS: nothing of the tool message
     plain = run_episodes(ScriptedPolicy(tokenizer), ToolFormat(tokenizer), [script("Hi.")], 1, max_new_tokens=8,
                          max_tool_calls=0)
-    assert torch.equal(loss_mask(plain), plain.completion_mask)
+    assert torch.equal(plain.loss_mask(), plain.completion_mask)
 
 
 def test_one_generate_call_per_turn_batches_the_running_episodes(tokenizer):
@@ -715,7 +714,7 @@ def _lora_grads(model):
 def test_the_pass_attends_over_tool_tokens_and_matches_a_full_forward(policy_and_episodes, chunk):
     model, roll = policy_and_episodes
     model.train()
-    mask = loss_mask(roll).float()
+    mask = roll.loss_mask().float()
     assert 0 < mask.sum() < roll.completion_mask.sum()
     model.zero_grad(set_to_none=True)
     ref = algorithm.token_logprobs(full_forward(model, roll), roll.completion_ids)
@@ -737,7 +736,7 @@ def test_a_tool_token_never_receives_gradient(policy_and_episodes):
     model.train()
     logits = full_forward(model, roll)
     logits.retain_grad()
-    mask = loss_mask(roll).float()
+    mask = roll.loss_mask().float()
     (algorithm.token_logprobs(logits, roll.completion_ids) * mask).sum().backward()
     per_position = logits.grad.abs().sum(dim=-1)
     tool = (roll.completion_mask - roll.model_mask).bool()
@@ -776,12 +775,12 @@ def test_real_engines_run_the_loop_and_cut_at_the_budget(lm, engine):
 def test_the_embedded_model_calls_a_tool_when_the_call_opener_is_prefilled():
     """SmolLM2-135M writes no call from scratch (0 of 16 in the probes); with the opener prefilled it completes
     one: the loop runs it, the result's tokens are in the row and out of the loss, and the model answers."""
-    from omegaconf import OmegaConf
-
     from grpo_cli.models import load_policy
+    from grpo_cli.schema import LoraConfig, ModelConfig
 
-    lm = load_policy(OmegaConf.create({"name_or_path": "embedded:smollm2-135m", "dtype": "float32", "lora": {
-        "r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}}), "cpu")
+    lora = LoraConfig(r=8, alpha=16, dropout=0.0, target_modules="all-linear")
+    lm = load_policy(ModelConfig(name_or_path="embedded:smollm2-135m", trust_remote_code=False, dtype="float32",
+                                 lora=lora), "cpu")
     fmt = ToolFormat(lm.tokenizer, opener='<tool_call>{"name": "multiply", "arguments": {"a": ')
     torch.manual_seed(0)
     rows = [{"messages": [{"role": "user", "content": "What is 347 * 29? Use the multiply tool."}]}]

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from grpo_cli.export import main as export_main
 from grpo_cli.models import load_base_model, load_policy, load_tokenizer
+from grpo_cli.schema import Config
 
 TINY = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu"]
 MESSAGES = [{"role": "user", "content": "What is 3 + 5? Answer with just the number."}]
@@ -23,7 +24,7 @@ def make_run(run_dir: Path, cfg, seed: int = 1, keep_model: bool = False):
     """A run dir as grpo-train leaves it (.hydra/config.yaml, adapter/), with an adapter whose B matrices are
     random (a fresh adapter has B = 0 and would merge into the base unchanged); with keep_model, also the
     peft model (base + that adapter) it was saved from."""
-    lm = load_policy(cfg.model, "cpu", seed=cfg.trainer.seed)
+    lm = load_policy(Config.of(cfg).model, "cpu", seed=cfg.trainer.seed)
     perturb(lm.model, seed)
     (run_dir / ".hydra").mkdir(parents=True)
     OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
@@ -167,7 +168,7 @@ def test_checkpoint_export(tiny_cfg, tiny_run, tmp_path):
     step = run / "checkpoints" / "step-000003"
     step.mkdir(parents=True)
     (step / "state.json").write_text('{"step": 3}')
-    lm = load_policy(tiny_cfg.model, "cpu", seed=tiny_cfg.trainer.seed)
+    lm = load_policy(Config.of(tiny_cfg).model, "cpu", seed=tiny_cfg.trainer.seed)
     perturb(lm.model, seed=7)
     lm.model.save_pretrained(step / "adapter")
     tokenizer = load_tokenizer("tiny-random")

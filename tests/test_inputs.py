@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
+from conftest import data_config
 
 from grpo_cli.config import ConfigError, check_context_length, check_interpolations, validate
 from grpo_cli.data import load_rows
@@ -97,8 +97,8 @@ def test_rewards_are_called_by_keyword_as_trl_calls_them():
 def jsonl_cfg(tmp_path, rows, **extra):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return OmegaConf.create({"source": "jsonl", "path": str(path), "question_suffix": extra.get("suffix", ""),
-                             "system_prompt": extra.get("system")}), path
+    return data_config(source="jsonl", path=str(path), question_suffix=extra.get("suffix", ""),
+                       system_prompt=extra.get("system")), path
 
 
 def test_three_prompt_forms(tmp_path):

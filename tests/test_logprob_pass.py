@@ -315,6 +315,7 @@ def test_cuda_bf16_logprob_pass_matches_full_forward_and_saves_memory():
 
 @pytest.mark.slow
 def test_trainer_with_gradient_checkpointing_gives_the_same_update(compose, tmp_path):
+    from grpo_cli.schema import Config
     from grpo_cli.trainer import GRPOTrainer
 
     grads = []
@@ -322,7 +323,7 @@ def test_trainer_with_gradient_checkpointing_gives_the_same_update(compose, tmp_
     for checkpointing in ("false", "true"):
         cfg = compose(["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", "trainer.device=cpu",
                        "optimizer.lr=1e-30", f"trainer.gradient_checkpointing={checkpointing}"])
-        trainer = GRPOTrainer(cfg)
+        trainer = GRPOTrainer(Config.of(cfg))
         if batch is None:
             batch = fixed_batch(trainer, lambda i, G: i % G)
         assert trainer.model.get_base_model().get_decoder().gradient_checkpointing is (checkpointing == "true")

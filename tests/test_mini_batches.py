@@ -10,11 +10,12 @@ from functools import partial
 import pytest
 import torch
 from conftest import VARIED_REWARD as VARIED_BY_LENGTH
-from conftest import fixed_batch, gradients_at_step, make_trainer, read_jsonl, straight_and_resumed
+from conftest import fixed_batch, gradients_at_step, make_trainer, read_jsonl, straight_and_resumed, use_loss
 
 from grpo_cli import algorithm
 from grpo_cli.optim import lr_factor
 from grpo_cli.run import train
+from grpo_cli.schema import Config
 from grpo_cli.trainer import GRPOTrainer, completion_logprobs, mini_batch_groups
 
 
@@ -70,9 +71,11 @@ def reference_update(trainer: GRPOTrainer, batch) -> float:
         ref = completion_logprobs(trainer.model, batch.rollout, rows, temperature, chunk)[0]
     trainer.optimizer.zero_grad(set_to_none=True)
     logp = completion_logprobs(trainer.model, batch.rollout, rows, temperature, chunk)[0]
-    loss, _ = algorithm.policy_loss(logp, None, ref, batch.advantages, batch.mask, beta=algo.beta,
-                                    eps_low=algo.clip_eps, loss_type=algo.loss_type,
-                                    max_new_tokens=trainer.roll.max_new_tokens)
+    bounds = algorithm.ObjectiveOptions(eps_low=algo.clip_eps, eps_high=algo.clip_eps)
+    settings = algorithm.LossSettings(beta=algo.beta, options=bounds, loss_type=algo.loss_type,
+                                      max_new_tokens=trainer.roll.max_new_tokens)
+    loss, _ = algorithm.policy_loss(algorithm.LossInputs(logp, batch.advantages, batch.mask, ref_logp=ref,
+                                                         settings=settings))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(trainer.params, trainer.tcfg.max_grad_norm)
     trainer.optimizer.step()
@@ -155,7 +158,7 @@ def test_bnpo_differs_from_dapo_with_micro_batches_and_equals_it_without(compose
     got = {}
     for micro in (None, 8):
         for loss_type in ("bnpo", "dapo"):
-            trainer.algo.loss_type, trainer.tcfg.micro_batch_size = loss_type, micro
+            use_loss(trainer, loss_type, micro)
             trainer.update(0, batch)
             got[loss_type, micro] = grads(trainer)
     assert got["bnpo", None].abs().max() > 0
@@ -171,8 +174,9 @@ def test_bnpo_differs_from_dapo_with_micro_batches_and_equals_it_without(compose
     parts = [slice(i, i + 8) for i in range(0, batch.rewards.numel(), 8)]
     for rows in parts:
         logp = completion_logprobs(trainer.model, batch.rollout, rows, 0.8, None)[0]
-        loss, _ = algorithm.policy_loss(logp, None, ref[rows], batch.advantages[rows], batch.mask[rows],
-                                        beta=0.1, eps_low=0.2, loss_type="bnpo")
+        settings = algorithm.LossSettings(beta=0.1, loss_type="bnpo")
+        loss, _ = algorithm.policy_loss(algorithm.LossInputs(logp, batch.advantages[rows], batch.mask[rows],
+                                                             ref_logp=ref[rows], settings=settings))
         (loss / len(parts)).backward()
     torch.testing.assert_close(got["bnpo", 8], grads(trainer), rtol=1e-4, atol=1e-7)
 
@@ -223,7 +227,7 @@ def test_clip_eps_changes_training_only_when_updates_are_off_policy(compose, tmp
         for clip in (0.05, 0.3):
             cfg = compose([*CLIPPED, f"algo.mini_batches={mini}", f"algo.clip_eps={clip}"])
             if lm is None:
-                lm = load_policy(cfg.model, "cpu", seed=cfg.trainer.seed)
+                lm = load_policy(Config.of(cfg).model, "cpu", seed=cfg.trainer.seed)
                 fresh = {n: p.detach().clone() for n, p in lm.model.named_parameters() if p.requires_grad}
             with torch.no_grad():
                 for n, p in lm.model.named_parameters():

@@ -2,6 +2,7 @@
 aggregation, dynamic sampling and the truncation warning (docs/algorithm.md). Hand formulas here; TRL's own code in
 tests/test_trl_equivalence.py."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,10 +10,11 @@ import torch
 from conftest import fit, make_trainer, read_jsonl, straight_and_resumed
 
 from grpo_cli import algorithm
-from grpo_cli.algorithm import LossSettings, ObjectiveOptions, policy_loss
+from grpo_cli.algorithm import LossInputs, LossSettings, ObjectiveOptions, policy_loss
 from grpo_cli.errors import ConfigError, RewardError
 from grpo_cli.rewards.aggregation import combine, present_mean
 from grpo_cli.rewards.overlong import overlong_score
+from grpo_cli.schema import Config
 
 
 def batch(b=4, t=5, seed=0):
@@ -29,7 +31,8 @@ def batch(b=4, t=5, seed=0):
 
 def loss_of(settings=None, beta=0.0, **kw):
     logp, old, ref, adv, mask = batch()
-    loss, stats = policy_loss(logp, old, ref, adv, mask, beta=beta, eps_low=0.2, settings=settings, **kw)
+    settings = dataclasses.replace(settings or LossSettings(), beta=beta, **kw)
+    loss, stats = policy_loss(LossInputs(logp, adv, mask, old, ref, settings=settings))
     return loss, stats, (logp, old, ref, adv, mask)
 
 
@@ -126,9 +129,9 @@ def test_top_entropy_quantile_keeps_the_high_entropy_tokens():
 def test_entropy_bonus_and_its_accumulation():
     logp, old, ref, adv, mask = batch()
     entropy = torch.rand(4, 5, requires_grad=True)
-    loss, stats = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.2, entropy=entropy,
-                              settings=LossSettings(entropy_coef=0.1))
-    plain, _ = policy_loss(logp, old, None, adv, mask, beta=0.0, eps_low=0.2)
+    loss, stats = policy_loss(LossInputs(logp, adv, mask, old, entropy=entropy,
+                                         settings=LossSettings(entropy_coef=0.1)))
+    plain, _ = policy_loss(LossInputs(logp, adv, mask, old))
     bonus = 0.1 * (entropy * mask).sum() / mask.sum()
     torch.testing.assert_close(loss, plain - bonus)
     # dapo's weight is 1 per micro-batch; the bonus is still averaged over the update's micro-batches
@@ -200,7 +203,7 @@ def test_aggregation_and_its_alias(compose):
                             (["algo.loss_type=dapo", "algo.aggregation=dapo"], "dapo")):
         cfg = compose(["+recipe=quickstart", *overrides])
         validate(cfg)
-        assert algorithm.aggregation_of(cfg.algo) == want
+        assert Config.of(cfg).algo.effective_aggregation == want
 
 
 def test_reward_aggregation_and_none():
@@ -359,7 +362,7 @@ def test_overlong_penalty_from_the_config(compose):
                  f"{entry}.tokenizer=" + "${model.name_or_path}", "+reward.aggregation=sum"]
     cfg = compose(overrides)
     validate(cfg)
-    rewards = RewardSet.from_config(cfg.reward)
+    rewards = RewardSet.from_config(Config.of(cfg).reward)
     penalty = next(rf.fn for rf in rewards.functions if rf.name == "overlong")
     texts = ["one", " ".join(["word"] * 30)]
     assert penalty(["p"] * 2, texts) == [0.0, -1.0]

@@ -122,6 +122,7 @@ def test_a_registered_optimizer_reads_the_keys_its_builder_takes(compose):
 
     from grpo_cli.config import validate
     from grpo_cli.optim import OPTIMIZERS, build_optimizer, optimizer_keys
+    from grpo_cli.schema import Config
 
     @OPTIMIZERS.register("toy_rmsprop")
     def toy_rmsprop(params, *, lr, weight_decay, alpha):
@@ -136,7 +137,7 @@ def test_a_registered_optimizer_reads_the_keys_its_builder_takes(compose):
         cfg = compose(["+recipe=quickstart", "model=tiny", "optimizer=sgd", "optimizer.name=toy_rmsprop",
                        "~optimizer.momentum", "~optimizer.nesterov", "+optimizer.alpha=0.5"])
         validate(cfg)
-        optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2))], cfg.optimizer)
+        optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2))], Config.of(cfg).optimizer)
         assert isinstance(optimizer, torch.optim.RMSprop) and optimizer.defaults["alpha"] == 0.5
     finally:
         del OPTIMIZERS["toy_rmsprop"]

@@ -17,6 +17,7 @@ from grpo_cli.errors import ConfigError
 from grpo_cli.models import attach_lora, load_base_model, load_policy, load_tokenizer
 from grpo_cli.precision import auto_dtype, fast_cpu_bf16, resolve_dtype
 from grpo_cli.rollout import HFEngine, completion_logprobs
+from grpo_cli.schema import Config
 
 CPU = torch.device("cpu")
 
@@ -63,7 +64,7 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_runs_with_a_warning(compose):
 
 @pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_a_bf16_base_keeps_its_lora_weights_in_fp32(compose):
-    lm = load_policy(compose(["model=tiny", "model.dtype=bfloat16"]).model, "cpu")
+    lm = load_policy(Config.of(compose(["model=tiny", "model.dtype=bfloat16"])).model, "cpu")
     assert lm.dtype == torch.bfloat16
     trainable = {p.dtype for p in lm.model.parameters() if p.requires_grad}
     frozen = {p.dtype for p in lm.model.parameters() if not p.requires_grad}

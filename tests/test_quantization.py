@@ -14,6 +14,7 @@ import pytest
 from conftest import finished_run, module_on_path, read_jsonl, run_cli
 
 from grpo_cli.errors import ConfigError
+from grpo_cli.schema import Config
 
 needs_bnb = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None,
@@ -114,7 +115,7 @@ def test_the_export_is_the_trained_policy_merged_and_loads_without_peft_or_bitsa
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     cfg = OmegaConf.load(straight / ".hydra" / "config.yaml")
-    lm = load_trained(cfg.model, "cpu", straight / "adapter", seed=cfg.trainer.seed)
+    lm = load_trained(Config.of(cfg).model, "cpu", straight / "adapter", seed=cfg.trainer.seed)
     assert type(lm.model.get_base_model().model.layers[0].mlp.up_proj.base_layer).__name__ == "Linear4bit"
     with torch.no_grad():
         policy = lm.model(input_ids=torch.tensor(ids)).logits

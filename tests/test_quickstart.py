@@ -5,8 +5,8 @@ from __future__ import annotations
 from grpo_cli.rewards import RewardSet
 
 
-def test_quickstart_rewards_the_right_sum_in_any_form(compose) -> None:
-    cfg = compose(["+recipe=quickstart"])
+def test_quickstart_rewards_the_right_sum_in_any_form(config) -> None:
+    cfg = config(["+recipe=quickstart"])
     assert cfg.data.source == "sums" and cfg.reward.accuracy == "correct"
     rewards = RewardSet.from_config(cfg.reward)
     assert {f.name: f.weight for f in rewards.functions} == {"correct": 1.0, "bare": 0.0}

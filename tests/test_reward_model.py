@@ -12,6 +12,7 @@ from grpo_cli.config import ConfigError, validate
 from grpo_cli.models import load_tokenizer
 from grpo_cli.rewards import RewardSet
 from grpo_cli.rewards.reward_model import RewardModel
+from grpo_cli.schema import Config
 
 TARGET = "grpo_cli.rewards.reward_model.RewardModel"
 MESSAGES = [[{"role": "user", "content": f"What is {a} + {a + 1}?"}] for a in range(5)]
@@ -96,7 +97,7 @@ def compose_with(compose, classifier: str, *extra: str):
 def test_mixes_with_rule_rewards_in_a_reward_set(compose, classifier):
     cfg = compose_with(compose, classifier, "+reward.functions.rm.label=1", "+reward.functions.rm.batch_size=3")
     validate(cfg)
-    rewards = RewardSet.from_config(cfg.reward, device=torch.device("cpu"), dtype=torch.float32)
+    rewards = RewardSet.from_config(Config.of(cfg).reward, device=torch.device("cpu"), dtype=torch.float32)
     rm = next(rf.fn for rf in rewards.functions if rf.name == "rm")
     assert rm.batch_size == 3 and rm.label == 1  # built once, with its own options
     prompts = prompts_of(rm.tokenizer)
@@ -130,7 +131,7 @@ def test_missing_model_dir_and_out_of_range_label(compose, classifier, tmp_path)
     with pytest.raises(ConfigError, match=r"reward.functions.rm.model=/no/such/dir is invalid: no such model directory"):
         validate(compose_with(compose, "/no/such/dir"))
     with pytest.raises(ConfigError, match=rf"reward.functions.rm.label=3 is invalid: .* has {NUM_LABELS} output logits"):
-        RewardSet.from_config(compose_with(compose, classifier, "+reward.functions.rm.label=3").reward)
+        RewardSet.from_config(Config.of(compose_with(compose, classifier, "+reward.functions.rm.label=3")).reward)
 
 
 def test_plain_function_rewards_take_options_as_keyword_arguments(compose, tmp_path, monkeypatch):
@@ -143,7 +144,7 @@ def test_plain_function_rewards_take_options_as_keyword_arguments(compose, tmp_p
     cfg = compose(["+recipe=quickstart", "model=tiny", "+reward.functions.long._target_=my_rewards.longer_than",
                    "+reward.functions.long.min_chars=3", "+reward.functions.strict._target_=my_rewards.strict"])
     validate(cfg)
-    totals, per_fn, _ = RewardSet.from_config(cfg.reward).score(
+    totals, per_fn, _ = RewardSet.from_config(Config.of(cfg).reward).score(
         ["p"] * 3, ["12", "1234", "12345"], {"answer": ["3"] * 3, "messages": [[]] * 3})
     assert per_fn["long"] == [0.0, 1.0, 1.0] and per_fn["strict"] == [0.0] * 3  # no **kwargs: messages not passed
     bad = compose(["+recipe=quickstart", "model=tiny", "+reward.functions.strict._target_=my_rewards.strict",

@@ -84,8 +84,8 @@ def test_the_loss_counts_what_the_engine_generated_up_to_its_eos(tokenizer):
     assert any(t for _, t in wanted), "a truncated row is part of what this test pins"
 
     logp = torch.zeros(roll.completion_ids.shape, requires_grad=True)
-    loss, _ = algorithm.policy_loss(logp, None, None, torch.tensor([1.0, -1.0, 0.5, -0.5]), roll.completion_mask,
-                                    beta=0.0, eps_low=0.2, loss_type="grpo")
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    loss, _ = algorithm.policy_loss(algorithm.LossInputs(logp, advantages, roll.completion_mask))
     loss.backward()
     assert (logp.grad != 0).long().tolist() == [m for m, _ in wanted]
 

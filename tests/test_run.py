@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from grpo_cli import rundir
 from grpo_cli.errors import Interrupted
+from grpo_cli.schema import Config, LoggerConfig
 
 
 @pytest.mark.slow  # the tiny model loads, then one training step
@@ -21,8 +22,8 @@ def test_a_stop_while_the_model_loads_leaves_the_dir_as_if_the_run_never_started
     from grpo_cli.run import train
     from grpo_cli.stopping import StopRequest
 
-    cfg = compose([*TINY_TRAINER, "trainer.max_steps=1", "trainer.log_samples_every=0", "eval.num_prompts=2",
-                   "eval.max_new_tokens=4"])
+    cfg = Config.of(compose([*TINY_TRAINER, "trainer.max_steps=1", "trainer.log_samples_every=0",
+                             "eval.num_prompts=2", "eval.max_new_tokens=4"]))
     stop = StopRequest(announce=False)
 
     def make_evaluator(lm):  # called once the model has loaded, while the run builds its trainer
@@ -93,7 +94,7 @@ def test_a_run_that_stops_gives_the_terminal_back_before_its_last_line(compose, 
 def test_the_run_dir_is_named_when_training_starts(tmp_path, capsys):
     from grpo_cli.tracking import open_tracker
 
-    tracker = open_tracker(tmp_path, {"backend": "none"}, {}, total_steps=2)
+    tracker = open_tracker(tmp_path, LoggerConfig(backend="none"), {}, total_steps=2)
     assert capsys.readouterr().out.startswith(f"training 2 steps in {tmp_path}; Ctrl-C stops")
     tracker.close({"steps": 2})
 
@@ -102,7 +103,7 @@ def test_resuming_after_the_last_step_names_no_step_beyond_it(tmp_path, capsys):
     """A stop during the final eval of a 2-step run checkpoints after step 2; its resume runs only the eval."""
     from grpo_cli.tracking import open_tracker
 
-    tracker = open_tracker(tmp_path, {"backend": "none"}, {}, total_steps=2, start_step=2, resume=True)
+    tracker = open_tracker(tmp_path, LoggerConfig(backend="none"), {}, total_steps=2, start_step=2, resume=True)
     tracker.close({"steps": 2})
     out = capsys.readouterr().out
     assert "resuming after the last of 2 steps" in out and "step 3 of 2" not in out
@@ -111,9 +112,10 @@ def test_resuming_after_the_last_step_names_no_step_beyond_it(tmp_path, capsys):
 def test_the_resume_decision_is_a_value_and_the_config_stays_as_composed(compose, tmp_path):
     cfg = compose([*TINY_TRAINER, "trainer.resume=auto"])
     before = OmegaConf.to_container(cfg)
-    decision = rundir.decide_resume(cfg, tmp_path)
+    typed = Config.of(cfg)
+    decision = rundir.decide_resume(typed, tmp_path)
     assert decision.checkpoint is None and not decision.overwrite and decision.action == "fresh"
     assert decision.warnings == (f"trainer.resume=auto: nothing to resume in {tmp_path}; starting a new run",)
-    claim = rundir.claim(cfg, tmp_path)
+    claim = rundir.claim(typed, tmp_path)
     claim.release()
     assert claim.decision == decision and OmegaConf.to_container(cfg) == before

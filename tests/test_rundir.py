@@ -147,10 +147,10 @@ def test_a_changed_key_on_resume_is_refused_before_anything_is_written(tmp_path,
     untouched(used, finished)
 
 
-def test_the_sampling_keys_are_pinned_and_a_key_newer_than_the_checkpoint_counts_at_its_default(compose):
+def test_the_sampling_keys_are_pinned_and_a_key_newer_than_the_checkpoint_counts_at_its_default(config):
     from grpo_cli import rundir
 
-    current = rundir.fingerprint(compose(["+recipe=quickstart", "model=tiny", "rollout.top_k=5", "rollout.stop=[END]"]))
+    current = rundir.fingerprint(config(["+recipe=quickstart", "model=tiny", "rollout.top_k=5", "rollout.stop=[END]"]))
     assert current["rollout.top_k"] == 5 and current["rollout.stop"] == ["END"]
     assert {"rollout.min_p", "rollout.repetition_penalty", "rollout.engine"} <= current.keys()
     # a checkpoint written before these options existed: top_k (now 5) is a change, min_p at its default 0.0 is not

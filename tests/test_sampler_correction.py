@@ -104,11 +104,13 @@ def test_weights_multiply_the_policy_term_only():
     mask = torch.ones(4, 5)
     w = torch.rand(4, 5, generator=gen) * 2
     beta = 0.1
-    loss, _ = algorithm.policy_loss(logp, None, ref, adv, mask, beta=beta, eps_low=0.2, sampler_weights=w)
+    settings = algorithm.LossSettings(beta=beta)
+    loss, _ = algorithm.policy_loss(algorithm.LossInputs(logp, adv, mask, ref_logp=ref, sampler_weights=w,
+                                                         settings=settings))
     kl = algorithm.kl_k3(logp, ref)
     want = ((-adv[:, None] * w + beta * kl).sum(-1) / 5).mean()  # ratio 1: the surrogate is -A
     torch.testing.assert_close(loss, want)
-    plain, _ = algorithm.policy_loss(logp, None, ref, adv, mask, beta=beta, eps_low=0.2)
+    plain, _ = algorithm.policy_loss(algorithm.LossInputs(logp, adv, mask, ref_logp=ref, settings=settings))
     assert abs(float(plain) - float(loss)) > 1e-3
 
 
@@ -157,15 +159,15 @@ def test_off_policy_mask_measures_the_drift_from_the_sampler_when_it_reported_lo
     logp = TRAINER.clone()
     adv = torch.tensor([-1.0, 1.0])
     settings = algorithm.LossSettings(off_policy_mask_threshold=0.1)
-    dropped, _ = algorithm.policy_loss(logp, None, None, adv, MASK, beta=0.0, eps_low=0.2, settings=settings,
-                                       sampler_logp=logp + 1.0)  # mean sampler - logp = 1 > 0.1 on row 0
-    kept, _ = algorithm.policy_loss(logp, None, None, adv, MASK, beta=0.0, eps_low=0.2, settings=settings)
+    # mean sampler - logp = 1 > 0.1 on row 0
+    dropped, _ = algorithm.policy_loss(algorithm.LossInputs(logp, adv, MASK, sampler_logp=logp + 1.0, settings=settings))
+    kept, _ = algorithm.policy_loss(algorithm.LossInputs(logp, adv, MASK, settings=settings))
     assert float(kept) == pytest.approx((1.0 - 1.0) / 2)         # -A per token, per-sequence mean, mean of rows
     assert float(dropped) == pytest.approx((0.0 - 1.0) / 2)      # row 0 (A < 0) dropped
     nan_sampler = logp.clone()
     nan_sampler[0, 1] = float("nan")                             # an unscored token adds no evidence (TRL)
-    with_nan, _ = algorithm.policy_loss(logp, None, None, adv, MASK, beta=0.0, eps_low=0.2, settings=settings,
-                                        sampler_logp=nan_sampler)
+    with_nan, _ = algorithm.policy_loss(algorithm.LossInputs(logp, adv, MASK, sampler_logp=nan_sampler,
+                                                             settings=settings))
     assert float(with_nan) == pytest.approx(float(kept))
 
 

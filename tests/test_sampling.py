@@ -13,6 +13,7 @@ from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.evaluate import Evaluator
 from grpo_cli.rollout import encode_prompts, sampling_options
+from grpo_cli.schema import Config
 
 NEW = 8  # tokens per completion: every row runs to the end (min_new_tokens) unless a stop string ends it
 
@@ -161,8 +162,8 @@ def test_the_evaluator_stops_greedy_completions_and_samples_with_rollouts_option
         return [0.0] * len(completions)
 
     def evaluate(*overrides) -> tuple[list[str], list[str]]:
-        cfg = compose([*TINY_TRAINER, "eval.samples=2", "rollout.top_k=1", "rollout.repetition_penalty=1.5",
-                       f"eval.max_new_tokens={NEW}", *overrides])
+        cfg = Config.of(compose([*TINY_TRAINER, "eval.samples=2", "rollout.top_k=1", "rollout.repetition_penalty=1.5",
+                                 f"eval.max_new_tokens={NEW}", *overrides]))
         evaluator = Evaluator.from_config(cfg, tiny.tokenizer, rows)
         assert evaluator.sampling == sampling_options(cfg.rollout)
         evaluator.judge = judge  # records what it is given

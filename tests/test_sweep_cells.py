@@ -22,6 +22,7 @@ from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
 from grpo_cli.evaluate import eval_rows, final_eval_on
 from grpo_cli.report import make_report
+from grpo_cli.schema import Config
 from grpo_cli.sweep_stats import BEST, TIED, UNTESTED, WORSE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -156,18 +157,23 @@ def with_values(cfg, **dotted):
     return cfg
 
 
+def typed_with(cfg, **dotted) -> Config:
+    """The typed config of `cfg` with the values (what the components below the entry points read)."""
+    return Config.of(with_values(cfg, **dotted))
+
+
 def test_eval_final_auto_is_on_in_a_sweep_with_a_held_out_split(base_cfg):
-    assert final_eval_on(base_cfg, multirun=True) and not final_eval_on(base_cfg, multirun=False)
-    assert final_eval_on(with_values(base_cfg, eval__final=True), multirun=False)
-    assert not final_eval_on(with_values(base_cfg, eval__final=False), multirun=True)
-    no_split = with_values(base_cfg, data__source="jsonl", data__eval_path=None)
+    assert final_eval_on(typed_with(base_cfg), multirun=True) and not final_eval_on(typed_with(base_cfg), multirun=False)
+    assert final_eval_on(typed_with(base_cfg, eval__final=True), multirun=False)
+    assert not final_eval_on(typed_with(base_cfg, eval__final=False), multirun=True)
+    no_split = typed_with(base_cfg, data__source="jsonl", data__eval_path=None)
     assert not final_eval_on(no_split, multirun=True)
-    assert not final_eval_on(with_values(base_cfg, reward__accuracy=None), multirun=True)
+    assert not final_eval_on(typed_with(base_cfg, reward__accuracy=None), multirun=True)
 
 
 def test_held_out_rows_do_not_depend_on_the_seed(base_cfg):
-    rows = eval_rows(with_values(base_cfg, trainer__seed=0, eval__num_prompts=5))
-    assert len(rows) == 5 and rows == eval_rows(with_values(base_cfg, trainer__seed=7, eval__num_prompts=5))
+    rows = eval_rows(typed_with(base_cfg, trainer__seed=0, eval__num_prompts=5))
+    assert len(rows) == 5 and rows == eval_rows(typed_with(base_cfg, trainer__seed=7, eval__num_prompts=5))
 
 
 @pytest.mark.parametrize(("values", "words"), [
@@ -193,7 +199,7 @@ def test_final_eval_reuses_an_eval_after_the_last_step_and_replaces_a_stale_file
     calls = []
 
     def make_evaluator(lm):
-        evaluator = Evaluator.for_training(compose([*TINY_TRAINER, *overrides]), lm)
+        evaluator = Evaluator.for_training(Config.of(compose([*TINY_TRAINER, *overrides])), lm)
         return lambda engine, stop=None: calls.append(1) or evaluator(engine, stop)
 
     run = tmp_path / "run"
@@ -218,7 +224,7 @@ def test_a_stop_during_the_final_eval_checkpoints_and_the_resume_runs_only_the_e
     trainers = []
 
     def stopped_evaluator(lm):
-        evaluator = Evaluator.for_training(compose([*TINY_TRAINER, *overrides]), lm)
+        evaluator = Evaluator.for_training(Config.of(compose([*TINY_TRAINER, *overrides])), lm)
 
         def run(engine, stop=None):
             trainers[0].stop.request(signal.SIGTERM)  # as if SIGTERM came while it generates
@@ -234,7 +240,7 @@ def test_a_stop_during_the_final_eval_checkpoints_and_the_resume_runs_only_the_e
     assert not (run_dir / "final_eval.json").exists() and (run_dir / "adapter").is_dir()
 
     resumed = make_trainer(compose, run_dir, *overrides, f"trainer.resume={stopped.value.checkpoint_dir}",
-                           make_evaluator=partial(Evaluator.for_training, compose([*TINY_TRAINER, *overrides])))
+                           make_evaluator=partial(Evaluator.for_training, Config.of(compose([*TINY_TRAINER, *overrides]))))
     summary = fit(resumed, run_dir)
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0]  # no step was trained again
     assert json.loads((run_dir / "final_eval.json").read_text())["eval/accuracy"] == summary["final_eval_accuracy"]

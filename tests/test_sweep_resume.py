@@ -18,6 +18,7 @@ from conftest import read_jsonl, run_cli, script
 from omegaconf import OmegaConf
 
 from grpo_cli import sweep, sweep_rerun
+from grpo_cli.schema import Config
 
 TINY_SWEEP = ["-m", "+recipe=quickstart", "model=tiny", "trainer.max_steps=2", "rollout.max_new_tokens=4",
               "algo.num_generations=2", "data.prompts_per_step=2", "trainer.device=cpu",
@@ -86,8 +87,8 @@ def test_a_sweep_stopped_in_job_3_goes_on_where_it_stopped(tmp_path):
 
 # ---- in process: what a job does with what its dir holds ------------------------------------------
 def _job(compose, sweep_dir: Path, num: int, *overrides: str):
-    """(composed config, a config holding its Hydra part) of sweep job `num`, as decide_job gets them."""
-    cfg = compose(["+recipe=quickstart", "model=tiny", *overrides])
+    """(typed config, a config holding its Hydra part) of sweep job `num`, as decide_job gets them."""
+    cfg = Config.of(compose(["+recipe=quickstart", "model=tiny", *overrides]))
     job_dir = sweep_dir / str(num)
     job_dir.mkdir(parents=True, exist_ok=True)
     hydra = OmegaConf.create({"hydra": {
@@ -108,7 +109,7 @@ def test_a_finished_job_is_skipped_with_its_result_or_started_over_when_its_conf
         {"overrides": ["algo.beta=0.0,0.04", "trainer.max_steps=2"], "params": {}}))
     cfg, hydra, job_dir = _job(compose, sweep_dir, 1, "algo.beta=0.04", "trainer.max_steps=2")
     (job_dir / "adapter").mkdir()
-    _previous(job_dir, status="ok", result=0.25, config=sweep_rerun.job_config(cfg))
+    _previous(job_dir, status="ok", result=0.25, config=sweep_rerun.job_config(cfg.composed))
     plan = sweep_rerun.decide_job(cfg, hydra)
     assert (plan.action, plan.result) == ("skip", 0.25)
     assert plan.line == f"job 1 (algo.beta=0.04) {SKIPPED}"  # the swept override names the job

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from conftest import TINY_TRAINER, fit, fixed_batch, make_trainer
+from conftest import TINY_TRAINER, fit, fixed_batch, make_trainer, use_loss
 
 from grpo_cli import algorithm
+from grpo_cli.schema import Config
 from grpo_cli.trainer import completion_logprobs
 
 
@@ -27,10 +30,11 @@ def test_loss_goes_down_on_a_fixed_batch(compose, tmp_path):
     batch = varied_batch(trainer)
     old = logprobs(trainer, batch)
     losses = []
+    wide = algorithm.LossSettings(options=algorithm.ObjectiveOptions(eps_low=0.5, eps_high=0.5))
     for step in range(4):
         trainer.update(step, batch)
-        loss, _ = algorithm.policy_loss(logprobs(trainer, batch), old, None, batch.advantages, batch.mask,
-                                        beta=0.0, eps_low=0.5)
+        loss, _ = algorithm.policy_loss(algorithm.LossInputs(logprobs(trainer, batch), batch.advantages, batch.mask,
+                                                             old, settings=wide))
         losses.append(float(loss))
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)) and losses[-1] < 0, losses
 
@@ -44,7 +48,7 @@ def test_micro_batches_give_the_full_batch_gradient(compose, tmp_path):
     for loss_type in (name for name, t in algorithm.LOSS_TYPES.items() if t.accumulate != "micro_batches"):
         grads = []
         for micro_batch_size in (None, 4):
-            trainer.algo.loss_type, trainer.tcfg.micro_batch_size = loss_type, micro_batch_size
+            use_loss(trainer, loss_type, micro_batch_size)
             trainer.update(0, batch)
             grads.append(torch.cat([p.grad.flatten() for p in trainer.params]))
         assert grads[0].abs().max() > 0
@@ -74,7 +78,8 @@ def test_saved_adapter_reproduces_log_probs(compose, tmp_path):
     trainer.update(0, batch)
     trained = logprobs(trainer, batch)
     adapter_dir = save_adapter(trainer, tmp_path)
-    base = load_base_model("tiny-random", trainer.tokenizer, torch.float32, tiny=dict(trainer.cfg.model.tiny), seed=0)
+    sizes = dataclasses.asdict(trainer.cfg.model.tiny)
+    base = load_base_model("tiny-random", trainer.tokenizer, torch.float32, tiny=sizes, seed=0)
     reloaded = PeftModel.from_pretrained(base, adapter_dir)
     with torch.no_grad():
         again = completion_logprobs(reloaded, batch.rollout, slice(0, batch.rewards.numel()), 0.8, None)[0]
@@ -101,7 +106,7 @@ def test_evaluator_is_given_at_construction(compose, tmp_path):
     assert make_trainer(compose, tmp_path / "never", make_evaluator=make_evaluator).evaluator is None and not built
     overrides = ("eval.every=1", "eval.num_prompts=2", "eval.max_new_tokens=4", "trainer.max_steps=1",
                  "trainer.log_samples_every=0")
-    trainer_cfg = compose([*TINY_TRAINER, *overrides])
+    trainer_cfg = Config.of(compose([*TINY_TRAINER, *overrides]))
     (tmp_path / "every").mkdir()  # Hydra makes the run dir
     trainer = make_trainer(compose, tmp_path / "every", *overrides, make_evaluator=make_evaluator)
     assert built == [trainer.lm] and isinstance(trainer.evaluator, Evaluator)

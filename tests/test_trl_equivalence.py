@@ -10,6 +10,7 @@ whole trainer), so the loss formulas are compared exactly; `test_trl_logprobs_eq
 `selective_log_softmax` and `entropy_from_logits` on the same forward with ours.
 """
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -67,9 +68,12 @@ def ours(setup, *, beta, loss_type="grpo", ratio_level="token", settings=None, e
     lm.model.zero_grad(set_to_none=True)
     logp, entropy = completion_logprobs(lm.model, rollout, slice(0, P * G), 1.0, None, with_entropy=True)
     mask = rollout.completion_mask.float()
-    loss, stats = algorithm.policy_loss(logp, old, ref, adv, mask, beta=beta, eps_low=eps, eps_high=eps_high,
-                                        loss_type=loss_type, ratio_level=ratio_level, max_new_tokens=T,
-                                        total_tokens=float(mask.sum()), settings=settings, entropy=entropy)
+    settings = settings or algorithm.LossSettings()
+    bounds = dataclasses.replace(settings.options, eps_low=eps, eps_high=eps if eps_high is None else eps_high)
+    settings = dataclasses.replace(settings, beta=beta, options=bounds, loss_type=loss_type, ratio_level=ratio_level,
+                                   max_new_tokens=T)
+    loss, stats = algorithm.policy_loss(algorithm.LossInputs(logp, adv, mask, old, ref, entropy=entropy,
+                                                             total_tokens=float(mask.sum()), settings=settings))
     algorithm.accumulated(loss, stats, 1.0, 1).backward()
     return float(loss.detach()), grads(lm.model)
 
@@ -112,7 +116,7 @@ def trl_loss(setup, tmp_path, *, beta, loss_type="grpo", level="token", **args):
 
 def S(**kw):  # noqa: N802 - a short name for the cases table
     options = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in algorithm.ObjectiveOptions.__dataclass_fields__.values()}}
-    return algorithm.LossSettings(options=algorithm.ObjectiveOptions(**options) if options else None, **kw)
+    return algorithm.LossSettings(options=algorithm.ObjectiveOptions(**options), **kw)
 
 
 # (id, TRL's arguments, ours): the options the two share. eps 0.2 unless named.

@@ -170,9 +170,10 @@ def test_a_reward_built_before_the_model_loads_is_the_one_the_run_uses(tmp_path,
     import counted_rewards
 
     from grpo_cli.rewards import RewardSet, build_before_model_load
+    from grpo_cli.schema import Config
 
-    cfg = compose(["+recipe=quickstart", "model=tiny", "+reward.functions.c._target_=counted_rewards.Counted",
-                   "+reward.functions.c.scale=2.0"])
+    cfg = Config.of(compose(["+recipe=quickstart", "model=tiny", "+reward.functions.c._target_=counted_rewards.Counted",
+                             "+reward.functions.c.scale=2.0"]))
     build_before_model_load(cfg.reward)
     assert counted_rewards.BUILT == [2.0]
     rewards = RewardSet.from_config(cfg.reward)

@@ -242,9 +242,10 @@ def test_scrub_secrets_drops_keys_and_values(monkeypatch):
 FALLBACK = textwrap.dedent("""
     import json, sys
     from pathlib import Path
+    from grpo_cli.schema import LoggerConfig, WandbConfig
     from grpo_cli.tracking import WandbSink, open_tracker
     run_dir = Path(sys.argv[1])
-    cfg = {"backend": "wandb", "wandb": {"mode": "online", "init_timeout": 3, "finish_timeout": 10}}
+    cfg = LoggerConfig(backend="wandb", wandb=WandbConfig(mode="online", init_timeout=3, finish_timeout=10))
     tracker = open_tracker(run_dir, cfg, {"algo": {"beta": 0.04}}, total_steps=2)
     wandb = [s for s in tracker.sinks if isinstance(s, WandbSink)]
     assert len(wandb) == 1 and wandb[0].mode == "offline", tracker.sinks

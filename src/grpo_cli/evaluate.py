@@ -26,38 +26,38 @@ from grpo_cli.models import config_context_length
 from grpo_cli.rewards import build_reward, call_reward, to_scores
 from grpo_cli.rollout import Engine, as_engine, encode_prompts, make_engine, sampling_options
 from grpo_cli.rollout.episodes import EpisodeRunner
-from grpo_cli.schema import view
+from grpo_cli.schema import Config, DataConfig, RewardConfig
 
 EVAL_BATCH_PROMPTS = 16
 
 
-def accuracy_function(cfg_reward):
+def accuracy_function(cfg_reward: RewardConfig):
     """The reward function that judges correctness (0/1), named by `reward.accuracy`, with its entry's options."""
-    name = cfg_reward.get("accuracy")
-    if name is None or name not in cfg_reward.functions:
-        raise ConfigError(f"reward.accuracy={name} is invalid: name one of reward.functions ({', '.join(cfg_reward.functions)})")
-    return build_reward(name, cfg_reward.functions[name])
+    name, functions = cfg_reward.accuracy, cfg_reward.functions or {}
+    if name is None or name not in functions:
+        raise ConfigError(f"reward.accuracy={name} is invalid: name one of reward.functions ({', '.join(functions)})")
+    return build_reward(name, functions[name])
 
 
 HELD_OUT_SEED = 0  # generated held-out splits use this, not trainer.seed: every job of a sweep scores the same prompts
 
 
-def eval_rows(cfg) -> list[dict]:
+def eval_rows(cfg: Config) -> list[dict]:
     """The held-out prompts: the first `eval.num_prompts` of the test split, the same whatever trainer.seed."""
     return load_rows(cfg.data, split="test", seed=HELD_OUT_SEED)[: cfg.eval.num_prompts]
 
 
-def has_held_out_split(cfg_data) -> bool:
+def has_held_out_split(cfg_data: DataConfig) -> bool:
     """Whether the data has held-out rows, as its source says (generated sources always; files and datasets
     when data.eval_path or data.eval_split names them)."""
     return source_of(cfg_data).has_held_out(cfg_data)
 
 
-def final_eval_on(cfg, multirun: bool) -> bool:
+def final_eval_on(cfg: Config, multirun: bool) -> bool:
     """eval.final resolved: auto = in a sweep, when the data has a held-out split and reward.accuracy judges it."""
-    setting = view(cfg.eval, "eval").final
+    setting = cfg.eval.final
     if setting == "auto":
-        return multirun and has_held_out_split(cfg.data) and cfg.reward.get("accuracy") is not None
+        return multirun and has_held_out_split(cfg.data) and cfg.reward.accuracy is not None
     return bool(setting)
 
 
@@ -88,7 +88,7 @@ class Evaluator:
         self.episodes = episodes  # rollout.tools / env._target_: the same episode loop as training
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, rows: list[dict] | None = None) -> Evaluator:
+    def from_config(cls, cfg: Config, tokenizer, rows: list[dict] | None = None) -> Evaluator:
         rows = eval_rows(cfg) if rows is None else rows
         return cls(rows, tokenizer, accuracy_function(cfg.reward), samples=cfg.eval.samples,
                    temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens,
@@ -96,7 +96,7 @@ class Evaluator:
                    episodes=EpisodeRunner.from_config(cfg))
 
     @classmethod
-    def for_training(cls, cfg, lm) -> Evaluator:
+    def for_training(cls, cfg: Config, lm) -> Evaluator:
         return cls.from_config(cfg, lm.tokenizer)
 
     def _score(self, texts: list[str], rows: list[dict]) -> list[float]:
@@ -131,8 +131,7 @@ class Evaluator:
                                   stop_strings=self.sampling.get("stop_strings", ()), stop=stop)
             self._check(roll, stop)
             greedy_correct += self._score(roll.texts, rows)
-            calls += [(int(c), int(f)) for c, f in zip(getattr(roll, "tool_calls", ()), getattr(roll, "failed_calls", ()),
-                                                        strict=True)]
+            calls += roll.tool_use()
             if self.samples > 1:
                 k = self.samples
                 sampled = self._generate(engine, rows, ids, k, **{**self.sampling, "temperature": self.temperature},
@@ -166,21 +165,21 @@ def episode_use(calls: list[tuple[int, int]]) -> dict[str, float]:
             "eval/failed_call_rate": failed / made if made else 0.0}
 
 
-def _fits_base(cfg, base, adapter: Path) -> None:
+def _fits_base(cfg: Config, base, adapter: Path) -> None:
     """An adapter trained on another base is refused in one line, as grpo-export refuses it."""
     fix = "pick the model it was trained on (model=NAME)"
     check_base_name(adapter, str(cfg.model.name_or_path), base, fix)
     check_shapes(base, adapter, str(cfg.model.name_or_path), fix)
 
 
-def run_eval(cfg, run_dir: Path, stop=None) -> dict:
+def run_eval(cfg: Config, run_dir: Path, stop=None) -> dict:
     """`grpo-eval`: load the base model (and `eval.adapter` if given), evaluate, print a table, write eval.json."""
     from grpo_cli.models import load_trained, load_within_context
 
     torch.manual_seed(cfg.trainer.seed)
     rows = eval_rows(cfg)  # bad data fails before the model loads
     EpisodeRunner.from_config(cfg)  # so does a bad tool or environment
-    adapter = cfg.eval.get("adapter") or None
+    adapter = cfg.eval.adapter
     lm = load_within_context(cfg, ("eval.max_new_tokens",), lambda: load_trained(
         cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed, check_fit=partial(_fits_base, cfg)))
     label = str(Path(adapter).expanduser()) if adapter else "base"

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.adapter_fit import check_base_name, check_shapes
 from grpo_cli.errors import CheckpointError, ExportError, error_line, one_line
+from grpo_cli.schema import default_of
 
 PROG = "grpo-export"
 DTYPES = ("bf16", "fp16", "fp32")
@@ -97,13 +98,15 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
 
 # ---- the export ----------------------------------------------------------------------------------
 def _model_settings(cfg: DictConfig, base: str | None) -> tuple[str, bool, dict, int, str | None]:
+    """What the export needs of a run's saved config, which an older grpo-cli may have written without some keys:
+    a key it lacks is one that run did not set (an unquantized base, no remote code, the default seed)."""
     name = base or str(OmegaConf.select(cfg, "model.name_or_path"))
-    quantization = OmegaConf.select(cfg, "model.quantization", default=None)
-    trust = bool(OmegaConf.select(cfg, "model.trust_remote_code", default=False))
-    tiny = OmegaConf.select(cfg, "model.tiny", default=None)
+    quantization = OmegaConf.select(cfg, "model.quantization")
+    trust = OmegaConf.select(cfg, "model.trust_remote_code") is True
+    tiny = OmegaConf.select(cfg, "model.tiny")
     tiny = OmegaConf.to_container(tiny, resolve=True) if tiny is not None else {}
-    seed = int(OmegaConf.select(cfg, "trainer.seed", default=0) or 0)
-    return name, trust, tiny, seed, quantization
+    seed = OmegaConf.select(cfg, "trainer.seed")
+    return name, trust, tiny, int(default_of("trainer.seed") if seed is None else seed), quantization
 
 
 def _prepare_out(out_dir: Path, run_dir: Path, overwrite: bool) -> Path:
@@ -264,9 +267,10 @@ def _check_on_meta_device(source: Source, base_name: str, tokenizer, trust: bool
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from grpo_cli.models import EMBEDDED_PREFIX, TINY, embedded_gguf, tiny_config
+    from grpo_cli.schema import TinyConfig
 
     if base_name == TINY:
-        config = tiny_config(tokenizer, **tiny)
+        config = tiny_config(tokenizer, TinyConfig(**tiny))
     elif base_name.startswith(EMBEDDED_PREFIX):
         folder, file = embedded_gguf(base_name[len(EMBEDDED_PREFIX):])
         config = AutoConfig.from_pretrained(folder, gguf_file=file)

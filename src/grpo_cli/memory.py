@@ -26,11 +26,15 @@ import os
 import re
 import resource
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpo_cli import prepack
 from grpo_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from grpo_cli.schema import TrainerConfig
 
 GIB = 2**30
 ALLOCATOR_FACTOR = 1.7       # peak RSS growth over the saved tensors' bytes (CPU, glibc), measured
@@ -97,7 +101,7 @@ class MemoryPlan:
                 f"estimated peak {self.estimate_gb:.1f} GiB)")
 
 
-def plan(tcfg, lm, engine=None, *, rows: int, longest_row: int, chunk_size: int | None) -> MemoryPlan:
+def plan(tcfg: TrainerConfig, lm, engine=None, *, rows: int, longest_row: int, chunk_size: int | None) -> MemoryPlan:
     """The micro-batch token limit and checkpointing for trainer section `tcfg` (its micro_batch_tokens,
     gradient_checkpointing, memory_budget_gb) and the loaded model `lm`. `rows`: completions a step generates on
     this rank; `longest_row`: the most tokens (prompt + completion) one row can have. What the model and `engine` (a

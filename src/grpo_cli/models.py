@@ -7,6 +7,7 @@ quantized base, the reference is the quantized base).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -20,6 +21,7 @@ import torch
 from grpo_cli.config_rules import check_context_length
 from grpo_cli.errors import ModelLoadError, error_line
 from grpo_cli.precision import device_of, resolve_dtype
+from grpo_cli.schema import Config, ModelConfig, TinyConfig
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODELS = {
@@ -29,7 +31,6 @@ EMBEDDED_MODELS = {
 # name -> the hub model each embedded file was quantised from: the base_model an export's model card names
 EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 TINY = "tiny-random"
-TINY_CONTEXT = 1024
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
@@ -151,18 +152,18 @@ def _hub_hint(name_or_path: str, err: Exception) -> str:
     )
 
 
-def tiny_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                max_position_embeddings: int = TINY_CONTEXT):
+def tiny_config(tokenizer, sizes: TinyConfig):
+    """The transformers config of the tiny random model of `sizes` (model.tiny), with the tokenizer's vocabulary."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=sizes.hidden_size,
+        intermediate_size=sizes.hidden_size * 2,
+        num_hidden_layers=sizes.num_layers,
+        num_attention_heads=sizes.num_heads,
+        num_key_value_heads=sizes.num_heads,
+        max_position_embeddings=sizes.max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -180,19 +181,19 @@ def config_context_length(config) -> int | None:
     return None
 
 
-def declared_context_length(cfg_model) -> int | None:
+def declared_context_length(cfg_model: ModelConfig) -> int | None:
     """The model's context length read from its config alone, before any weights load: the tiny config, or
     AutoConfig for a hub id / local dir. None when unknown here (the embedded GGUF model: its metadata takes
     longer to parse than the model takes to load, so its loaded config is checked instead)."""
-    name = str(cfg_model.name_or_path)
+    name = cfg_model.name_or_path
     if name == TINY:
-        return int((cfg_model.get("tiny") or {}).get("max_position_embeddings", TINY_CONTEXT))
+        return (cfg_model.tiny or TinyConfig()).max_position_embeddings
     if name.startswith(EMBEDDED_PREFIX):
         return None
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=cfg_model.get("trust_remote_code", False))
+        config = AutoConfig.from_pretrained(name, trust_remote_code=cfg_model.trust_remote_code)
     except Exception:  # unreachable or unknown: loading the model reports that in one line
         return None
     return config_context_length(config)
@@ -224,7 +225,7 @@ def load_base_model(name_or_path: str, tokenizer, dtype: torch.dtype, *, trust_r
         if name_or_path == TINY:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                model = AutoModelForCausalLM.from_config(tiny_config(tokenizer, **(tiny or {})))
+                model = AutoModelForCausalLM.from_config(tiny_config(tokenizer, TinyConfig(**(tiny or {}))))
         elif name_or_path.startswith(EMBEDDED_PREFIX):
             model = _embedded_model(name_or_path[len(EMBEDDED_PREFIX):])
         else:
@@ -332,15 +333,13 @@ def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
     return peft_model
 
 
-def _tokenizer_and_base(cfg_model, device: torch.device, dtype: torch.dtype, seed: int):
+def _tokenizer_and_base(cfg_model: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int):
     """The tokenizer and base model of the `model` config group, on the CPU (an adapter attached next is
     initialised from the CPU RNG, as on any machine); a quantized base is quantized on `device` itself."""
-    tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.get("trust_remote_code", False))
-    base = load_base_model(
-        cfg_model.name_or_path, tokenizer, dtype,
-        trust_remote_code=cfg_model.get("trust_remote_code", False),
-        tiny=dict(cfg_model.get("tiny") or {}), seed=seed, quantization=cfg_model.get("quantization"), device=device,
-    )
+    tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.trust_remote_code)
+    tiny = None if cfg_model.tiny is None else dataclasses.asdict(cfg_model.tiny)
+    base = load_base_model(cfg_model.name_or_path, tokenizer, dtype, trust_remote_code=cfg_model.trust_remote_code,
+                           tiny=tiny, seed=seed, quantization=cfg_model.quantization, device=device)
     base.generation_config.pad_token_id = tokenizer.pad_token_id
     return tokenizer, base
 
@@ -350,7 +349,7 @@ def _on_device(model, device: torch.device, quantization: str | None):
     return model if quantization is not None else model.to(device)
 
 
-def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
+def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0) -> LoadedModel:
     """Tokenizer, base model and a fresh LoRA adapter (`model.lora`) to train.
 
     With a quantized base, peft's prepare_model_for_kbit_training is not needed: peft freezes the base anyway,
@@ -358,13 +357,13 @@ def load_policy(cfg_model, device_name: str, seed: int = 0) -> LoadedModel:
     checkpointing is trainer.gradient_checkpointing's (non-reentrant, so inputs need no grad)."""
     device, dtype = resolve_device(device_name, cfg_model.dtype)
     tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed)
-    lora, quantization = cfg_model.lora, cfg_model.get("quantization")
+    lora, quantization = cfg_model.lora, cfg_model.quantization
     model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules), device, quantization)
     _prepack(model, cfg_model, device, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization)
 
 
-def load_trained(cfg_model, device_name: str, adapter: str | Path | None, seed: int = 0,
+def load_trained(cfg_model: ModelConfig, device_name: str, adapter: str | Path | None, seed: int = 0,
                  check_fit: Callable[[torch.nn.Module, Path], None] | None = None) -> LoadedModel:
     """Tokenizer and base model with the trained adapter in `adapter` (a run's adapter/ folder), or the base
     alone when None; in eval mode. `check_fit(base, adapter_dir)` may refuse an adapter of another base first."""
@@ -377,21 +376,21 @@ def load_trained(cfg_model, device_name: str, adapter: str | Path | None, seed: 
         if check_fit is not None:
             check_fit(model, adapter)
         model = PeftModel.from_pretrained(model, adapter)
-    quantization = cfg_model.get("quantization")
+    quantization = cfg_model.quantization
     model = _on_device(model, device, quantization).eval()
     _prepack(model, cfg_model, device, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization)
 
 
-def _prepack(model, cfg_model, device: torch.device, dtype: torch.dtype) -> None:
+def _prepack(model, cfg_model: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
     """`model.prepack`: the frozen linear layers on oneDNN-prepacked weights (prepack.py), once they are in place."""
     from grpo_cli import prepack
 
-    if prepack.wanted(cfg_model.get("prepack", "auto"), device, dtype, cfg_model.get("quantization")):
+    if prepack.wanted(cfg_model.prepack, device, dtype, cfg_model.quantization):
         prepack.prepack_frozen_linears(model)
 
 
-def load_within_context(cfg, length_keys: tuple[str, ...], load: Callable[[], LoadedModel]) -> LoadedModel:
+def load_within_context(cfg: Config, length_keys: tuple[str, ...], load: Callable[[], LoadedModel]) -> LoadedModel:
     """`load()`, once the longest prompt plus each of `length_keys` (max_new_tokens settings) is known to fit the
     model's context: from its config before the weights load when that declares it, else (the embedded model)
     from the loaded model's config, still before anything is generated."""

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import inspect
 import math
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from grpo_cli.registry import Registry
+
+if TYPE_CHECKING:
+    from grpo_cli.schema import OptimizerConfig
 
 # keys every optimizer config has: the name, and the learning rate and its schedule (lr, warmup_steps and
 # schedule are read by LRSchedule as well)
@@ -37,9 +39,9 @@ def optimizer_keys(name: str) -> tuple[str, ...]:
     return tuple(key for key in builder_keys(name) if key not in COMMON_KEYS)
 
 
-def build_optimizer(params, cfg_opt: DictConfig):
+def build_optimizer(params, cfg_opt: OptimizerConfig):
     """The optimizer `cfg_opt.name` names, given the keys of its config it reads (validated by config.validate)."""
-    return OPTIMIZERS.lookup(cfg_opt.name)(params, **{key: cfg_opt[key] for key in builder_keys(cfg_opt.name)})
+    return OPTIMIZERS.lookup(cfg_opt.name)(params, **{key: cfg_opt.value(key) for key in builder_keys(cfg_opt.name)})
 
 
 @OPTIMIZERS.register("adamw")
@@ -73,8 +75,8 @@ class LRSchedule:
     """The learning rate of every param group, optimizer.lr x lr_factor(updates). warmup_steps and max_steps
     are in training steps, each `updates_per_step` optimizer updates (skipped non-finite ones included)."""
 
-    def __init__(self, optimizer, cfg_opt: DictConfig, max_steps: int, updates_per_step: int):
-        self.optimizer, self.base_lr, self.schedule = optimizer, float(cfg_opt.lr), str(cfg_opt.schedule)
+    def __init__(self, optimizer, cfg_opt: OptimizerConfig, max_steps: int, updates_per_step: int):
+        self.optimizer, self.base_lr, self.schedule = optimizer, float(cfg_opt.lr), cfg_opt.schedule
         self.warmup, self.total = cfg_opt.warmup_steps * updates_per_step, max_steps * updates_per_step
         self.updates = 0
         self.apply()

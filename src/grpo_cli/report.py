@@ -24,6 +24,7 @@ from grpo_cli import monitors
 from grpo_cli.console import print_table
 from grpo_cli.errors import ReportError, one_line, warn
 from grpo_cli.metrics import ADAPTER_DIR, SAMPLES, final_mean, read_metrics
+from grpo_cli.schema import default_of
 from grpo_cli.sweep_stats import BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
 from grpo_cli.sweep_summary import CELLS_CSV, SUMMARY_CSV, Summary, find_job_dirs, summarise, write_summary
 
@@ -107,7 +108,8 @@ def reward_weights(run: Path) -> dict[str, float]:
     """Each reward function's weight, from the run's resolved config (1 where it names none)."""
     f = run / ".hydra" / "config.yaml"
     functions = ((yaml.safe_load(f.read_text()) or {}).get("reward") or {}).get("functions") if f.exists() else None
-    return {name: float((spec or {}).get("weight", 1.0)) for name, spec in (functions or {}).items()
+    return {name: float((spec or {}).get("weight", default_of("reward.functions.*.weight")))
+            for name, spec in (functions or {}).items()
             if isinstance(spec, dict) or spec is None}
 
 

@@ -1,11 +1,12 @@
 """A training run in its run dir, from the claim to the summary; `GRPOTrainer` only steps.
 
-    Run(cfg, run_dir)        claims the dir: the lock, and the one resume decision (rundir.claim)
+    Run(config, run_dir)     claims the dir: the lock, and the one resume decision (rundir.claim)
     run.train(...)           builds the trainer, restores the checkpoint, opens the sinks, runs the steps (each
                              recorded, checkpointed on schedule), saves the adapter, the final eval, the summary
     run.close()              releases the lock and leaves the process group (a `with` block does it)
 
-`train(cfg, run_dir)` is all three for a program: it keeps the run-dir promises grpo-train keeps.
+`train(config, run_dir)` is all three for a program: it keeps the run-dir promises grpo-train keeps. Both take
+the composed config (Hydra's compose) or its typed `schema.Config`; everything below reads the typed one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import grpo_cli.config  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
 from grpo_cli import checkpoint, distributed, memory, rundir
@@ -28,8 +29,7 @@ from grpo_cli.errors import Interrupted, InvariantError, RunError, UserCodeError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
 from grpo_cli.monitors import Monitors
 from grpo_cli.ranks import is_rank_zero
-from grpo_cli.rollout import episodes
-from grpo_cli.schema import view
+from grpo_cli.schema import Config
 from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import Tracker, open_tracker
 
@@ -42,17 +42,16 @@ class Run:
     nothing written, when the dir cannot take this attempt); `decision` is a sweep job's, already made by
     sweep_rerun.decide_job. `warnings` are the claim's lines for the start (skipped checkpoints, nothing to resume)."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, *, decision: rundir.ResumeDecision | None = None):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.tcfg = view(cfg.trainer, "trainer")
-        self.claim = rundir.claim(cfg, self.run_dir, main=is_rank_zero(), decision=decision)
+    def __init__(self, cfg: Config | DictConfig, run_dir: Path, *, decision: rundir.ResumeDecision | None = None):
+        self.cfg, self.run_dir = Config.of(cfg), Path(run_dir)
+        self.tcfg = self.cfg.trainer
+        self.claim = rundir.claim(self.cfg, self.run_dir, main=is_rank_zero(), decision=decision)
         self.warnings = list(self.claim.decision.warnings)
         self.trainer: GRPOTrainer | None = None
         self.built_trainer = False
         self.last_eval: tuple[int, dict] | None = None  # (complete steps, result) of the newest eval.every eval
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
-        weights = {name: float(spec.get("weight", 1.0)) for name, spec in (cfg.reward.functions or {}).items()}
-        self.monitors = Monitors(weights)
+        self.monitors = Monitors({name: spec.weight for name, spec in (self.cfg.reward.functions or {}).items()})
 
     def __enter__(self) -> Run:
         return self
@@ -154,7 +153,7 @@ class Run:
         state = checkpoint.load(found, trainer.model, trainer.optimizer, trainer.lr_schedule)
         start = state["step"]
         self.last_checkpoint = (start, found)
-        trainer.skipped_updates = state.get("skipped_updates", 0)
+        trainer.skipped_updates = state.get("skipped_updates", 0)  # a checkpoint's state: a plain dict
         trainer.fresh_adapter = start == 0
         if trainer.entropy_control is not None:
             trainer.entropy_control.restore(state)
@@ -167,8 +166,8 @@ class Run:
         """Rank 0 logs (metrics.jsonl, the logger's sink, the console); the other ranks' tracker has no sinks."""
         if not self.main:
             return Tracker([])
-        return open_tracker(self.run_dir, self.cfg.logger, OmegaConf.to_container(self.cfg, resolve=True),
-                            self.tcfg.max_steps, start, resume=self.claim.decision.checkpoint is not None)
+        return open_tracker(self.run_dir, self.cfg.logger, dict(self.cfg.composed), self.tcfg.max_steps, start,
+                            resume=self.claim.decision.checkpoint is not None)
 
     # ---- what a step leaves behind --------------------------------------------------------------
     def record(self, tracker: Tracker, step: int, metrics: dict, batch: Batch) -> None:
@@ -177,7 +176,7 @@ class Run:
         for line in self.monitors.observe(metrics):
             metrics["warning"] = f"{metrics['warning']}; {line}" if "warning" in metrics else line
             tracker.warn(line)
-        trainer, every = self.trainer, view(self.cfg.eval, "eval").every
+        trainer, every = self.trainer, self.cfg.eval.every
         if trainer.evaluator is not None and every and (step + 1) % every == 0:
             if self.main:
                 tracker.say(f"evaluating after step {step} on the held-out prompts")
@@ -201,7 +200,7 @@ class Run:
                          "advantage": float(batch.advantages[i]),
                          **{f"reward/{k}": v[i] for k, v in batch.per_function.items()},
                          **{f"outcome/{k}": v.texts[i] for k, v in batch.outcomes.items()},
-                         **episodes.sample_fields(batch.rollout, i)})
+                         **batch.rollout.sample_fields(i)})
         tracker.samples(step, rows)
 
     # ---- checkpoints and the adapter ------------------------------------------------------------
@@ -296,7 +295,7 @@ def save_adapter(trainer: GRPOTrainer, run_dir: Path) -> Path:
     return out
 
 
-def train(cfg: DictConfig, run_dir: Path, trainer: GRPOTrainer | None = None, **collaborators) -> dict:
+def train(cfg: Config | DictConfig, run_dir: Path, trainer: GRPOTrainer | None = None, **collaborators) -> dict:
     """One training run for a program, with grpo-train's run-dir promises: claim `run_dir`, train (with
     `trainer`, or one built from the config and `collaborators`, see Run.train), release the dir."""
     with Run(cfg, run_dir) as run:

@@ -5,7 +5,7 @@
   the file names the holder (pid, host, start time) for the one line a second process gets.
 - **One run**: a fresh run into a dir that holds a run's records is refused (`trainer.resume=auto` goes on,
   `trainer.overwrite=true` deletes the old run's records first, or another `hydra.run.dir`).
-- **A pinned config**: every checkpoint's state.json holds `fingerprint(cfg)`, the keys that decide what a
+- **A pinned config**: every checkpoint's state.json holds `fingerprint(config)`, the keys that decide what a
   step computes. A resume whose config differs is refused in one line listing the keys, before anything is
   written, unless `trainer.resume_allow_changes` names them; a few (the base model, the adapter's shape, the
   optimizer type) can never change, since the saved weights or optimizer state would not fit them.
@@ -28,11 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from grpo_cli.errors import CheckpointError, UserError
 from grpo_cli.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES
-from grpo_cli.schema import default_of
+from grpo_cli.schema import Config, default_of
 
 LOCK_FILE = ".lock"
 # append-only, one JSON row per line with its "step"; cut back to the checkpoint's step on resume
@@ -165,15 +163,22 @@ def flatten(prefix: str, value, out: dict) -> None:
         out[prefix] = value
 
 
-def fingerprint(cfg: DictConfig) -> dict:
-    """The resolved value of every fingerprinted key, flattened to dotted keys, and the number of ranks
-    (`world_size`: each rank samples its own share of a step)."""
+def _composed_value(composed: dict, key: str):
+    """The value at dotted `key` of a composed config (plain values), None where it has none."""
+    value = composed
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def fingerprint(config: Config) -> dict:
+    """The resolved value of every fingerprinted key of the composed config, flattened to dotted keys, and the
+    number of ranks (`world_size`: each rank samples its own share of a step)."""
     from grpo_cli.config import ranks
 
-    out: dict = {"world_size": ranks(cfg)}
+    out: dict = {"world_size": ranks(config)}
     for key in FINGERPRINT_KEYS:
-        flatten(key, OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}), resolve=True)["v"],
-                 out)
+        flatten(key, _composed_value(dict(config.composed), key), out)
     return {k: v for k, v in out.items() if not any(_under(k, skip) for skip in NOT_FINGERPRINTED)}
 
 
@@ -193,11 +198,11 @@ def saved_fingerprint(found: Path) -> dict:
     return json.loads((found / "state.json").read_text())["fingerprint"]
 
 
-def check_fingerprint(cfg: DictConfig, found: Path) -> None:
+def check_fingerprint(config: Config, found: Path) -> None:
     """Refuse a resume whose config differs from the checkpoint's in a key that is not allowed to change."""
     saved = saved_fingerprint(found)
-    allowed = [str(k) for k in (cfg.trainer.get("resume_allow_changes") or [])]
-    current = fingerprint(cfg)
+    allowed = list(config.trainer.resume_allow_changes)
+    current = fingerprint(config)
     for key in allowed:
         if not any(_under(k, key) for k in current.keys() | saved.keys()):
             raise RunDirError(f"trainer.resume_allow_changes names {key}, which is not a key that decides a step; "
@@ -272,19 +277,19 @@ class ResumeDecision:
         return "resume" if self.checkpoint is not None else "restart" if self.overwrite else "fresh"
 
 
-def commanded(cfg: DictConfig) -> bool:
+def commanded(config: Config) -> bool:
     """trainer.overwrite=true or a trainer.resume path decides alone, in a sweep job too; trainer.resume=auto is
     what a sweep job does anyway."""
-    return bool(cfg.trainer.get("overwrite")) or cfg.trainer.get("resume") not in (None, "auto")
+    return config.trainer.overwrite or config.trainer.resume not in (None, "auto")
 
 
-def decide_resume(cfg: DictConfig, run_dir: Path, *, sweep_job: bool = False) -> ResumeDecision:
+def decide_resume(config: Config, run_dir: Path, *, sweep_job: bool = False) -> ResumeDecision:
     """The one decision of what to resume (raises RunDirError or CheckpointError, nothing written, when the dir
     cannot take this attempt). A sweep job run again resumes its newest intact checkpoint when it was written
     with the same config, and else starts over; a single run does what trainer.resume and trainer.overwrite say."""
-    if sweep_job and not commanded(cfg):
-        return _sweep_job_decision(cfg, run_dir)
-    resume, overwrite = cfg.trainer.get("resume"), bool(cfg.trainer.get("overwrite"))
+    if sweep_job and not commanded(config):
+        return _sweep_job_decision(config, run_dir)
+    resume, overwrite = config.trainer.resume, config.trainer.overwrite
     records = holds_run(run_dir)
     if resume and overwrite:
         raise RunDirError(f"trainer.overwrite=true starts over and trainer.resume={resume} goes on; pick one")
@@ -297,7 +302,7 @@ def decide_resume(cfg: DictConfig, run_dir: Path, *, sweep_job: bool = False) ->
     found, warnings = (_newest_to_resume(run_dir, records) if str(resume) == "auto"
                        else (_named_checkpoint(run_dir, str(resume), records), ()))
     if found is not None:
-        check_fingerprint(cfg, found)
+        check_fingerprint(config, found)
     return ResumeDecision(found, warnings=warnings)
 
 
@@ -332,7 +337,7 @@ def _named_checkpoint(run_dir: Path, resume: str, records: list[str]) -> Path:
     return found
 
 
-def _sweep_job_decision(cfg: DictConfig, job_dir: Path) -> ResumeDecision:
+def _sweep_job_decision(config: Config, job_dir: Path) -> ResumeDecision:
     """A sweep job whose dir holds an unfinished attempt: resumed when its newest intact checkpoint has this
     config's fingerprint, else started over."""
     if not holds_run(job_dir):
@@ -343,7 +348,7 @@ def _sweep_job_decision(cfg: DictConfig, job_dir: Path) -> ResumeDecision:
     warnings = tuple(f"checkpoint {path} is damaged ({why}); skipped" for path, why in skipped)
     if found is None:
         return ResumeDecision(overwrite=True, line="did not finish and has no intact checkpoint; starting it over")
-    saved, current = saved_fingerprint(found), fingerprint(cfg)
+    saved, current = saved_fingerprint(found), fingerprint(config)
     changes = changed_keys(saved, current)
     if changes:
         return ResumeDecision(overwrite=True, line=f"did not finish, and its checkpoint {found} was written with "
@@ -370,7 +375,7 @@ def holds_run(run_dir: Path) -> list[str]:
     return [name for name in RUN_MARKERS if (run_dir / name).exists()]
 
 
-def claim(cfg: DictConfig, run_dir: Path, main: bool = True, decision: ResumeDecision | None = None) -> Claim:
+def claim(config: Config, run_dir: Path, main: bool = True, decision: ResumeDecision | None = None) -> Claim:
     """Take `run_dir` for this attempt and act on `decision` (decide_resume's, made here when not given): raise
     RunDirError (nothing written) when the dir cannot take it. Rank 0 (`main`) takes the lock first, and alone
     writes: removes orphaned checkpoint writes, and when the decision starts over, the old run's records. The
@@ -379,7 +384,7 @@ def claim(cfg: DictConfig, run_dir: Path, main: bool = True, decision: ResumeDec
 
     lock = RunLock.acquire(run_dir) if main else None
     try:
-        decision = decide_resume(cfg, run_dir) if decision is None else decision
+        decision = decide_resume(config, run_dir) if decision is None else decision
         if main:
             checkpoint.remove_orphans(run_dir)
             if decision.overwrite and holds_run(run_dir):

@@ -126,7 +126,7 @@ def check_jobs(config: DictConfig) -> None:
         return
     from hydra.core.global_hydra import GlobalHydra
 
-    from grpo_cli.config import validate
+    from grpo_cli.config import composition_checked, validate
     from grpo_cli.registry import import_plugins
 
     loader = GlobalHydra.instance().config_loader()
@@ -134,10 +134,11 @@ def check_jobs(config: DictConfig) -> None:
     for num, overrides in enumerate(job_overrides(config)):
         name = " ".join(o for o in overrides if override_key(o) in swept) or " ".join(overrides)
         try:
-            job = loader.load_sweep_config(config, overrides)
+            with composition_checked():
+                job = loader.load_sweep_config(config, overrides)
             with open_dict(job):
                 del job["hydra"]
-            import_plugins(job.get("plugins"))
+            import_plugins(job.plugins)
             validate(job)
         except UserError as err:
             raise ConfigError(f"job {num} ({name}): {err}; no job was started") from None
@@ -150,7 +151,7 @@ def on_policy_clip_sweep(config: DictConfig) -> str | None:
     swept = swept_keys(OmegaConf.select(config, "hydra.overrides.task"), OmegaConf.select(config, "hydra.sweeper.params"))
     clip = [k for k in CLIP_EPS_KEYS if k in swept]
     policy_swept = {"algo.mini_batches", "algo.num_iterations", "recipe"} & swept  # jobs may differ: say nothing
-    if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config):
+    if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config.algo):
         return None
     return on_policy_clip_warning(clip, sweep=True)
 

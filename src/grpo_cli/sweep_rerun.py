@@ -10,6 +10,7 @@ unfinished without a fitting checkpoint -> started over; one line says which.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.metrics import ADAPTER_DIR
 from grpo_cli.overrides import override_key
+from grpo_cli.schema import Config
 from grpo_cli.sweep_summary import (
     JOB_STATUS,
     SWEEP_COMMAND_FILE,
@@ -61,9 +63,10 @@ def continues_sweep(sweep_dir: Path, command: dict) -> bool:
     return (sweep_dir / SWEEP_ID_FILE).is_file() and recorded == command
 
 
-def job_config(config: DictConfig) -> dict:
+def job_config(config: DictConfig | Mapping) -> dict:
     """A job's composed config (Hydra's part and the keys that only say how to start left out), resolved, as
-    dotted keys: what a finished job is compared by when its sweep runs again."""
+    dotted keys: what a finished job is compared by when its sweep runs again. `config`: the job's config as
+    Hydra holds it, or a typed Config's `composed`."""
     from grpo_cli.rundir import flatten
 
     flat: dict = {}
@@ -96,8 +99,8 @@ def job_name(config: DictConfig) -> str:
     return f"job {config.hydra.job.num} ({' '.join(shown)})"
 
 
-def decide_job(cfg: DictConfig, config: DictConfig) -> JobDecision:
-    """Decide what a sweep job does with `cfg` (its composed config), given `config` (a config holding its
+def decide_job(cfg: Config, config: DictConfig) -> JobDecision:
+    """Decide what a sweep job does with `cfg` (its typed config), given `config` (a config holding its
     `hydra` part), from the record of its previous attempt that `SweepSummary.on_job_start` kept in
     job_status.json (Hydra has rewritten `.hydra/` by then). A job that did not finish is left to
     rundir.decide_resume, the one resume decision; trainer.overwrite=true or a trainer.resume path decide alone."""
@@ -108,7 +111,7 @@ def decide_job(cfg: DictConfig, config: DictConfig) -> JobDecision:
     name = job_name(config)
     finished = previous.get("status") == "ok" and "config" in previous and (job_dir / ADAPTER_DIR).is_dir()
     if finished and not rundir.commanded(cfg):
-        current = job_config(cfg)
+        current = job_config(cfg.composed)
         changes = rundir.changed_keys(previous["config"], current)
         if not changes:
             return JobDecision("skip", f"{name} finished before with the same config; skipped", previous.get("result"))

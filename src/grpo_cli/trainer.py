@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 
 from grpo_cli import algorithm, distributed, dynamic_sampling, memory
 from grpo_cli.config_rules import is_on_policy
@@ -43,8 +42,8 @@ from grpo_cli.rollout import (
     sampling_options,
 )
 from grpo_cli.rollout import rows as row_ops
-from grpo_cli.rollout.logprobs import loss_mask, real_lengths
-from grpo_cli.schema import view
+from grpo_cli.rollout.logprobs import real_lengths
+from grpo_cli.schema import AlgoConfig, Config
 from grpo_cli.stopping import StopRequest
 
 
@@ -150,12 +149,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_batch(generation: Generation, scores: Scores, algo, device) -> Batch:
-    """The step's Batch: the group advantages of its rewards (`algo`: the typed algo section), and the completion
-    tokens that count in the loss: the model's own (an episode's tool tokens never count), less the truncated
-    completions' with algo.mask_truncated."""
+def make_batch(generation: Generation, scores: Scores, algo: AlgoConfig, device) -> Batch:
+    """The step's Batch: the group advantages of its rewards, and the completion tokens that count in the loss:
+    the model's own (an episode's tool tokens never count), less the truncated completions' with
+    algo.mask_truncated."""
     roll = generation.rollout
-    mask = loss_mask(roll).float()
+    mask = roll.loss_mask().float()
     if algo.mask_truncated:
         mask = mask * (~roll.truncated).float().unsqueeze(1)
     advantages = algorithm.advantages_of(algo.advantage, scores.totals, algo.num_generations, eps=algo.adv_eps,
@@ -177,18 +176,18 @@ class GRPOTrainer:
     `make_evaluator(lm)` builds the evaluator of `eval.every` and `eval.final` from the loaded model. Warnings go
     through errors.warn (the run's console while it logs)."""
 
-    def __init__(self, cfg: DictConfig, *, lm: LoadedModel | None = None, rows: list[dict] | None = None,
+    def __init__(self, cfg: Config, *, lm: LoadedModel | None = None, rows: list[dict] | None = None,
                  stop: StopRequest | None = None, make_evaluator: Callable[[LoadedModel], Callable] | None = None,
                  final_eval: bool | None = None):
-        self.cfg = cfg
-        # typed views of the sections (schema.view): the defaults are the schema's
-        self.algo, self.roll, self.tcfg = view(cfg.algo, "algo"), view(cfg.rollout, "rollout"), view(cfg.trainer, "trainer")
+        self.cfg, data = cfg, cfg.data
+        self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
         # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
         self.dist, device = distributed.setup(self.tcfg.device if lm is None else str(lm.device))
         self.stop = stop or StopRequest()
         seed_everything(self.tcfg.seed)
-        rows = rows if rows is not None else load_rows(cfg.data, split="train", seed=self.tcfg.seed)  # bad data fails before the model loads
-        self.sampler = PromptSampler(rows, cfg.data.prompts_per_step, self.tcfg.seed)
+        if rows is None:  # bad data fails before the model loads
+            rows = load_rows(data, split="train", seed=self.tcfg.seed)
+        self.sampler = PromptSampler(rows, data.prompts_per_step, self.tcfg.seed)
         self.episodes = episodes.EpisodeRunner.from_config(cfg)  # None: single-turn; a bad tool fails before the load
         # eval.final resolved (auto: in a sweep) by the CLI, which knows; a trainer built by hand is a single run
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
@@ -196,10 +195,10 @@ class GRPOTrainer:
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
         self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
-        self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
+        self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=data.max_prompt_tokens)
         self.memory = memory.plan(self.tcfg, self.lm, self.engine, chunk_size=self.tcfg.logprob_chunk_size,
-                                  rows=cfg.data.prompts_per_step * self.algo.num_generations // self.dist.world_size,
-                                  longest_row=cfg.data.max_prompt_tokens + self.roll.max_new_tokens)
+                                  rows=data.prompts_per_step * self.algo.num_generations // self.dist.world_size,
+                                  longest_row=data.max_prompt_tokens + self.roll.max_new_tokens)
         if self.memory.budget_gb is not None:
             warn(self.memory.line())
         if self.memory.checkpointing:
@@ -211,8 +210,8 @@ class GRPOTrainer:
         self.optimizer = build_optimizer(self.params, opt)
         self.lr_schedule = LRSchedule(self.optimizer, opt, self.tcfg.max_steps,
                                       updates_per_step=self.algo.mini_batches * self.algo.num_iterations)
-        self.eps_high = self.algo.clip_eps_high if self.algo.clip_eps_high is not None else self.algo.clip_eps
         self.fresh_adapter = True
+        self.loss_settings = algorithm.loss_settings(self.algo, self.roll.max_new_tokens)
         self.entropy_control = algorithm.adaptive_entropy(self.algo)
         self.sampler_correction = algorithm.SamplerCorrection.of(self.algo)
         self.skipped_in_a_row = 0
@@ -245,8 +244,8 @@ class GRPOTrainer:
             return None
         compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
         gen_time = time.perf_counter() - t0 - compile_s
-        gen_tokens = int(loss_mask(roll).sum())
-        return Generation(roll, rows, getattr(roll, "prompts", None) or [t for t in enc.texts for _ in range(G)], stats={
+        gen_tokens = int(roll.loss_mask().sum())
+        return Generation(roll, rows, roll.prompt_texts(enc.texts), stats={
             "gen_time_s": gen_time, "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9),
             "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped, "gen_compile_s": compile_s,
             "gen_sync_s": self.engine.sync_s,  # of gen_time_s: bringing the updated policy into the engine
@@ -254,11 +253,12 @@ class GRPOTrainer:
 
     def score(self, generation: Generation) -> Scores | None:
         """Every reward function (an environment's get_reward() too) on every completion, with the fields of its
-        prompt's data row (and episodes.reward_fields); None when a stop request came while a reward function ran."""
+        prompt's data row (and the rollout's own reward_fields); None when a stop request came while a reward
+        function ran."""
         G, roll = self.algo.num_generations, generation.rollout
         fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}  # messages: only for rewards naming it
         try:
-            scoring = self.rewards.score_all(generation.prompts, roll.texts, fields | episodes.reward_fields(roll),
+            scoring = self.rewards.score_all(generation.prompts, roll.texts, fields | roll.reward_fields(),
                                              group_size=G)
         except Interrupted:
             return None
@@ -307,20 +307,19 @@ class GRPOTrainer:
         rank's sums and the largest completion log-prob it saw (entropy and KL on the first pass only)."""
         sums, max_logp = UpdateSums(), -math.inf
         sampler = batch.rollout.sampler_logprobs  # the engine's own log-probs (vllm), None where it gives none
+        settings = self.loss_settings if self.entropy_control is None else dataclasses.replace(
+            self.loss_settings, entropy_coef=self.entropy_control.applied)
         for rows in mini.micro:
             logp, entropy = self._logprobs(batch, rows, grad=True,
                                            with_entropy=first_pass or algorithm.needs_entropy(self.algo))
-            mask, aggregation = batch.mask[rows], algorithm.aggregation_of(self.algo)
-            loss, stats = algorithm.policy_loss(
-                logp, None if old is None else old[rows], None if ref is None else ref[rows],
-                batch.advantages[rows], mask, beta=self.algo.beta, eps_low=self.algo.clip_eps,
-                eps_high=self.eps_high, loss_type=aggregation, ratio_level=self.algo.ratio_level,
-                max_new_tokens=self.roll.max_new_tokens, total_tokens=mini.tokens_total, entropy=entropy,
-                settings=algorithm.loss_settings(self.algo, self.entropy_control and self.entropy_control.applied),
+            mask = batch.mask[rows]
+            loss, stats = algorithm.policy_loss(algorithm.LossInputs(
+                logp, batch.advantages[rows], mask, old_logp=None if old is None else old[rows],
+                ref_logp=None if ref is None else ref[rows], entropy=entropy,
                 sampler_weights=self.sampler_correction.weights(logp, old, sampler, rows, mask, first_pass),
                 sampler_logp=None if sampler is None else sampler[rows].to(logp.device),
-            )
-            weight = algorithm.accumulation_weight(aggregation, rows=rows.stop - rows.start,
+                total_tokens=mini.tokens_total, settings=settings))
+            weight = algorithm.accumulation_weight(settings.loss_type, rows=rows.stop - rows.start,
                                                    rows_total=mini.rows_total, micro_batches_total=mini.micro_total)
             total = algorithm.accumulated(loss, stats, weight, mini.micro_total)
             total.backward()
@@ -420,7 +419,7 @@ class GRPOTrainer:
     def metrics(self, step: int, batch: Batch, stats: StepStats, seconds: float) -> dict:
         G = self.algo.num_generations
         r = batch.rewards
-        lengths = loss_mask(batch.rollout).sum(dim=1).float()
+        lengths = batch.rollout.loss_mask().sum(dim=1).float()
         row = {
             "step": step,
             "reward": float(r.mean()),
@@ -442,7 +441,7 @@ class GRPOTrainer:
             "reward_errors": batch.reward_errors, "skipped_updates": self.skipped_updates,
             **{k: batch.stats[k] for k in ("prompts_truncated", "prompts_dropped")},
             **{k: v for k, v in batch.stats.items() if k.startswith("filter_")},
-            **episodes.episode_metrics(batch.rollout),
+            **{f"episodes/{k}": v for k, v in batch.rollout.metrics().items()},
             **self.sampler_correction.metrics(),
             **{f"outcomes/{name}/{kind}": n for name, o in batch.outcomes.items() for kind, n in o.counts().items()},
         }

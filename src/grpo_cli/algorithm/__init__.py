@@ -65,7 +65,7 @@ from grpo_cli.algorithm.logprobs import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from grpo_cli.algorithm.loss import LossSettings, policy_loss
+from grpo_cli.algorithm.loss import LossInputs, LossSettings, policy_loss
 from grpo_cli.algorithm.policy_losses import (
     OBJECTIVES,
     RATIO_LEVELS,
@@ -92,7 +92,6 @@ from grpo_cli.algorithm.sampler_correction import (
 )
 from grpo_cli.algorithm.settings import (
     adaptive_entropy,
-    aggregation_of,
     config_problem,
     loss_settings,
     needs_entropy,
@@ -117,6 +116,6 @@ __all__ = [
     # entropy, sampler correction, the loss, the settings
     "AdaptiveEntropy", "high_entropy_mask",
     "SAMPLER_CORRECTIONS", "SamplerCorrection", "sampler_correction_weights", "sampler_mismatch_stats",
-    "LossSettings", "policy_loss",
-    "adaptive_entropy", "aggregation_of", "config_problem", "loss_settings", "needs_entropy",
+    "LossInputs", "LossSettings", "policy_loss",
+    "adaptive_entropy", "config_problem", "loss_settings", "needs_entropy",
 ]

@@ -1,51 +1,50 @@
-"""The ``algo.*`` settings as the trainer reads them: which loss type, the :class:`LossSettings` of
-:func:`policy_loss`, whether entropy is needed, and the combinations of keys that make no sense.
+"""The ``algo.*`` settings as the trainer reads them: the :class:`LossSettings` of :func:`policy_loss`, whether
+entropy is needed, the adaptive entropy coefficient, and the combinations of keys that make no sense. ``algo`` is
+the typed config's section (schema.AlgoConfig), whose properties give the derived values (the upper clip bound,
+the loss type in use).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from grpo_cli.algorithm.advantages import ADVANTAGES
 from grpo_cli.algorithm.entropy import AdaptiveEntropy
 from grpo_cli.algorithm.loss import LossSettings
 from grpo_cli.algorithm.policy_losses import OBJECTIVES, ObjectiveOptions
 
-
-def aggregation_of(algo) -> str:
-    """The loss type of ``algo`` (its typed view or validated config): ``algo.aggregation``, or its alias ``algo.loss_type`` (TRL's name)
-    when aggregation is left at the default."""
-    aggregation = algo.aggregation
-    return aggregation if aggregation != "grpo" else algo.loss_type
+if TYPE_CHECKING:
+    from grpo_cli.schema import AlgoConfig
 
 
-def loss_settings(algo, entropy_coef: float | None = None) -> LossSettings:
-    """The :class:`LossSettings` of ``algo``; ``entropy_coef`` overrides algo.entropy_coef (the adaptive value)."""
-    eps_high = algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps
+def loss_settings(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossSettings:
+    """The :class:`LossSettings` of ``algo``; ``max_new_tokens`` (rollout.max_new_tokens) is dr_grpo's normaliser.
+    The adaptive entropy coefficient replaces its ``entropy_coef`` as it moves (AdaptiveEntropy)."""
+    vespo = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
     options = ObjectiveOptions(
-        eps_low=algo.clip_eps, eps_high=eps_high, delta=algo.delta,
-        cispo_max_ratio=algo.cispo_max_ratio,
-        sapo_temperature_pos=algo.sapo_temperature_pos,
-        sapo_temperature_neg=algo.sapo_temperature_neg,
-        **{k: getattr(algo, k) for k in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")})
+        eps_low=algo.clip_eps, eps_high=algo.eps_high, delta=algo.delta, cispo_max_ratio=algo.cispo_max_ratio,
+        sapo_temperature_pos=algo.sapo_temperature_pos, sapo_temperature_neg=algo.sapo_temperature_neg,
+        **{k: getattr(algo, k) for k in vespo})
     return LossSettings(
-        objective=algo.objective, options=options, kl_estimator=algo.kl_estimator,
-        use_bias_correction_kl=bool(algo.use_bias_correction_kl),
-        off_policy_mask_threshold=algo.off_policy_mask_threshold,
-        top_entropy_quantile=algo.top_entropy_quantile,
-        entropy_coef=algo.entropy_coef if entropy_coef is None else entropy_coef)
+        beta=algo.beta, options=options, loss_type=algo.effective_aggregation, ratio_level=algo.ratio_level,
+        max_new_tokens=max_new_tokens, objective=algo.objective, kl_estimator=algo.kl_estimator,
+        use_bias_correction_kl=algo.use_bias_correction_kl, off_policy_mask_threshold=algo.off_policy_mask_threshold,
+        top_entropy_quantile=algo.top_entropy_quantile, entropy_coef=algo.entropy_coef)
 
 
-def needs_entropy(algo) -> bool:
+def needs_entropy(algo: AlgoConfig) -> bool:
     """Whether every pass (not only the first, for the metric) needs the per-token entropy."""
-    return (algo.top_entropy_quantile < 1.0 or bool(algo.entropy_coef)
-            or algo.entropy_target is not None)
+    return algo.top_entropy_quantile < 1.0 or bool(algo.entropy_coef) or algo.entropy_target is not None
 
 
-def adaptive_entropy(algo) -> AdaptiveEntropy | None:
+def adaptive_entropy(algo: AlgoConfig) -> AdaptiveEntropy | None:
     target = algo.entropy_target
     if target is None:
         return None
     return AdaptiveEntropy(coef=algo.entropy_coef, target=target, delta=algo.entropy_coef_delta)
 
 
-def config_problem(algo, world_size: int = 1) -> tuple[str, object, str] | None:
+def config_problem(algo: AlgoConfig, world_size: int = 1) -> tuple[str, object, str] | None:
     """(key, value, what is wrong) for a combination of algo.* keys that makes no sense (or is not supported), else
     None."""
     if algo.filter_groups and world_size > 1:
@@ -56,21 +55,21 @@ def config_problem(algo, world_size: int = 1) -> tuple[str, object, str] | None:
         return ("algo.loss_type", loss_type, f"is an alias of algo.aggregation, which says {aggregation}; set only "
                                              "algo.aggregation")
     objective = algo.objective
-    entry = OBJECTIVES.get(objective)
+    entry = OBJECTIVES.get(objective)  # a registry: a plain dict of names
     if entry is not None and algo.ratio_level not in entry.ratio_levels:
         return ("algo.ratio_level", algo.ratio_level, f"does not suit algo.objective={objective}: use "
                                                       f"algo.ratio_level={entry.ratio_levels[0]}")
-    if entry is not None and entry.aggregations is not None and aggregation_of(algo) not in entry.aggregations:
-        return ("algo.aggregation", aggregation_of(algo), f"does not suit algo.objective={objective}: use "
-                                                          f"algo.aggregation={entry.aggregations[0]}")
+    in_use = algo.effective_aggregation
+    if entry is not None and entry.aggregations is not None and in_use not in entry.aggregations:
+        return ("algo.aggregation", in_use, f"does not suit algo.objective={objective}: use "
+                                            f"algo.aggregation={entry.aggregations[0]}")
     advantage = ADVANTAGES.get(algo.advantage)
     if advantage is not None and not advantage.scales and algo.scale_rewards != "group":
         return ("algo.scale_rewards", algo.scale_rewards, f"is read by algo.advantage=grpo or grpo_passk only, not "
                                                           f"{advantage.name}; leave it at group")
-    delta, eps_high = algo.delta, algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps
-    if delta is not None and delta <= 1 + eps_high:
-        return ("algo.delta", delta, f"needs delta > 1 + clip_eps_high ({1 + eps_high}) or the upper clip never acts")
+    if algo.delta is not None and algo.delta <= 1 + algo.eps_high:
+        return ("algo.delta", algo.delta, f"needs delta > 1 + clip_eps_high ({1 + algo.eps_high}) or the upper "
+                                          "clip never acts")
     if algo.entropy_target is not None and algo.entropy_coef > 1.0:
         return ("algo.entropy_coef", algo.entropy_coef, "needs <= 1 with algo.entropy_target (the adaptive bound)")
     return None
-

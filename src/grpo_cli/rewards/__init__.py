@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from grpo_cli import user_code
 from grpo_cli.errors import ConfigError, RewardError
 from grpo_cli.rewards.aggregation import combine
+from grpo_cli.schema import RewardConfig, RewardFunctionConfig
 from grpo_cli.user_code import raised, shown
 
 SCORE_TYPES = "a number per completion (int, float, bool, or a numpy/torch scalar)"
@@ -213,14 +214,14 @@ class RewardSet:
         self.timeout_s, self.stop = timeout_s, stop
 
     @classmethod
-    def from_config(cls, cfg_reward, device=None, dtype=None, stop=None, environment=None) -> RewardSet:
+    def from_config(cls, cfg_reward: RewardConfig, device=None, dtype=None, stop=None, environment=None) -> RewardSet:
         """Reward models among the functions load here, once, on `device` in `dtype` (the policy's). `environment`:
         the environment class (env._target_), whose get_reward() joins the functions."""
-        functions = [RewardFunction(name, _built(name, spec, device, dtype), float(spec.get("weight", 1.0)))
-                     for name, spec in (cfg_reward.get("functions") or {}).items()]
+        functions = [RewardFunction(name, _built(name, spec, device, dtype), spec.weight)
+                     for name, spec in (cfg_reward.functions or {}).items()]
         owned = environment_reward(environment) if environment is not None else None
-        return cls([*functions, *([owned] if owned else [])], cfg_reward.get("on_error", "raise"),
-                   cfg_reward.get("timeout_s"), stop, cfg_reward.get("aggregation", "sum"))
+        return cls([*functions, *([owned] if owned else [])], cfg_reward.on_error, cfg_reward.timeout_s, stop,
+                   cfg_reward.aggregation)
 
     def _call(self, rf: RewardFunction, prompts, completions, fields):
         """The function's return value; Interrupted on a stop request, user_code.FAILED when it raised or timed out."""
@@ -308,17 +309,6 @@ class RewardSet:
         return None
 
 
-RESERVED_KEYS = ("_target_", "weight")
-
-
-def reward_options(spec) -> dict:
-    """The keys of a `reward.functions.NAME` entry other than `_target_` and `weight`, as plain values."""
-    from omegaconf import DictConfig, OmegaConf
-
-    plain = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec)
-    return {k: v for k, v in plain.items() if k not in RESERVED_KEYS}
-
-
 class ImportRaised(ImportError):
     """Importing a reward's module ran its code, and that raised (the module exists: the fix is in it)."""
 
@@ -341,18 +331,18 @@ def resolve_callable(dotted: str):
     return fn
 
 
-def build_reward(name: str, spec, **context):
+def build_reward(name: str, spec: RewardFunctionConfig, **context):
     """The callable for one entry: the function with its options bound, or the class built with its options
     (plus `name`, `device`, `dtype` when its constructor takes them)."""
-    target = resolve_callable(spec["_target_"])
-    options = reward_options(spec)
+    target = resolve_callable(spec._target_)
+    options = dict(spec.options)
     if not inspect.isclass(target):
         return functools.partial(target, **options) if options else target
     accepted = inspect.signature(target).parameters
     try:
         return target(**options, **{k: v for k, v in {"name": name, **context}.items() if k in accepted})
     except BaseException as err:  # user code: one line, exit 2, whatever it raised
-        raise ConfigError(f"reward.functions.{name}: building {spec['_target_']} raised {raised(err)}; fix its "
+        raise ConfigError(f"reward.functions.{name}: building {spec._target_} raised {raised(err)}; fix its "
                           "constructor or the entry's options") from None
 
 
@@ -361,13 +351,13 @@ CONTEXT_ARGS = ("device", "dtype")  # known only once the policy is placed: a cl
 _prebuilt: dict[tuple[str, str], object] = {}
 
 
-def _spec_key(name: str, spec) -> tuple[str, str]:
+def _spec_key(name: str, spec: RewardFunctionConfig) -> tuple[str, str]:
     import json
 
-    return name, json.dumps(reward_options(spec) | {"_target_": str(spec["_target_"])}, sort_keys=True, default=str)
+    return name, json.dumps(dict(spec.options) | {"_target_": spec._target_}, sort_keys=True, default=str)
 
 
-def _built(name: str, spec, device, dtype):
+def _built(name: str, spec: RewardFunctionConfig, device, dtype):
     """The entry's callable: the one `build_before_model_load` made, else built now."""
     key = _spec_key(name, spec)
     if key in _prebuilt:
@@ -375,17 +365,18 @@ def _built(name: str, spec, device, dtype):
     return build_reward(name, spec, device=device, dtype=dtype)
 
 
-def build_before_model_load(cfg_reward) -> None:
+def build_before_model_load(cfg_reward: RewardConfig) -> None:
     """Import every reward's module and build every reward class that needs no device, so that user code that fails
     does so in one line (exit 2) before minutes of model loading; `RewardSet.from_config` then takes these objects
     (each is still built once). A class taking `device` or `dtype` (a reward model) is built beside the policy."""
     _prebuilt.clear()
-    for name, spec in (cfg_reward.get("functions") or {}).items():
+    for name, spec in (cfg_reward.functions or {}).items():
         try:
-            target = resolve_callable(spec["_target_"])
+            target = resolve_callable(spec._target_)
         except (ImportError, AttributeError, ValueError) as err:
             fix = "fix the module" if isinstance(err, ImportRaised) else "check the dotted path"
-            raise ConfigError(f"reward.functions.{name}._target_={spec['_target_']} cannot be imported ({err}); {fix}") from None
+            raise ConfigError(f"reward.functions.{name}._target_={spec._target_} cannot be imported ({err}); "
+                              f"{fix}") from None
         if inspect.isclass(target) and any(k in inspect.signature(target).parameters for k in CONTEXT_ARGS):
             continue
         _prebuilt[_spec_key(name, spec)] = build_reward(name, spec)

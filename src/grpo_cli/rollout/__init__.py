@@ -33,7 +33,7 @@ from grpo_cli.rollout.inference_copy import InferenceCopy
 from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, completion_logprobs
 from grpo_cli.rollout.merged import MergedEngine
 from grpo_cli.rollout.vllm import VLLMEngine  # rollout.engine=vllm; imports vllm only when an engine is built
-from grpo_cli.schema import view
+from grpo_cli.schema import RolloutConfig
 
 __all__ = [
     "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "HFEngine", "InferenceCopy", "MergedEngine", "Rollout",
@@ -43,11 +43,10 @@ __all__ = [
 ]
 
 
-def make_engine(cfg_rollout, lm, *, max_prompt_tokens: int | None = None) -> Engine:
+def make_engine(cfg_rollout: RolloutConfig, lm, *, max_prompt_tokens: int | None = None) -> Engine:
     """The engine `rollout.engine` names (default auto), for `lm` (a models.LoadedModel or anything with model,
     tokenizer, device)."""
-    cfg_rollout = view(cfg_rollout, "rollout")
-    return ENGINES.lookup(str(cfg_rollout.engine)).from_config(cfg_rollout, lm, max_prompt_tokens)
+    return ENGINES.lookup(cfg_rollout.engine).from_config(cfg_rollout, lm, max_prompt_tokens)
 
 
 def as_engine(engine_or_model, tokenizer, device=None) -> Engine:

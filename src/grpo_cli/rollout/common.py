@@ -16,6 +16,7 @@ from grpo_cli.rollout.inference_copy import merge_obstacle
 from grpo_cli.rollout.rows import PAD_TOKEN, per_group, per_row, per_token
 from grpo_cli.rollout.rows import join as join_rows
 from grpo_cli.rollout.rows import select as select_rows
+from grpo_cli.schema import RolloutConfig
 
 StopFn = Callable[[], bool]
 # rollout.engine: name -> an Engine class (anything with `from_config(cfg_rollout, lm, max_prompt_tokens)`)
@@ -55,6 +56,34 @@ class Rollout:
     def join(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         """One rollout of the given ones' groups, in order (prompts left-padded, completions right-padded)."""
         return join_rows(rollouts, pad_token_id)
+
+    # ---- what a kind of rollout says of its rows (an episode says more: episodes.Episodes) ------------------
+    def loss_mask(self) -> torch.Tensor:
+        """The tokens that the loss, the ratio, the KL, the entropy and every token count see: those the model
+        sampled, which of a single-turn completion are all its real tokens (its completion_mask)."""
+        return self.completion_mask
+
+    def prompt_texts(self, rendered: list[str]) -> list[str]:
+        """The prompt text of each completion row, given each group's `rendered` prompt."""
+        return [text for text in rendered for _ in range(self.group_size)]
+
+    def reward_fields(self) -> dict[str, list]:
+        """What rewards receive of the rollout beside the rows' fields (TRL's names; rewards.reward_arguments says
+        which function gets which): `completion_ids`, each completion's tokens."""
+        real = zip(self.completion_ids, self.completion_mask, strict=True)
+        return {"completion_ids": [row[mask.bool()].tolist() for row, mask in real]}
+
+    def metrics(self) -> dict[str, float]:
+        """The step's metrics of this kind of rollout (logged as episodes/NAME): none of a single turn."""
+        return {}
+
+    def sample_fields(self, i: int) -> dict:
+        """What samples.jsonl shows of row `i` beside its completion: nothing more of a single turn."""
+        return {}
+
+    def tool_use(self) -> list[tuple[int, int]]:
+        """(tool calls made, of those failed) per row: none in a single turn."""
+        return []
 
 
 def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int, overlong: str = "truncate") -> EncodedPrompts:
@@ -210,9 +239,9 @@ class Engine:
         self.model, self.tokenizer, self.device = model, tokenizer, device
 
     @classmethod
-    def from_config(cls, cfg_rollout, lm, max_prompt_tokens: int | None = None) -> Engine:
-        """The engine for `lm` (a models.LoadedModel: model, tokenizer, device, dtype) under the `rollout` config
-        group; an engine with options of its own reads them from `cfg_rollout` here."""
+    def from_config(cls, cfg_rollout: RolloutConfig, lm, max_prompt_tokens: int | None = None) -> Engine:
+        """The engine for `lm` (a models.LoadedModel: model, tokenizer, device, dtype) under the `rollout`
+        section; an engine with options of its own reads them from `cfg_rollout` here."""
         return cls(lm.model, lm.tokenizer, lm.device)
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
@@ -297,8 +326,8 @@ def unescape(text: str) -> str:
     return re.sub(r"\\[ntr\\]", lambda m: ESCAPES[m.group()], text)
 
 
-def sampling_options(cfg_rollout) -> dict:
-    """The sampling keywords of `Engine.generate` for the `rollout` config group (null = off)."""
+def sampling_options(cfg_rollout: RolloutConfig) -> dict:
+    """The sampling keywords of `Engine.generate` for the `rollout` section (null = off)."""
     return {"temperature": cfg_rollout.temperature, "top_p": cfg_rollout.top_p, "top_k": cfg_rollout.top_k or 0,
             "min_p": cfg_rollout.min_p or 0.0, "repetition_penalty": cfg_rollout.repetition_penalty,
-            "stop_strings": tuple(unescape(s) for s in cfg_rollout.stop or ())}
+            "stop_strings": tuple(unescape(s) for s in cfg_rollout.stop)}

@@ -35,7 +35,7 @@ from grpo_cli.rollout.common import (
     stop_criteria,
 )
 from grpo_cli.rollout.inference_copy import FollowsThePolicy
-from grpo_cli.schema import view
+from grpo_cli.schema import RolloutConfig
 
 log = logging.getLogger(__name__)
 WARMUP_TOKENS = 4   # decode steps of the timed first call: compile, CUDA-graph warm-up, record, replay
@@ -59,9 +59,9 @@ class CompiledEngine(FollowsThePolicy, Engine):
         self.compile_s = 0.0
 
     @classmethod
-    def from_config(cls, cfg_rollout, lm, max_prompt_tokens: int | None = None) -> CompiledEngine:
+    def from_config(cls, cfg_rollout: RolloutConfig, lm, max_prompt_tokens: int | None = None) -> CompiledEngine:
         """`rollout.compile` (auto | true | false; auto = on CUDA only, and a failed compile only warns)."""
-        setting = view(cfg_rollout, "rollout").compile
+        setting = cfg_rollout.compile
         compile_ = lm.device.type == "cuda" if setting == "auto" else bool(setting)
         return cls(lm.model, lm.tokenizer, lm.device, compile=compile_, max_prompt_tokens=max_prompt_tokens,
                    compile_fallback=setting == "auto")

@@ -27,7 +27,7 @@ ends the run with a UserCodeError naming it.
 
 The record is a `Rollout` (so the log-prob pass runs on it as it is) with, beside `completion_mask` (every real
 token, for attention), `model_mask`: the tokens the model sampled, the only ones for the loss, the ratio, the KL,
-the entropy and every token count (`logprobs.loss_mask`). Where the G prompts of a group differ (an environment
+the entropy and every token count (`Episodes.loss_mask`). Where the G prompts of a group differ (an environment
 whose reset varies per instance), the group's common prefix is the prompt and each episode's remainder opens its
 completion as non-model tokens.
 """
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,6 +58,9 @@ from grpo_cli.rollout.tools import (
     supports_tools,
 )
 
+if TYPE_CHECKING:
+    from grpo_cli.schema import Config
+
 
 @dataclass
 class Episodes(Rollout):
@@ -72,7 +76,34 @@ class Episodes(Rollout):
     tool_outputs_cut: torch.Tensor | None = per_row(default=None)  # [N] tool results cut to tool_output_max_chars
     environments: list = per_row(default_factory=list)  # one instance per episode (empty without an environment)
 
+    def loss_mask(self) -> torch.Tensor:
+        """Its model_mask: tool and environment tokens are in the sequence and in completion_mask, so the log-prob
+        pass attends to them, but they are never trained on nor counted."""
+        return self.completion_mask if self.model_mask is None else self.model_mask
+
+    def prompt_texts(self, rendered: list[str]) -> list[str]:
+        """Each episode's own rendered prompt (an environment's reset may vary it within a group)."""
+        return self.prompts or super().prompt_texts(rendered)
+
+    def reward_fields(self) -> dict[str, list]:
+        """Beside `completion_ids`, `messages`, the whole conversation with its tool calls and results, and
+        `environments`, the episode's instance (when there is an environment)."""
+        return {**super().reward_fields(), "messages": self.messages,
+                **({"environments": self.environments} if self.environments else {})}
+
+    def sample_fields(self, i: int) -> dict:
+        """The whole conversation as text (each message as `role: content`, tool calls and results included) and
+        its counts."""
+        conversation = "\n".join(f"{m['role']}: {m.get('content') or ''}" + (
+            f" {[c['function'] for c in m['tool_calls']]}" if m.get("tool_calls") else "") for m in self.messages[i])
+        return {"conversation": conversation, "tool_calls": int(self.tool_calls[i]),
+                "failed_calls": int(self.failed_calls[i]), "turns": int(self.turns[i]), "cut": bool(self.cut[i])}
+
+    def tool_use(self) -> list[tuple[int, int]]:
+        return [(int(c), int(f)) for c, f in zip(self.tool_calls, self.failed_calls, strict=True)]
+
     def metrics(self) -> dict[str, float]:
+        """tool calls per episode, the failed-call rate, turns per episode, the share cut by the budget."""
         calls = float(self.tool_calls.sum())
         return {"tool_calls_per_episode": float(self.tool_calls.float().mean()),
                 "failed_call_rate": float(self.failed_calls.sum()) / calls if calls else 0.0,
@@ -287,10 +318,9 @@ class EpisodeRunner:
     _formats: dict = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg) -> EpisodeRunner | None:
+    def from_config(cls, cfg: Config) -> EpisodeRunner | None:
         """Imports every tool and the environment class, so a bad one fails in one line before the model loads."""
-        roll, env = cfg.rollout, cfg.get("env") or {}
-        dotted, target = list(roll.get("tools") or []), env.get("_target_")
+        roll, dotted, target = cfg.rollout, cfg.rollout.tools, cfg.env._target_
         if not dotted and target is None:
             return None
         tools = [import_object(d, f"rollout.tools[{i}]") for i, d in enumerate(dotted)]
@@ -300,9 +330,8 @@ class EpisodeRunner:
         if twice := sorted({name for name in names if names.count(name) > 1}):
             raise ConfigError(f"rollout.tools and the environment's methods offer {' and '.join(twice)} twice; every "
                               "tool needs its own name: drop one from rollout.tools or rename one")
-        return cls(tools, factory, int(roll.get("max_tool_calls", 1)), roll.get("tool_timeout_s"),
-                   str(roll.get("tool_format", "auto")), str(roll.get("call_opener") or ""),
-                   roll.get("tool_output_max_chars"))
+        return cls(tools, factory, roll.max_tool_calls, roll.tool_timeout_s, roll.tool_format, roll.call_opener,
+                   roll.tool_output_max_chars)
 
     def format_for(self, tokenizer) -> ToolFormat:
         """How `tokenizer` shows the tools; ConfigError for rollout.tool_format=native on a template without
@@ -329,7 +358,7 @@ class EpisodeRunner:
             return None
 
 
-def check_before_model_load(cfg) -> None:
+def check_before_model_load(cfg: Config) -> None:
     """What an episode run would meet only once the model has loaded: a bad tool or environment class
     (EpisodeRunner.from_config), a chat template that cannot show the tools as rollout.tool_format asks, and an
     environment that cannot be built or reset on the run's first row (UserCodeError, here a ConfigError)."""
@@ -339,7 +368,7 @@ def check_before_model_load(cfg) -> None:
     runner = EpisodeRunner.from_config(cfg)
     if runner is None:
         return
-    runner.format_for(load_tokenizer(cfg.model.name_or_path, bool(cfg.model.get("trust_remote_code"))))
+    runner.format_for(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code))
     if runner.environment_factory is None:
         return
     rows = load_rows(cfg.data, split="train", seed=cfg.trainer.seed)
@@ -349,30 +378,3 @@ def check_before_model_load(cfg) -> None:
     except UserCodeError as err:
         raise ConfigError(f"env._target_={cfg.env._target_} fails on the run's first row, before the model loads: "
                           f"{err}") from None
-
-
-def reward_fields(rollout: Rollout) -> dict[str, list]:
-    """What rewards receive of a rollout beside the rows' fields (TRL's names; rewards.reward_arguments says which
-    function gets which): `completion_ids`, each completion's tokens; of an episode, `messages`, the whole
-    conversation with its tool calls and results, and `environments`, the episode's instance."""
-    ids = [row[real.bool()].tolist() for row, real in zip(rollout.completion_ids, rollout.completion_mask, strict=True)]
-    if not isinstance(rollout, Episodes):
-        return {"completion_ids": ids}
-    return {"completion_ids": ids, "messages": rollout.messages,
-            **({"environments": rollout.environments} if rollout.environments else {})}
-
-
-def episode_metrics(rollout: Rollout) -> dict[str, float]:
-    """tool calls per episode, the failed-call rate, turns per episode, the share cut by the budget."""
-    return {f"episodes/{k}": v for k, v in rollout.metrics().items()} if isinstance(rollout, Episodes) else {}
-
-
-def sample_fields(rollout: Rollout, i: int) -> dict:
-    """What samples.jsonl shows of episode `i` beside its completion: the whole conversation as text (each
-    message as `role: content`, tool calls and results included) and its counts."""
-    if not isinstance(rollout, Episodes):
-        return {}
-    conversation = "\n".join(f"{m['role']}: {m.get('content') or ''}" + (
-        f" {[c['function'] for c in m['tool_calls']]}" if m.get("tool_calls") else "") for m in rollout.messages[i])
-    return {"conversation": conversation, "tool_calls": int(rollout.tool_calls[i]),
-            "failed_calls": int(rollout.failed_calls[i]), "turns": int(rollout.turns[i]), "cut": bool(rollout.cut[i])}

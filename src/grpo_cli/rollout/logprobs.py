@@ -14,16 +14,6 @@ from grpo_cli.prepack import PackedLinear
 from grpo_cli.rollout.common import Rollout, cache_kwarg, hf_model, output_cache, positions, prefill
 
 
-def loss_mask(rollout: Rollout) -> torch.Tensor:
-    """The tokens that the loss, the ratio, the KL, the entropy and every token count see: those the model sampled.
-
-    For an episode (`episodes.Episodes`) that is its `model_mask`: tool and environment tokens are in the sequence
-    and in `completion_mask`, so the pass attends to them, but they are never trained on nor counted. For a
-    single-turn Rollout every real completion token is the model's: its `completion_mask`."""
-    model_mask = getattr(rollout, "model_mask", None)
-    return rollout.completion_mask if model_mask is None else model_mask
-
-
 def checkpointing(model) -> bool:
     """Gradient checkpointing is on and the model trains: transformers then drops the KV cache (5.17 even
     without grad), so a pass must run prompt and completion as one sequence."""

@@ -30,7 +30,7 @@ import torch
 
 from grpo_cli.errors import ConfigError, ModelLoadError, error_line
 from grpo_cli.rollout.common import ENGINES, Engine, Rollout, StopFn, eos_ids, finish_rollout, left_pad
-from grpo_cli.schema import view
+from grpo_cli.schema import RolloutConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SEED_RANGE = 2**31 - 1
@@ -131,15 +131,14 @@ class VLLMEngine(Engine):
             self.stale = True  # the engine holds the base; every request carries the adapter
 
     @classmethod
-    def from_config(cls, cfg_rollout, lm, max_prompt_tokens: int | None = None) -> VLLMEngine:
-        roll = view(cfg_rollout, "rollout")
+    def from_config(cls, roll: RolloutConfig, lm, max_prompt_tokens: int | None = None) -> VLLMEngine:
         if getattr(lm, "quantization", None) is not None:
             raise ConfigError(f"rollout.engine=vllm cannot serve a bitsandbytes-quantized base (model.quantization="
                               f"{lm.quantization}) with a LoRA adapter; use rollout.engine=hf or model.quantization=null")
         dtype = lm.dtype if roll.vllm_dtype == "auto" else DTYPES[roll.vllm_dtype]
         return cls(lm.model, lm.tokenizer, lm.device, dtype=dtype, max_model_len=roll.vllm_max_model_len,
-                   gpu_memory_utilization=float(roll.vllm_gpu_memory_utilization),
-                   kv_cache_gib=float(roll.vllm_kv_cache_gib), sync=str(roll.vllm_sync))
+                   gpu_memory_utilization=roll.vllm_gpu_memory_utilization, kv_cache_gib=roll.vllm_kv_cache_gib,
+                   sync=roll.vllm_sync)
 
     def policy_changed(self) -> None:
         self.stale = True

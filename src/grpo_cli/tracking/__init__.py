@@ -32,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from grpo_cli.errors import send_warnings_to, warn, warnings_listener
+from grpo_cli.schema import LoggerConfig
 from grpo_cli.tracking.sinks import (
     LOGGERS,
     REDACTED,
@@ -46,7 +47,6 @@ from grpo_cli.tracking.sinks import (
     secret_values,
 )
 from grpo_cli.tracking.wandb_sink import (  # importing it registers the wandb logger
-    DEFAULT_PROJECT,
     WANDB_ID_FILE,
     WANDB_MODES,
     WandbSink,
@@ -58,7 +58,7 @@ from grpo_cli.tracking.wandb_sink import (  # importing it registers the wandb l
 )
 
 __all__ = [
-    "DEFAULT_PROJECT", "LOGGERS", "REDACTED", "WANDB_ID_FILE", "WANDB_MODES", "ConsoleView", "JsonlSink", "MetricSink",
+    "LOGGERS", "REDACTED", "WANDB_ID_FILE", "WANDB_MODES", "ConsoleView", "JsonlSink", "MetricSink",
     "NullSink", "RunInfo", "Tracker", "WandbSink", "_hydra_names", "has_wandb_credentials", "is_secret_key",
     "open_tracker", "redact", "resolve_wandb_mode", "scrub_secrets", "secret_values", "wandb_run_id", "wandb_sink",
 ]
@@ -232,16 +232,16 @@ class Tracker:
                 send_warnings_to(None)
 
 
-def open_tracker(run_dir: Path, cfg_logger, config: dict, total_steps: int, start_step: int = 0,
+def open_tracker(run_dir: Path, cfg_logger: LoggerConfig, config: dict, total_steps: int, start_step: int = 0,
                  resume: bool = False) -> Tracker:
     """The run's tracker: metrics.jsonl and samples.jsonl, the sink of `logger.backend` (if it gives one), the
-    console; warnings go to it from here on."""
+    console; warnings go to it from here on. `config`: the resolved config the logger records."""
     console = ConsoleView(total_steps, start_step)
     files = JsonlSink(run_dir)
-    tracker = Tracker([files, console], say=console.say, end_live=console.end_live)  # takes the warnings already: a logger that cannot start says so here
-    cfg_logger = _plain(cfg_logger) or {}
+    # the tracker takes the warnings already: a logger that cannot start says so here
+    tracker = Tracker([files, console], say=console.say, end_live=console.end_live)
     run = RunInfo(Path(run_dir), _plain(config), total_steps, start_step, resume, say=console.say)
-    logger = LOGGERS.lookup(str(cfg_logger.get("backend") or "none"))(cfg_logger, run)
+    logger = LOGGERS.lookup(cfg_logger.backend)(cfg_logger, run)
     if logger is not None:
         tracker.sinks.insert(1, logger)
     where = (f"training {total_steps} steps" if not start_step else

@@ -102,7 +102,7 @@ class RunInfo:
     say: Callable[[str], None] = print   # a line for the user (the console)
 
 
-# name -> sink factory `(cfg_logger: dict, run: RunInfo) -> MetricSink | None` (None: nothing to add)
+# name -> sink factory `(cfg_logger: schema.LoggerConfig, run: RunInfo) -> MetricSink | None` (None: nothing to add)
 LOGGERS = Registry("logger", key="logger.backend")
 
 

@@ -14,10 +14,10 @@ from urllib.parse import urlparse
 
 from grpo_cli.errors import error_line, warn
 from grpo_cli.overrides import override_key
-from grpo_cli.tracking.sinks import LOGGERS, NullSink, RunInfo, _plain, redact, scrub_secrets
+from grpo_cli.schema import LoggerConfig, WandbConfig
+from grpo_cli.tracking.sinks import LOGGERS, NullSink, RunInfo, redact, scrub_secrets
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-DEFAULT_PROJECT = "grpo-cli"
 WANDB_ID_FILE = "wandb_run_id"  # in the run dir: a resumed run continues the same W&B run
 
 
@@ -64,7 +64,7 @@ def resolve_wandb_mode(mode: str | None) -> tuple[str, str | None]:
     return mode, None
 
 
-def _hydra_names(cfg_wandb: dict) -> tuple[str | None, str | None]:
+def _hydra_names(cfg_wandb: WandbConfig) -> tuple[str | None, str | None]:
     """Default W&B name and group from the Hydra job: name = the job's overrides joined (as Hydra's
     override_dirname, logger.* and the recipe left out), group = the recipe, plus the sweep dir in a multirun."""
     try:
@@ -128,10 +128,10 @@ def _said(err: Exception) -> str:
 
 
 @LOGGERS.register("wandb")
-def wandb_sink(cfg_logger: dict, run: RunInfo) -> WandbSink | None:
+def wandb_sink(cfg_logger: LoggerConfig, run: RunInfo) -> WandbSink | None:
     """A W&B run in the mode `logger.wandb.mode` resolves to; None (with a warning) when W&B cannot start."""
-    cfg_wandb = dict(_plain(cfg_logger.get("wandb")) or {})
-    mode, note = resolve_wandb_mode(cfg_wandb.get("mode"))
+    cfg_wandb = cfg_logger.wandb or WandbConfig()  # logger.backend=wandb on another logger option: the defaults
+    mode, note = resolve_wandb_mode(cfg_wandb.mode)
     if note:
         warn(note)
     if mode == "disabled":
@@ -147,7 +147,7 @@ class WandbSink(NullSink):
     """One W&B run: its config is the resolved (scrubbed) Hydra config, its history one row per step. Best
     effort: a failing call is a warning, metrics.jsonl keeps the data."""
 
-    def __init__(self, cfg_wandb: dict, run: RunInfo, mode: str):
+    def __init__(self, cfg_wandb: WandbConfig, run: RunInfo, mode: str):
         # Before W&B starts its service (which inherits the environment): its own banner lines stay off, and so
         # does its crash reporting to Sentry, which off the network holds the process ~20 s at exit after a
         # failed online init. Either can be turned back on by setting the variable.
@@ -159,14 +159,11 @@ class WandbSink(NullSink):
         self.wandb, self.run_dir = wandb, run_dir
         name, group = _hydra_names(cfg_wandb)
         self.kwargs = dict(
-            project=cfg_wandb.get("project") or DEFAULT_PROJECT, entity=cfg_wandb.get("entity") or None,
-            name=cfg_wandb.get("name") or name, group=cfg_wandb.get("group") or group,
-            tags=[str(t) for t in (cfg_wandb.get("tags") or [])], dir=str(run_dir),
-            config=scrub_secrets(run.config), job_type="train",
-            id=wandb_run_id(run_dir, run.resume), resume="allow",
+            project=cfg_wandb.project, entity=cfg_wandb.entity, name=cfg_wandb.name or name,
+            group=cfg_wandb.group or group, tags=list(cfg_wandb.tags), dir=str(run_dir),
+            config=scrub_secrets(run.config), job_type="train", id=wandb_run_id(run_dir, run.resume), resume="allow",
         )
-        self.init_timeout = float(cfg_wandb.get("init_timeout") or 60)
-        self.finish_timeout = float(cfg_wandb.get("finish_timeout") or 300)
+        self.init_timeout, self.finish_timeout = cfg_wandb.init_timeout, cfg_wandb.finish_timeout
         try:
             self.run = self._init(mode)
         except Exception as err:  # unreachable or slow server, bad key: keep the data locally instead
