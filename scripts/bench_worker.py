@@ -137,8 +137,9 @@ def worker_ours(spec: dict) -> dict:
     cfg = compose_cfg(spec)
     n_steps = spec.get("warmup", 1) + spec["steps"]
     t_load = time.perf_counter()
+    from grpo_cli.schema import Config
     from grpo_cli.trainer import GRPOTrainer
-    trainer = GRPOTrainer(cfg, rows=bench_rows(spec["prompts"] * n_steps, spec["seed"]))  # no run dir: it only steps
+    trainer = GRPOTrainer(Config.of(cfg), rows=bench_rows(spec["prompts"] * n_steps, spec["seed"]))  # no run dir: it only steps
     lm = trainer.lm
     load_s = time.perf_counter() - t_load
     mem = Memory(lm.device)
