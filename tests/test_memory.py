@@ -55,8 +55,8 @@ def test_a_budget_takes_the_most_tokens_that_fit_then_checkpointing_then_refuses
     capped = memory.plan(trainer_section(micro_batch_tokens=30_000, memory_budget_gb=budget_for(plain, 3 * row)), lm,
                          rows=4, longest_row=row, chunk_size=64)
     assert capped.micro_batch_tokens == 30_000
-    tight = memory.plan(trainer_section(memory_budget_gb=budget_for(lean, row)), lm, rows=4, longest_row=row,
-                        chunk_size=64)
+    between = (now + head + row * (plain + lean) / 2) / 0.95 / memory.GIB  # one row fits checkpointed, not plain
+    tight = memory.plan(trainer_section(memory_budget_gb=between), lm, rows=4, longest_row=row, chunk_size=64)
     assert tight.checkpointing and row <= tight.micro_batch_tokens < 2 * row * plain / lean
     with pytest.raises(ConfigError, match=r"trainer.memory_budget_gb=[\d.]+ is too small for rows of up to 20000 "
                                           r"tokens .*raise trainer.memory_budget_gb"):

@@ -13,11 +13,14 @@ saves for its backward with LoRA on every linear layer,
                                                                               MLP in/gate/up/act; measured with
                                                                               autograd's saved-tensor hooks)
 
-times what the allocator holds beyond them (1.7 on the CPU: glibc keeps freed blocks of the backward's transient
-tensors), and with checkpointing 0.4 of that (the layer inputs, and one layer recomputed at a time). Both factors
-were measured on SmolLM2-135M in fp32 on the 2-core CPU (2026-12-03, 512 to 2048 tokens per micro-batch: peak RSS
-grew 2.07 MB a token without checkpointing, 0.83 MB with it); on CUDA the caching allocator holds less, so the
-estimate errs high there.
+times what the allocator holds beyond them, and with checkpointing a share of that. Both factors are measured on
+SmolLM2-135M in fp32 on the 2-core CPU, from whole steps at 1024 and 4096 new tokens a row (2026-12-03, one row a
+micro-batch: peak RSS over what the model, its engine and the head held, 3.3 and 3.1 MiB a token, against 1.2 MB of
+saved tensors: 2.7) and from one row's pass at 2048 and 4096 tokens with and without checkpointing
+(scripts/probe_row_memory.py: 1.43 against 1.80 and 1.32 against 1.49 MiB a token: 0.8). Most of it is freed blocks
+glibc keeps, which checkpointing does not give back (docs/usage.md, "Known limit"). The first factors, 1.7 and 0.4,
+were measured at 512-2048 tokens a micro-batch and planned steps that an 8 GiB cap killed at 2048 and 4096 new
+tokens. On CUDA the caching allocator holds less, so the estimate errs high there.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ if TYPE_CHECKING:
     from grpo_cli.schema import TrainerConfig
 
 GIB = 2**30
-ALLOCATOR_FACTOR = 1.7       # peak RSS growth over the saved tensors' bytes (CPU, glibc), measured
-CHECKPOINTED_SHARE = 0.4     # a checkpointed pass's peak per token over a plain one's, measured
+ALLOCATOR_FACTOR = 2.7       # peak RSS growth over the saved tensors' bytes (CPU, glibc), measured (above)
+CHECKPOINTED_SHARE = 0.8     # a checkpointed pass's peak per token over a plain one's, measured (above)
 CPU_MICRO_BATCH_TOKENS = 2048  # auto on the CPU: the products run at full speed from a few hundred tokens on
 HEAD_BLOCKS = 3              # fp32 [chunk, vocab] blocks alive at once in the head pass (logits, p, onehot - p)
 
