@@ -10,6 +10,7 @@ from pathlib import Path
 from grpo_cli.errors import ExportError
 
 PEFT_PREFIX = "base_model.model."
+PASS_TRAINED_BASE = "pass the base it was trained on with --base"  # grpo-export's fix
 
 
 def _adapter_shapes(adapter_dir: Path) -> dict[str, list[int]]:
@@ -42,7 +43,7 @@ def _recorded_base(adapter_dir: Path) -> str | None:
     return config.get("base_model_name_or_path") or None
 
 
-def check_base_name(adapter_dir: Path, base_name: str, model, fix: str = "pass the base it was trained on with --base") -> None:
+def check_base_name(adapter_dir: Path, base_name: str, model, fix: str = PASS_TRAINED_BASE) -> None:
     """The base the adapter recorded must be the run's configured base (a path to the same embedded model
     on another machine counts as the same)."""
     from grpo_cli.models import EMBEDDED_PREFIX  # torch: only when a model is being checked

@@ -2,8 +2,9 @@
 
 A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the adapter (safetensors), the optimiser state and
 the learning-rate schedule's update count (`trainer_state.pt`, tensors only, loaded with weights_only=True), RNG
-states and the step (`state.json`, with the config fingerprint of grpo_cli.rundir), and the metrics written so far. It is written
-under a temporary name and renamed into place, so a crash mid-write leaves the previous checkpoint whole.
+states and the step (`state.json`, with the config fingerprint of grpo_cli.rundir), and the metrics written so far.
+It is written under a temporary name and renamed into place, so a crash mid-write leaves the previous checkpoint
+whole.
 `manifest.json`, written last, lists every other file with its size and sha256: resume checks a checkpoint
 against it (and that its files load) and falls back to the newest intact one.
 """
@@ -209,7 +210,8 @@ def find(run_dir: Path, resume: str) -> Path | None:
     if path.is_dir() and not is_checkpoint(path):
         path = latest(path) or path  # a run dir was given
     if not is_checkpoint(path):
-        raise CheckpointError(f"trainer.resume={resume} is not a checkpoint (no state.json); use auto or a checkpoints/step-N folder")
+        raise CheckpointError(f"trainer.resume={resume} is not a checkpoint (no state.json); "
+                              "use auto or a checkpoints/step-N folder")
     return path
 
 
@@ -227,7 +229,8 @@ def load(path: Path, model, optimizer, lr_schedule) -> dict:
     try:
         trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
     except Exception as err:
-        raise CheckpointError(f"{path / 'trainer_state.pt'} was refused ({type(err).__name__}): only plain tensors load; it may be tampered with") from None
+        raise CheckpointError(f"{path / 'trainer_state.pt'} was refused ({type(err).__name__}): only plain tensors "
+                              "load; it may be tampered with") from None
     configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(trainer_state["optimizer"])
     for group, values in zip(optimizer.param_groups, configured, strict=True):

@@ -70,7 +70,8 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     except Exception as err:  # Hydra raises several types; all are a bad override here
         first = " ".join(str(err).split()).split(" Config search path")[0]
         first = unknown_key_hint(first) or first
-        raise ConfigError(f"{first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` for the keys") from None
+        raise ConfigError(f"{first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` "
+                          "for the keys") from None
     if multirun:
         return None
     HydraConfig.instance().set_config(cfg)
@@ -96,7 +97,8 @@ def _check_keys(prog: str, argv: list[str]) -> None:
     for arg in argv:
         key = override_key(arg)
         if "=" in arg and arg[0] not in "+~-" and "." in key and not key.startswith("hydra.") and not declares(key):
-            raise ConfigError(f"{key}={arg.split('=', 1)[1]} is invalid: {no_such_option(key)}; `{prog} --help` lists them")
+            value = arg.split("=", 1)[1]
+            raise ConfigError(f"{key}={value} is invalid: {no_such_option(key)}; `{prog} --help` lists them")
 
 
 _hydra_before = None  # RUN_DIR/.hydra/ as it was before Hydra wrote this attempt's (grpo_cli.rundir.HydraSnapshot)

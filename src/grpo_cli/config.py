@@ -253,7 +253,8 @@ def _validate_vllm(config: Config) -> None:
     correction, engine, quantization = config.algo.sampler_correction, config.rollout.engine, config.model.quantization
     if correction != "none" and engine != "vllm":
         fail("algo.sampler_correction", correction, f"needs the sampler's own log-probs, which rollout.engine={engine} "
-             "does not give (it samples with the trainer's numerics); use rollout.engine=vllm or sampler_correction=none")
+             "does not give (it samples with the trainer's numerics); use rollout.engine=vllm or "
+             "sampler_correction=none")
     if correction != "none" and config.algo.objective == "vespo":
         fail("algo.sampler_correction", correction, "is not applied to algo.objective=vespo (its weights are its own); "
              "use algo.sampler_correction=none")
@@ -285,7 +286,8 @@ def validate(cfg: DictConfig) -> list[str]:
         fail(*problem)
     tiny = config.model.tiny
     if tiny is not None and tiny.hidden_size % tiny.num_heads:
-        fail("model.tiny.hidden_size", tiny.hidden_size, f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
+        fail("model.tiny.hidden_size", tiny.hidden_size,
+             f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
     precision_warnings = check_precision(config)
     _validate_vllm(config)
     quantization = config.model.quantization
@@ -300,8 +302,8 @@ def validate(cfg: DictConfig) -> list[str]:
     _validate_rewards(config)
     _validate_optimizer(config)
     if config.sweep.metric == "final_eval_accuracy" and config.eval.final is False:
-        fail("sweep.metric", "final_eval_accuracy", "needs eval.final=true or auto (eval.final=false leaves that column "
-                                                    "empty); or rank by another column, e.g. sweep.metric=mean_reward")
+        fail("sweep.metric", "final_eval_accuracy", "needs eval.final=true or auto (eval.final=false leaves that "
+             "column empty); or rank by another column, e.g. sweep.metric=mean_reward")
     warnings = precision_warnings
     if config.algo.adv_eps >= 1e-2:
         warnings.append(f"algo.adv_eps={config.algo.adv_eps} is near the reward scale and shrinks the advantages; 1e-4 "
@@ -310,8 +312,9 @@ def validate(cfg: DictConfig) -> list[str]:
     if reshaping and not is_on_policy(config.algo):
         warnings.append(f"{', '.join(reshaping)} with algo.mini_batches or algo.num_iterations > 1: completions are "
                         "sampled from the truncated or penalised distribution, but the clipped ratio's log-probs are "
-                        "the full temperature softmax, so it compares against a distribution that was not the sampling "
-                        "one; leave these options off for off-policy updates (docs/usage.md, \"Sampling and the loss\")")
+                        "the full temperature softmax, so it compares against a distribution that was not the "
+                        "sampling one; leave these options off for off-policy updates (docs/usage.md, "
+                        "\"Sampling and the loss\")")
     if config.model.lora.dropout > 0 and not is_on_policy(config.algo) and config.algo.check:
         warnings.append("model.lora.dropout > 0 with mini_batches or num_iterations > 1: the ratio == 1 check is "
                         "relaxed by dropout noise")

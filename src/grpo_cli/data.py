@@ -47,8 +47,8 @@ def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{lineno} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
-                                "save the file as UTF-8") from None
+                raise DataError(f"{path}:{lineno} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                                f"{err.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -70,11 +70,13 @@ def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_args)
     except Exception as err:  # reasoning-gym raises several types for an unknown task or bad args
-        raise DataError(f"data.task={task} with {task_args} failed in reasoning-gym ({err}); check the task name and args") from None
+        raise DataError(f"data.task={task} with {task_args} failed in reasoning-gym ({err}); "
+                        "check the task name and args") from None
     return [{"messages": _messages(x["question"], system_prompt, suffix), "answer": str(x["answer"])} for x in dataset]
 
 
-def _sum_rows(size: int, seed: int, low: int, high: int, suffix: str, system_prompt, operation: str = "+") -> list[dict]:
+def _sum_rows(size: int, seed: int, low: int, high: int, suffix: str, system_prompt,
+              operation: str = "+") -> list[dict]:
     """`What is a + b?` with a, b drawn from [low, high]: the quickstart's task (`*`: the calculator recipe's)."""
     rng = random.Random(seed)
     pairs = [(rng.randint(low, high), rng.randint(low, high)) for _ in range(size)]
@@ -314,7 +316,8 @@ class Source:
 
 
 SOURCES = Registry("data source", key="data.source")
-HELD_OUT_OFFSET = 10_007  # a generated held-out split draws with another seed, so its questions are not the training ones
+# a generated held-out split draws with another seed, so its questions are not the training ones
+HELD_OUT_OFFSET = 10_007
 
 
 def _generated(cfg_data: DataConfig, split: str, seed: int) -> tuple[int, int]:
@@ -447,6 +450,6 @@ def check_some_prompt_fits(rows: list[dict], tokenizer, max_prompt_tokens: int) 
     if any(encode_prompts(tokenizer, [row], max_prompt_tokens, "drop").ids for row in rows):  # stops at the first
         return
     shortest = min(len(e) for e in encode_prompts(tokenizer, rows, 10**9).ids)
-    raise DataError(f"data.overlong=drop drops every one of the {len(rows)} prompts: each is over data.max_prompt_tokens="
-                    f"{max_prompt_tokens} tokens (the shortest has {shortest}); raise data.max_prompt_tokens to at "
-                    f"least {shortest} or set data.overlong=truncate")
+    raise DataError(f"data.overlong=drop drops every one of the {len(rows)} prompts: each is over "
+                    f"data.max_prompt_tokens={max_prompt_tokens} tokens (the shortest has {shortest}); raise "
+                    f"data.max_prompt_tokens to at least {shortest} or set data.overlong=truncate")

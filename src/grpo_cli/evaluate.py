@@ -101,8 +101,8 @@ class Evaluator:
 
     def _score(self, texts: list[str], rows: list[dict]) -> list[float]:
         fields = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
-        return to_scores(getattr(self.judge, "__name__", "accuracy"), call_reward(self.judge, [None] * len(texts), texts, fields),
-                         len(texts))
+        name = getattr(self.judge, "__name__", "accuracy")
+        return to_scores(name, call_reward(self.judge, [None] * len(texts), texts, fields), len(texts))
 
     @staticmethod
     def _check(roll, stop) -> None:

@@ -92,7 +92,8 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
         adapter_dir, label = found / "adapter", f"checkpoint {found.name}"
     for name in ADAPTER_FILES:
         if not (adapter_dir / name).is_file():
-            raise CheckpointError(f"{adapter_dir / name} is missing; the adapter is incomplete, export another checkpoint")
+            raise CheckpointError(f"{adapter_dir / name} is missing; the adapter is incomplete, "
+                                  "export another checkpoint")
     return Source(run_dir, adapter_dir, cfg, label)
 
 
@@ -242,7 +243,8 @@ def export(run_dir: Path, out_dir: Path, *, base: str | None = None, checkpoint:
             model = load_base_model(base_name, tokenizer, torch.float32, trust_remote_code=trust, tiny=tiny, seed=seed,
                                     quantization=quantization)
             if quantization is not None:
-                _say(f"[2/{steps}] dequantizing the {quantization} base to fp32 (the weights the adapter was trained on)")
+                _say(f"[2/{steps}] dequantizing the {quantization} base to fp32 "
+                     "(the weights the adapter was trained on)")
                 model = model.dequantize()
             if base is None:
                 check_base_name(source.adapter_dir, base_name, model)
@@ -261,7 +263,8 @@ def export(run_dir: Path, out_dir: Path, *, base: str | None = None, checkpoint:
     return Path(out_dir)
 
 
-def _check_on_meta_device(source: Source, base_name: str, tokenizer, trust: bool, tiny: dict, checked_name: bool) -> None:
+def _check_on_meta_device(source: Source, base_name: str, tokenizer, trust: bool, tiny: dict,
+                          checked_name: bool) -> None:
     """Shapes (and the recorded base name) without loading the base's weights: its architecture on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -294,8 +297,8 @@ def _merge(model, adapter_dir: Path, base_name: str):
     try:
         peft_model = PeftModel.from_pretrained(model, adapter_dir)
     except (RuntimeError, ValueError, KeyError) as err:  # peft's own mismatch errors, in case the check missed one
-        raise ExportError(f"the adapter in {adapter_dir} does not fit base {base_name} ({error_line(err)[:200]}); pass the right "
-                          "base with --base") from None
+        raise ExportError(f"the adapter in {adapter_dir} does not fit base {base_name} ({error_line(err)[:200]}); "
+                          "pass the right base with --base") from None
     return peft_model.merge_and_unload()
 
 
@@ -356,14 +359,16 @@ def _signals_held() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
-    ap.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a grpo-train run dir (or one of its checkpoints/step-N)")
+    ap.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                    help="a grpo-train run dir (or one of its checkpoints/step-N)")
     ap.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="where to write the model (new or empty)")
     ap.add_argument("--base", default=None, metavar="NAME_OR_PATH",
                     help="the base model (hub id, local dir, embedded:NAME); default: the run's model.name_or_path")
     ap.add_argument("--checkpoint", default=None, metavar="N|latest|PATH",
                     help="export a checkpoint's adapter instead of the run's final one")
     ap.add_argument("--dtype", default="bf16", choices=DTYPES, help="dtype of the merged weights (default bf16)")
-    ap.add_argument("--adapter-only", action="store_true", help="write a clean adapter with a model card, not a merged model")
+    ap.add_argument("--adapter-only", action="store_true",
+                    help="write a clean adapter with a model card, not a merged model")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     args = ap.parse_args(argv)
     try:

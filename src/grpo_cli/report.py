@@ -97,9 +97,10 @@ def run_plots(rows: list[dict], out: Path) -> list[str]:
 
 
 MONITOR_PANELS = (  # metric key, title, the alarm's bounds (low, high: None = none)
-    ("monitor/length_ratio", "completion length / its first 5 steps'", (monitors.LENGTH_RATIO[0], monitors.LENGTH_RATIO[1])),
+    ("monitor/length_ratio", "completion length / its first 5 steps'", monitors.LENGTH_RATIO),
     ("monitor/top_reward_share", "largest weighted reward's share", (None, monitors.TOP_SHARE)),
-    ("monitor/kl_acceleration", f"kl's acceleration (alarm with kl > {monitors.KL_FLOOR})", (None, monitors.KL_ACCELERATION)),
+    ("monitor/kl_acceleration", f"kl's acceleration (alarm with kl > {monitors.KL_FLOOR})",
+     (None, monitors.KL_ACCELERATION)),
     ("truncated_frac", "truncated completions", (None, monitors.TRUNCATED_SHARE)),
 )
 
@@ -167,7 +168,9 @@ def _estimate(cell: dict, metric: str, digits: int = 3) -> str:
     mean, half = cell.get(f"{metric}_mean"), half_width(cell, metric)
     if mean is None:
         return "-"
-    return f"{mean:.{digits}f} ± {half:.{digits}f}" if half is not None else f"{mean:.{digits}f} (n = {cell[f'{metric}_n']})"
+    if half is None:
+        return f"{mean:.{digits}f} (n = {cell[f'{metric}_n']})"
+    return f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
 def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
@@ -214,7 +217,8 @@ def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
         means = [math.nan if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in bars]
         ax.bar(range(len(bars)), means, yerr=[half_width(c, rank_by) or 0.0 for c in bars], capsize=6,
                color=["tab:red" if c["label"] == BEST else "tab:blue" for c in bars])
-        ticks = [f"{cell_name(c, keys)}\n{_estimate(c, rank_by)}" + ("\nbest" if c["label"] == BEST else "") for c in bars]
+        ticks = [f"{cell_name(c, keys)}\n{_estimate(c, rank_by)}" + ("\nbest" if c["label"] == BEST else "")
+                 for c in bars]
         ax.set_xticks(range(len(bars)), ticks, rotation=20 if len(bars) > 4 else 0)
         ax.set(ylabel=rank_by)
     n = sorted({c[f"{rank_by}_n"] for c in table})
@@ -255,10 +259,12 @@ def _p(value: float | None) -> str:
 def rich_cells(table: list[dict], keys: list[str]) -> RichTable:
     """The ranked cells for the terminal; the best in green, ties with it in yellow, worse in red."""
     rank_by = table[0]["rank_by"]
-    out = RichTable(title=f"sweep cells ranked by {rank_by}: mean ± 95 % CI over seeds, Welch's t-test against the best")
+    out = RichTable(title=f"sweep cells ranked by {rank_by}: mean ± 95 % CI over seeds, "
+                          "Welch's t-test against the best")
     for column in ["rank", *cell_keys(keys), "n", "mean ± CI", "p vs best", "paired p", "label"]:
+        is_p_value = column.startswith(("p ", "paired"))
         out.add_column(column, justify="right" if column != "label" else "left",
-                       no_wrap=column in ("mean ± CI", "label"), min_width=4 if column.startswith(("p ", "paired")) else None)
+                       no_wrap=column in ("mean ± CI", "label"), min_width=4 if is_p_value else None)
     for cell in table:
         style, _css, mark = CELL_STYLE.get(cell["label"], ("dim", "", ""))
         p = cell["p_vs_best"]
@@ -408,8 +414,9 @@ def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
     body += _imgs(pngs) + ["<h2>Jobs</h2>"]
     for lab, (d, rows) in zip(labels, jobs, strict=True):
         state = unfinished(d, rows)
+        state_note = f"<p class='unfinished'>{html.escape(state)}</p>" if state else ""
         body.append(f"<h3>job {job_name(sweep, d)}: <code>{html.escape(lab)}</code></h3><p>final reward "
-                    f"{final_value(rows):.4f}</p>" + (f"<p class='unfinished'>{html.escape(state)}</p>" if state else "")
+                    f"{final_value(rows):.4f}</p>" + state_note
                     + "<details><summary>resolved config</summary>"
                     f"<pre>{html.escape(config_text(d))}</pre></details>")
     return _page(f"GRPO sweep: {sweep.name}", body), terminal

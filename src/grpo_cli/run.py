@@ -72,9 +72,9 @@ class Run:
         return self.trainer.dist.is_main
 
     # ---- the run --------------------------------------------------------------------------------
-    def train(self, trainer: GRPOTrainer | None = None, *, lm: LoadedModel | None = None, rows: list[dict] | None = None,
-              stop: StopRequest | None = None, make_evaluator: Callable[[LoadedModel], Callable] | None = None,
-              final_eval: bool | None = None) -> dict:
+    def train(self, trainer: GRPOTrainer | None = None, *, lm: LoadedModel | None = None,
+              rows: list[dict] | None = None, stop: StopRequest | None = None,
+              make_evaluator: Callable[[LoadedModel], Callable] | None = None, final_eval: bool | None = None) -> dict:
         """The whole run with `trainer`, or one built here from the config and the other arguments (see
         GRPOTrainer). A stop request (SIGINT/SIGTERM) before the first step leaves the dir as if the run never
         started; during generation it discards the step in progress; during the update the step finishes;

@@ -210,13 +210,15 @@ def check_fingerprint(config: Config, found: Path) -> None:
     changes = changed_keys(saved, current)
     never = [k for k in changes if any(_under(k, n) for n in NEVER_CHANGED)]
     if never:
-        raise RunDirError(f"resume from {found} with {describe_changes(never, saved, current)}: the saved adapter and optimizer "
+        described = describe_changes(never, saved, current)
+        raise RunDirError(f"resume from {found} with {described}: the saved adapter and optimizer "
                           "state only fit the run's own value, even with trainer.resume_allow_changes; start a new run "
                           "in another hydra.run.dir")
     refused = [k for k in changes if not any(_under(k, a) for a in allowed)]
     if refused:
         listed = ",".join(refused)
-        raise RunDirError(f"resume from {found} with a changed config: {describe_changes(refused, saved, current)}; resume with "
+        described = describe_changes(refused, saved, current)
+        raise RunDirError(f"resume from {found} with a changed config: {described}; resume with "
                           f"the run's values for an exact resume, or allow the change on purpose with "
                           f"trainer.resume_allow_changes=[{listed}]")
 

@@ -119,6 +119,12 @@ def job_overrides(config: DictConfig) -> list[list[str]]:
     return batches[0] if batches else []
 
 
+def _swept(config: DictConfig) -> set[str]:
+    """swept_keys of a multirun's config: its command's sweep overrides and its sweeper's params."""
+    overrides = OmegaConf.select(config, "hydra.overrides.task")
+    return swept_keys(overrides, OmegaConf.select(config, "hydra.sweeper.params"))
+
+
 def check_jobs(config: DictConfig) -> None:
     """Every job of a basic-sweeper grid composed and validated, as the job itself will be, before the first
     starts: a bad value is one ConfigError naming its job. Other sweepers draw their points as they go."""
@@ -130,7 +136,7 @@ def check_jobs(config: DictConfig) -> None:
     from grpo_cli.registry import import_plugins
 
     loader = GlobalHydra.instance().config_loader()
-    swept = swept_keys(OmegaConf.select(config, "hydra.overrides.task"), OmegaConf.select(config, "hydra.sweeper.params"))
+    swept = _swept(config)
     for num, overrides in enumerate(job_overrides(config)):
         name = " ".join(o for o in overrides if override_key(o) in swept) or " ".join(overrides)
         try:
@@ -148,7 +154,7 @@ def on_policy_clip_sweep(config: DictConfig) -> str | None:
     """The warning for a sweep that varies a clip epsilon while every job is fully on-policy; else None."""
     from grpo_cli.config import CLIP_EPS_KEYS, is_on_policy, on_policy_clip_warning
 
-    swept = swept_keys(OmegaConf.select(config, "hydra.overrides.task"), OmegaConf.select(config, "hydra.sweeper.params"))
+    swept = _swept(config)
     clip = [k for k in CLIP_EPS_KEYS if k in swept]
     policy_swept = {"algo.mini_batches", "algo.num_iterations", "recipe"} & swept  # jobs may differ: say nothing
     if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config.algo):
@@ -330,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with one_line("grpo_cli.sweep"):
         if len(argv) != 1 or argv[0].startswith("-"):
-            raise UserError(f"usage: python -m grpo_cli.sweep SWEEP_DIR (rewrites sweep_summary.csv/json and sweep_cells.csv/json); got {argv}")
+            raise UserError("usage: python -m grpo_cli.sweep SWEEP_DIR (rewrites sweep_summary.csv/json and "
+                            f"sweep_cells.csv/json); got {argv}")
         sweep_dir = Path(argv[0])
         if not sweep_dir.is_dir():
             raise UserError(f"no such directory, {sweep_dir}; pass a multirun sweep dir")

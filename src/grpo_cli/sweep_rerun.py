@@ -115,8 +115,8 @@ def decide_job(cfg: Config, config: DictConfig) -> JobDecision:
         changes = rundir.changed_keys(previous["config"], current)
         if not changes:
             return JobDecision("skip", f"{name} finished before with the same config; skipped", previous.get("result"))
-        return JobDecision("restart", f"{name} finished before with another config "
-                                      f"({rundir.describe_changes(changes, previous['config'], current)}); starting it over",
+        described = rundir.describe_changes(changes, previous["config"], current)
+        return JobDecision("restart", f"{name} finished before with another config ({described}); starting it over",
                            decision=rundir.ResumeDecision(overwrite=True))
     decision = rundir.decide_resume(cfg, job_dir, sweep_job=True)
     return JobDecision(decision.action, f"{name} {decision.line}" if decision.line else None, decision=decision)

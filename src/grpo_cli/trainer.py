@@ -1,9 +1,9 @@
 """The GRPO step loop (docs/algorithm.md, section 6) and the only place that calls backward.
 
     generate: prompts -> completions (adapter on) -> score: rewards -> advantages: group advantages, loss mask
-    -> update: ref log-probs (adapter off) -> old log-probs (adapter on; only when off-policy) -> for each pass, for each mini-batch:
-       (for each micro-batch: log-probs with grad -> policy_loss -> backward) -> sum over ranks -> clip
-       -> optimizer step -> learning-rate schedule step
+    -> update: ref log-probs (adapter off) -> old log-probs (adapter on; only when off-policy) -> for each pass,
+       for each mini-batch: (for each micro-batch: log-probs with grad -> policy_loss -> backward) -> sum over ranks
+       -> clip -> optimizer step -> learning-rate schedule step
 
 A step's rollout batch is split into `algo.mini_batches` mini-batches of whole groups, each one optimizer
 update; `algo.num_iterations` passes go over them. Group g goes to mini-batch g mod mini_batches, so a
@@ -230,7 +230,8 @@ class GRPOTrainer:
             rows = rows[self.dist.rank * share:(self.dist.rank + 1) * share]
         enc = encode_prompts(self.tokenizer, rows, self.cfg.data.max_prompt_tokens, self.cfg.data.overlong)
         if not enc.ids:
-            raise InvariantError(f"every prompt of step {step} is over data.max_prompt_tokens={self.cfg.data.max_prompt_tokens} "
+            raise InvariantError(f"every prompt of step {step} is over "
+                                 f"data.max_prompt_tokens={self.cfg.data.max_prompt_tokens} "
                                  "and was dropped; raise it or use data.overlong=truncate")
         rows = [rows[i] for i in enc.kept]
         # sampling depends on (seed, step, rank) only: exact resume
@@ -254,9 +255,9 @@ class GRPOTrainer:
     def score(self, generation: Generation) -> Scores | None:
         """Every reward function (an environment's get_reward() too) on every completion, with the fields of its
         prompt's data row (and the rollout's own reward_fields); None when a stop request came while a reward
-        function ran."""
+        function ran. A row's `messages` go only to the functions that name them (rewards.reward_arguments)."""
         G, roll = self.algo.num_generations, generation.rollout
-        fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}  # messages: only for rewards naming it
+        fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}
         try:
             scoring = self.rewards.score_all(generation.prompts, roll.texts, fields | roll.reward_fields(),
                                              group_size=G)
@@ -340,8 +341,8 @@ class GRPOTrainer:
         return sums, max_logp
 
     def optimizer_step(self, step: int, loss: float) -> float:
-        """Clip and apply the summed gradient, or skip it when it is not finite (stopping after
-        trainer.max_skipped in a row); the learning-rate schedule advances either way. Returns the norm before clipping."""
+        """Clip and apply the summed gradient, or skip it when it is not finite (stopping after trainer.max_skipped
+        in a row); the learning-rate schedule advances either way. Returns the norm before clipping."""
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm))
         if math.isfinite(grad_norm) and math.isfinite(loss):
             self.optimizer.step()

@@ -6,7 +6,7 @@ Shapes: ``N = P*G`` completions (rows ``g*G .. g*G+G-1`` share prompt ``g``), ``
 The menu, one module per family::
 
     advantages.py          algo.advantage      ADVANTAGES        @register_advantage       rewards -> A
-    logprobs.py            (the log-prob pass)                                            logits / hidden -> logp, entropy
+    logprobs.py            (the log-prob pass, from the logits or the hidden states)      -> logp, entropy
     kl.py                  algo.kl_estimator   KL_ESTIMATORS     @register_kl_estimator    logp, ref -> kl
     policy_losses.py       algo.objective      OBJECTIVES        @register_objective       ratio, A, logp -> l
     aggregation.py         algo.aggregation    LOSS_TYPES        @register_loss_type       l, m -> loss

@@ -77,7 +77,8 @@ def low_var_kl(d: torch.Tensor) -> torch.Tensor:
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) by ``estimator`` (a name in :data:`KL_ESTIMATORS`); ``k3`` is :func:`kl_k3`."""
+    """Per-token estimate of KL(pi || ref) by ``estimator`` (a name in :data:`KL_ESTIMATORS`); ``k3`` is
+    :func:`kl_k3`."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {tuple(KL_ESTIMATORS)}, got kl_estimator={estimator!r}")
     if logp.shape != ref_logp.shape:

@@ -220,7 +220,8 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             if keep_grad:
                 d = p.neg_().scatter_add_(-1, y, torch.ones_like(y, dtype=p.dtype))  # onehot_y - p
                 u[rows] = products.back(d.to(weight.dtype))
-        ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.products = temperature, chunk_size, with_entropy, products
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.with_entropy, ctx.products = with_entropy, products
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent, u)
         ctx.set_materialize_grads(False)
         return _outputs(ctx, logp, ent, with_entropy)

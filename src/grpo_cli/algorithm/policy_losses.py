@@ -72,7 +72,8 @@ def register_objective(name: str, *, formula: str, ratio_levels: tuple[str, ...]
     ``stats`` are extra detached scalars. ``ratio_levels`` / ``aggregations`` name the settings that make sense."""
     bad = set(ratio_levels) - set(RATIO_LEVELS)
     if not ratio_levels or bad:
-        raise ValueError(f"ratio_levels must be a non-empty subset of {RATIO_LEVELS}, got ratio_levels={ratio_levels!r}")
+        raise ValueError(f"ratio_levels must be a non-empty subset of {RATIO_LEVELS}, "
+                         f"got ratio_levels={ratio_levels!r}")
 
     def register(fn: Callable) -> Callable:
         OBJECTIVES.register(name)(Objective(name, fn, formula, tuple(ratio_levels),

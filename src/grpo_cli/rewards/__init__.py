@@ -55,7 +55,8 @@ def _as_number(value) -> float | None:
     return None
 
 
-def to_scores(name: str, returned, expected: int, allow_none: bool = False, label: str | None = None) -> list[float | None]:
+def to_scores(name: str, returned, expected: int, allow_none: bool = False,
+              label: str | None = None) -> list[float | None]:
     """The scores a reward function returned, as floats; RewardError for a wrong count or a non-number. With
     `allow_none` a None stays None: the function does not apply to that completion (rewards/aggregation.py).
     `label` is how the message names the function (`reward NAME` by default)."""
@@ -231,7 +232,8 @@ class RewardSet:
     def _call_one(self, rf: RewardFunction, prompts, completions, fields, i: int):
         return self._call(rf, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in fields.items()})
 
-    def _one_at_a_time(self, rf: RewardFunction, prompts, completions, fields) -> tuple[list[float], int, Outcomes | None]:
+    def _one_at_a_time(self, rf: RewardFunction, prompts, completions,
+                       fields) -> tuple[list[float], int, Outcomes | None]:
         """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero), and the
         outcome "error" when the function gives outcomes."""
         scores, errors, texts, kinds = [], 0, [], None
@@ -265,8 +267,8 @@ class RewardSet:
                 if self.on_error != "zero":
                     raise self._one_line(rf, failure, prompts, completions, fields) from None
                 if isinstance(partial, CompletionsFailed):
-                    scores = to_scores(rf.name, [0.0 if i in partial.failed else s for i, s in enumerate(partial.scores)],
-                                       len(completions), allow_none=True)
+                    zeroed = [0.0 if i in partial.failed else s for i, s in enumerate(partial.scores)]
+                    scores = to_scores(rf.name, zeroed, len(completions), allow_none=True)
                     failed, given = len(partial.failed), None
                 else:
                     scores, failed, given = self._one_at_a_time(rf, prompts, completions, fields)

@@ -101,7 +101,8 @@ class Judge:
             "max_tokens": max_tokens, "api_key": api_key, "timeout_s": timeout_s, "retries": retries,
             "backoff_s": backoff_s, "concurrency": concurrency})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self.service = Service(url.rstrip("/") + "/chat/completions", timeout_s, retries, backoff_s, concurrency, headers)
+        endpoint = url.rstrip("/") + "/chat/completions"
+        self.service = Service(endpoint, timeout_s, retries, backoff_s, concurrency, headers)
         self.model, self.template, self.max_score = model, template or TEMPLATE, float(max_score)
         self.sampling = {"temperature": temperature, "max_tokens": max_tokens}
         self.concurrency = concurrency

@@ -13,7 +13,8 @@
           headers: {}          # e.g. {Authorization: "Bearer ${oc.env:VERIFIER_TOKEN}"}
 
 The body of each POST is `{"prompt": ..., "completion": ..., ...}`: the prompt text the policy saw, the completion,
-and every field of the completion's data row (`messages`: its chat prompt as a list of messages); the answer is a JSON number or an object with a number under "score".
+and every field of the completion's data row (`messages`: its chat prompt as a list of messages); the answer is a
+JSON number or an object with a number under "score".
 An answer that is not that (garbage), an HTTP 4xx, or a failure that outlasts the retries is an error of that
 completion: the others keep their scores, and reward.on_error decides (raise: the run stops with one line naming
 the completion and the cause; zero: those completions score 0 and count in reward_errors), without posting the

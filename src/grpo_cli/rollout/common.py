@@ -40,12 +40,13 @@ class Rollout:
     prompt_ids: torch.Tensor = per_group(pad=PAD_TOKEN)  # [P, Lp] left-padded, one row per prompt (shared by its G)
     prompt_mask: torch.Tensor = per_group()              # [P, Lp]
     completion_ids: torch.Tensor = per_token(pad=PAD_TOKEN)  # [N, T] right-padded
-    completion_mask: torch.Tensor = per_token()   # [N, T] 1 on real tokens up to and including EOS or a stop string's last token
+    completion_mask: torch.Tensor = per_token()   # [N, T] 1 on real tokens, through EOS or a stop string's last token
     truncated: torch.Tensor = per_row()           # [N] bool: hit max_new_tokens without EOS or a stop string
     texts: list[str] = per_row()
     group_size: int
     interrupted: bool = False      # the caller's stop() fired during generation: partial, to be discarded
-    sampler_logprobs: torch.Tensor | None = per_token(default=None)  # [N, T] the engine's own log-prob of each sampled token (vllm)
+    # [N, T] the engine's own log-prob of each sampled token (vllm)
+    sampler_logprobs: torch.Tensor | None = per_token(default=None)
 
     def select_groups(self, groups: list[int]) -> Rollout:
         """The rollout of the given prompt groups, in that order (each with its G rows)."""

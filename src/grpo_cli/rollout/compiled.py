@@ -80,7 +80,8 @@ class CompiledEngine(FollowsThePolicy, Engine):
         rows = ids.shape[0] * num_generations
         key, fresh = self.cache_for(model.config, rows, max(ids.shape[1], self.max_prompt_tokens) + max_new_tokens)
         cache = self.caches[key]
-        row_ids, row_mask = ids.repeat_interleave(num_generations, dim=0), mask.repeat_interleave(num_generations, dim=0)
+        row_ids = ids.repeat_interleave(num_generations, dim=0)
+        row_mask = mask.repeat_interleave(num_generations, dim=0)
         if key[0] > rows:  # a larger cache already compiled: fill the spare rows with copies of the last one
             spare = key[0] - rows
             row_ids = torch.cat([row_ids, row_ids[-1:].expand(spare, -1)])

@@ -66,13 +66,14 @@ if TYPE_CHECKING:
 class Episodes(Rollout):
     """A Rollout whose rows are episodes; `texts` are the model's own turns, joined by newlines."""
 
-    model_mask: torch.Tensor | None = per_token(default=None)  # [N, T] 1 on tokens the model sampled (within completion_mask)
+    # [N, T] 1 on tokens the model sampled (within completion_mask)
+    model_mask: torch.Tensor | None = per_token(default=None)
     prompts: list[str] = per_row(default_factory=list)  # each episode's rendered prompt text (with any opener)
     messages: list[list[dict]] = per_row(default_factory=list)  # each episode's conversation, tool calls and results
     tool_calls: torch.Tensor | None = per_row(default=None)    # [N] calls the model made (run or failed)
     failed_calls: torch.Tensor | None = per_row(default=None)  # [N] of those, the ones that failed
     turns: torch.Tensor | None = per_row(default=None)         # [N] assistant turns
-    cut: torch.Tensor | None = per_row(default=None)           # [N] bool: ended by max_new_tokens or the context mid-turn
+    cut: torch.Tensor | None = per_row(default=None)           # [N] bool: ended mid-turn (max_new_tokens, the context)
     tool_outputs_cut: torch.Tensor | None = per_row(default=None)  # [N] tool results cut to tool_output_max_chars
     environments: list = per_row(default_factory=list)  # one instance per episode (empty without an environment)
 
@@ -291,7 +292,8 @@ def finish_episodes(episodes: list[Episode], G: int, pad_id: int, device, interr
         model[i, :len(s)] = torch.tensor(s, dtype=torch.long)
     count = lambda f: torch.tensor([f(e) for e in episodes], dtype=torch.long, device=device)  # noqa: E731
     cut = torch.tensor([e.cut for e in episodes], dtype=torch.bool, device=device)
-    return Episodes(prompt_ids, prompt_mask, ids.to(device), real.to(device), cut, ["\n".join(e.texts) for e in episodes],
+    texts = ["\n".join(e.texts) for e in episodes]
+    return Episodes(prompt_ids, prompt_mask, ids.to(device), real.to(device), cut, texts,
                     G, interrupted, model_mask=model.to(device), prompts=[e.prompt_text for e in episodes],
                     messages=[e.messages for e in episodes],
                     tool_calls=count(lambda e: e.calls), failed_calls=count(lambda e: e.failed),
@@ -339,9 +341,10 @@ class EpisodeRunner:
         key = id(tokenizer)
         if key not in self._formats:
             if self.tool_format == "native" and not supports_tools(tokenizer):
-                raise ConfigError(f"rollout.tool_format=native is invalid: the chat template of {tokenizer.name_or_path} "
-                                  "renders no tools (a tool's schema, a call and its result must all show); use "
-                                  "rollout.tool_format=auto or hermes (the tools described in the system turn)")
+                raise ConfigError("rollout.tool_format=native is invalid: the chat template of "
+                                  f"{tokenizer.name_or_path} renders no tools (a tool's schema, a call and its result "
+                                  "must all show); use rollout.tool_format=auto or hermes (the tools described in the "
+                                  "system turn)")
             self._formats[key] = ToolFormat(tokenizer, native=TOOL_FORMATS[self.tool_format], opener=self.call_opener)
         return self._formats[key]
 
@@ -350,7 +353,8 @@ class EpisodeRunner:
         """run_episodes with these settings; None when a stop request came while a tool or the environment ran
         (it was abandoned: there is no record to keep)."""
         try:
-            return run_episodes(engine, self.format_for(tokenizer), rows, num_generations, max_new_tokens=max_new_tokens,
+            tool_format = self.format_for(tokenizer)
+            return run_episodes(engine, tool_format, rows, num_generations, max_new_tokens=max_new_tokens,
                                 max_tool_calls=self.max_tool_calls, context_length=context_length, tools=self.tools,
                                 environment_factory=self.environment_factory, tool_timeout_s=self.tool_timeout_s,
                                 tool_output_max_chars=self.tool_output_max_chars, stop=stop, **sampling)

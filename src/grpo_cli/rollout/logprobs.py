@@ -158,7 +158,8 @@ def unpadded_pays(model, rollout: Rollout, rows: slice) -> bool:
     inner = hf_model(model)
     config = inner.config.get_text_config()
     heads = config.num_attention_heads
-    per_pair = 4.0 * config.num_hidden_layers * heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_pair = 4.0 * config.num_hidden_layers * heads * head_dim
     decoder = inner.get_decoder()
     per_token = 2.0 * sum(p.numel() for p in getattr(decoder, "layers", decoder).parameters())  # not the embedding
     per_position = 2.0 * inner.get_output_embeddings().weight.numel()
@@ -174,7 +175,8 @@ def unpadded_pays(model, rollout: Rollout, rows: slice) -> bool:
 
 
 def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float, chunk_size: int | None,
-                        with_entropy: bool = False, unpadded: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        with_entropy: bool = False,
+                        unpadded: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [R, T] (and entropy, else None) of the completion tokens of `rows` under `model`
     (a peft model answers for the policy, or for the reference inside `disable_adapter()`); padding positions hold
     0 in the unpadded pass and a padded token's value in the shared-prompt pass: masks leave them out.

@@ -199,9 +199,9 @@ def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float | None = 
         return ToolResult(call.name, f"error: {call.name} did not return within {timeout_s} s", True)
     except user_code.Raised as failure:
         if not isinstance(failure.error, Exception):
-            raise UserCodeError(f"tool {qualified(tool.fn)} raised {raised(failure.error)} instead of returning; a tool "
-                                "reports a failure by raising an Exception (the model reads it), never by exiting: "
-                                "fix it") from None
+            raise UserCodeError(f"tool {qualified(tool.fn)} raised {raised(failure.error)} instead of returning; "
+                                "a tool reports a failure by raising an Exception (the model reads it), never by "
+                                "exiting: fix it") from None
         return ToolResult(call.name, f"error: {call.name} raised {error_line(failure.error)}", True)
     if max_chars is None or len(content) <= max_chars:
         return ToolResult(call.name, content, False)
@@ -292,8 +292,9 @@ class ToolFormat:
 
     def _dummy_turn(self, name: str) -> list[dict]:
         call = {"type": "function", "function": {"name": name, "arguments": {}}}
+        call_text = f'{CALL_OPEN}{{"name": "{name}", "arguments": {{}}}}{CALL_CLOSE}'
         assistant = ({"role": "assistant", "content": "", "tool_calls": [call]} if self.native else
-                     {"role": "assistant", "content": f'{CALL_OPEN}{{"name": "{name}", "arguments": {{}}}}{CALL_CLOSE}'})
+                     {"role": "assistant", "content": call_text})
         return [{"role": "user", "content": "dummy"}, assistant]
 
     def _turn_end(self) -> int:
@@ -347,7 +348,8 @@ def new_environment(factory: Callable, stop=None):
     try:
         return user_code.call(factory, name="environment-init", stop=stop)
     except user_code.Raised as failure:
-        raise UserCodeError(f"environment {getattr(factory, '__qualname__', factory)}() raised {raised(failure.error)}; "
+        name = getattr(factory, "__qualname__", factory)
+        raise UserCodeError(f"environment {name}() raised {raised(failure.error)}; "
                             "an environment is built without arguments (TRL's environment_factory): fix its __init__"
                             ) from None
 

@@ -134,7 +134,8 @@ class VLLMEngine(Engine):
     def from_config(cls, roll: RolloutConfig, lm, max_prompt_tokens: int | None = None) -> VLLMEngine:
         if getattr(lm, "quantization", None) is not None:
             raise ConfigError(f"rollout.engine=vllm cannot serve a bitsandbytes-quantized base (model.quantization="
-                              f"{lm.quantization}) with a LoRA adapter; use rollout.engine=hf or model.quantization=null")
+                              f"{lm.quantization}) with a LoRA adapter; use rollout.engine=hf or "
+                              "model.quantization=null")
         dtype = lm.dtype if roll.vllm_dtype == "auto" else DTYPES[roll.vllm_dtype]
         return cls(lm.model, lm.tokenizer, lm.device, dtype=dtype, max_model_len=roll.vllm_max_model_len,
                    gpu_memory_utilization=roll.vllm_gpu_memory_utilization, kv_cache_gib=roll.vllm_kv_cache_gib,
@@ -173,7 +174,8 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         eos = eos_ids(self.model, self.tokenizer)
-        # one seed per completion from the global RNG the caller seeded: exact resume, and the same draw batched or alone
+        # one seed per completion from the global RNG the caller seeded: exact resume, and the same draw batched
+        # or alone
         seeds = torch.randint(0, SEED_RANGE, (len(prompt_ids) * num_generations,)).tolist()
         params = [sampling_params(greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,

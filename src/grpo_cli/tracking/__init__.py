@@ -120,8 +120,9 @@ class ConsoleView(NullSink):
         self.start = clock()
         self.progress = None
         if self.live:
-            # the text needs ~75 columns; the bar gets what is left (5 to 40), so an 80-column terminal keeps the numbers.
-            # It counts the steps done (`1/40 done` after step 0): no step number that could disagree with metrics.jsonl
+            # the text needs ~75 columns; the bar gets what is left (5 to 40), so an 80-column terminal keeps the
+            # numbers. It counts the steps done (`1/40 done` after step 0): no step number that could disagree with
+            # metrics.jsonl
             bar = max(5, min(40, self.console.width - 75))
             self.progress = Progress(
                 TextColumn("{task.completed}/{task.total} done"), BarColumn(bar_width=bar),
@@ -155,8 +156,8 @@ class ConsoleView(NullSink):
             return
         step_time = row.get("step_time_s")
         step_time = f"{step_time:.1f}s" if isinstance(step_time, (int, float)) else "-"
-        self.console.print(f"step {row['step']} done ({done}/{self.total})  {stats}  {step_time}  eta {_duration(left)}",
-                           markup=False, highlight=False, soft_wrap=True)
+        line = f"step {row['step']} done ({done}/{self.total})  {stats}  {step_time}  eta {_duration(left)}"
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def seconds_left(self, done: int) -> float:
         """What the steps left take at the mean pace of this attempt's steps so far."""

@@ -177,7 +177,8 @@ class WandbSink(NullSink):
         if mode == "offline":
             segments = sorted(Path(run_dir).glob(f"wandb/offline-run-*-{self.run.id}"))
             # a resumed run logs each segment to its own folder, all under one run id: upload them together
-            target = str(Path(run_dir) / "wandb" / f"offline-run-*-{self.run.id}") if len(segments) > 1 else self.sync_dir()
+            every_segment = str(Path(run_dir) / "wandb" / f"offline-run-*-{self.run.id}")
+            target = every_segment if len(segments) > 1 else self.sync_dir()
             self.location = f"wandb sync {target}"
             run.say(f"W&B: logging offline to {self.sync_dir()}; upload it later with `{self.location}`")
         else:
