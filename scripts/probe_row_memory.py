@@ -42,8 +42,9 @@ def main() -> None:
     after_head = peak_mib()
     logp.sum().backward()
     peak = peak_mib()
-    print(f"T={T} checkpointing={checkpointing}: peak RSS before {before:.0f} MiB, after the decoder {after_decoder:.0f}, "
-          f"after the head {after_head:.0f}, after the backward {peak:.0f}: {(peak - before) / T:.2f} MiB a token, "
+    print(f"T={T} checkpointing={checkpointing}: peak RSS before {before:.0f} MiB, after the decoder "
+          f"{after_decoder:.0f}, after the head {after_head:.0f}, after the backward {peak:.0f}: "
+          f"{(peak - before) / T:.2f} MiB a token, "
           f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
