@@ -217,6 +217,9 @@ def randomise_lora(model, scale: float = 0.05, seed: int = 0) -> None:
                 p.copy_((torch.randn(p.shape, generator=g) * scale).to(p.dtype))
 
 
+TINY_LORA_SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4}  # the model of tiny_lora_policy
+
+
 def tiny_lora_policy():
     """The tiny random model (64 wide, 2 layers) on the CPU with a random LoRA adapter on every linear layer."""
     import torch
@@ -224,7 +227,7 @@ def tiny_lora_policy():
     from grpo_cli.models import LoadedModel, attach_lora, load_base_model, load_tokenizer
 
     tokenizer = load_tokenizer("tiny-random")
-    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny={"hidden_size": 64, "num_layers": 2, "num_heads": 4})
+    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny=TINY_LORA_SHAPE)
     base.generation_config.pad_token_id = tokenizer.pad_token_id
     model = attach_lora(base, 8, 16, 0.0, "all-linear")
     randomise_lora(model)
@@ -240,7 +243,8 @@ def fixed_batch(trainer, rewards, step: int = 0):
 
     generation = trainer.generate(step)
     n = generation.rollout.completion_ids.shape[0]
-    return trainer.make_batch(generation, Scores(rewards(torch.arange(n, dtype=torch.float32), trainer.algo.num_generations), {}, 0))
+    scores = Scores(rewards(torch.arange(n, dtype=torch.float32), trainer.algo.num_generations), {}, 0)
+    return trainer.make_batch(generation, scores)
 
 
 def gradients_at_step(trainer) -> list:

@@ -3,18 +3,19 @@ and Hydra, for the tests.
 
 A fresh `grpo-train` spends about 10 s of one core importing those libraries before it reads its first option, and
 the suite starts some hundred of them. One server process (`python prewarmed.py SOCKET`) therefore imports them
-once and then forks a child per request: under pytest-xdist the controller starts it before the workers (`start_shared`,
-from conftest.py) and every worker uses it; without xdist the test process starts its own on first use. The child is then set up as
-exec would set up a new process: its own argv, cwd, environment, stdin/stdout/stderr (the caller's pipe ends,
-passed over the socket), signal dispositions and session, and it calls the console script's entry point, so
-the command runs exactly as installed, in a process of its own, with its own exit status and signals.
+once and then forks a child per request: under pytest-xdist the controller starts it before the workers
+(`start_shared`, from conftest.py) and every worker uses it; without xdist the test process starts its own on first
+use. The child is then set up as exec would set up a new process: its own argv, cwd, environment,
+stdin/stdout/stderr (the caller's pipe ends, passed over the socket), signal dispositions and session, and it calls
+the console script's entry point, so the command runs exactly as installed, in a process of its own, with its own
+exit status and signals.
 
 A fork cannot pretend a fresh interpreter where the environment changes what an import has already read (the
 hash seed, thread counts, cache folders, CUDA devices, LD_PRELOAD): a request whose environment differs from the
-server's in such a variable (IMPORT_TIME_ENV), a run under torchrun (trainer.nproc > 1), a caller's preexec_fn or a terminal for stdio runs the script
-with a real exec (subprocess.Popen), as does `fresh=True`, and so does every request unless the worker runs torch
-with one thread (OMP_NUM_THREADS=1, as `make test`'s workers do): with more, torch's import starts threads, and a
-fork copies only the thread that forks.
+server's in such a variable (IMPORT_TIME_ENV), a run under torchrun (trainer.nproc > 1), a caller's preexec_fn or
+a terminal for stdio runs the script with a real exec (subprocess.Popen), as does `fresh=True`, and so does every
+request unless the worker runs torch with one thread (OMP_NUM_THREADS=1, as `make test`'s workers do): with more,
+torch's import starts threads, and a fork copies only the thread that forks.
 
 PREWARMED_LOG=FILE appends one line per request to FILE: the test, and whether it forked.
 
@@ -222,7 +223,8 @@ def popen(args: list[str], cwd=None, env: dict | None = None, stdout=None, stder
     sock = server.connect() if forks else None  # once it accepts, its imports are done
     if os.environ.get("PREWARMED_LOG"):
         with open(os.environ["PREWARMED_LOG"], "a") as log:
-            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST')} forks={forks and _forkable(args, env, server)} {args[0]}\n")
+            forked = forks and _forkable(args, env, server)
+            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST')} forks={forked} {args[0]}\n")
     if not forks or not _forkable(args, env, server):
         if sock is not None:
             sock.close()

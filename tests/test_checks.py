@@ -38,7 +38,8 @@ def test_an_eval_split_of_a_single_file_is_refused_even_when_nothing_evaluates(t
     cfg = data_config(path=str(tmp_path / "rows.jsonl"), eval_split="test")
     with pytest.raises(DataError, match=r"data.eval_split=test names a split, but data.path=.* is a file"):
         check_held_out_split(cfg)
-    check_held_out_split(dataclasses.replace(cfg, eval_path=str(tmp_path / "rows.jsonl")))  # eval_path: the held-out rows
+    # eval_path: the held-out rows
+    check_held_out_split(dataclasses.replace(cfg, eval_path=str(tmp_path / "rows.jsonl")))
 
 
 def test_a_key_of_another_group_option_names_that_option():
@@ -69,8 +70,8 @@ EARLY = {
                   "see `grpo-train --help` for the groups and `grpo-train --cfg job` for the keys"),
     "drop-all": (["data.max_prompt_tokens=5", "data.overlong=drop"],
                  "grpo-train: data.overlong=drop drops every one of the 5000 prompts: each is over "
-                 "data.max_prompt_tokens=5 tokens (the shortest has 44); raise data.max_prompt_tokens to at least 44 or "
-                 "set data.overlong=truncate"),
+                 "data.max_prompt_tokens=5 tokens (the shortest has 44); raise data.max_prompt_tokens to at least 44 "
+                 "or set data.overlong=truncate"),
     "eval-split": (["data=hf", "data.path={saved}", "data.eval_split=nope"],
                    "grpo-train: {saved} holds the splits train, test, not nope; set data.eval_split=ONE_OF_THEM"),
     "empty-parquet": (["data=hf", "data.path={tmp}/empty.parquet"],

@@ -79,7 +79,8 @@ class KnownAnswers(Engine):
     def generate(self, prompt_ids, num_generations, *, greedy=False, **_):
         texts = []
         for ids in prompt_ids:
-            task = self.tasks[re.search(r"Write a Python function .*?\.(?= Reply)", self.tokenizer.decode(ids)).group(0)]
+            asked = re.search(r"Write a Python function .*?\.(?= Reply)", self.tokenizer.decode(ids)).group(0)
+            task = self.tasks[asked]
             right, wrong = fenced(task.solution), fenced(f"def {task.entry_point}(*args):\n    return None\n")
             if greedy:
                 texts.append(right if task.question in self.solved else wrong)

@@ -220,8 +220,8 @@ def test_no_network_not_even_the_hosts_loopback(kind, listener):
 def test_killing_the_parent_or_another_process_scores_0_and_kills_nothing(kind):
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        scored = run([fenced(f"import os\nos.kill(os.getppid(), 9)\nos.kill({victim.pid}, 9)\nos.kill({os.getpid()}, 9)\n"
-                             + SOLUTION)], sandbox=kind)
+        kills = f"import os\nos.kill(os.getppid(), 9)\nos.kill({victim.pid}, 9)\nos.kill({os.getpid()}, 9)\n"
+        scored = run([fenced(kills + SOLUTION)], sandbox=kind)
         assert list(scored) == [0.0], scored.outcomes
         assert scored.outcomes[0].startswith(("crashed: ProcessLookupError", "crashed: PermissionError"))
         assert victim.poll() is None
@@ -274,8 +274,8 @@ def test_where_no_namespace_works_auto_warns_in_one_line_and_a_named_sandbox_is_
     if "--disable-userns" in proc.stderr:
         pytest.skip("this bubblewrap has no --disable-userns")
     warning = proc.stderr.strip().splitlines()
-    assert len(warning) == 1 and "warning: reward.functions.tests: neither bubblewrap nor unshare namespaces work here" \
-        in warning[0] and "rlimits alone" in warning[0], proc.stderr
+    no_namespaces = "warning: reward.functions.tests: neither bubblewrap nor unshare namespaces work here"
+    assert len(warning) == 1 and no_namespaces in warning[0] and "rlimits alone" in warning[0], proc.stderr
     assert proc.stdout.startswith("reward.functions.tests.sandbox=bwrap cannot be set up: the bwrap sandbox does not "
                                   "work here ("), proc.stdout
     assert "allow user namespaces" in proc.stdout and proc.stdout.count("\n") == 1

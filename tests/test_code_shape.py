@@ -13,7 +13,7 @@ MAX_FUNCTION_LINES = 60
 def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Lines of the function from its `def` to its end, the docstring not counted."""
     first = node.body[0]
-    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+    is_doc = ast.get_docstring(node) is not None
     return node.end_lineno - node.lineno + 1 - (first.end_lineno - first.lineno + 1 if is_doc else 0)
 
 

@@ -56,7 +56,8 @@ def test_every_format_gives_the_same_rows_and_batches(formats):
 def test_a_glob_reads_every_file_it_matches(tmp_path):
     for part, rows in enumerate((ROWS[:3], ROWS[3:])):
         datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / f"part-{part}.parquet"))
-    assert [r["answer"] for r in load_rows(hf_cfg(path=str(tmp_path / "part-*.parquet")))] == [r["answer"] for r in ROWS]
+    answers = [r["answer"] for r in load_rows(hf_cfg(path=str(tmp_path / "part-*.parquet")))]
+    assert answers == [r["answer"] for r in ROWS]
 
 
 def test_columns_map_to_prompt_and_answer_and_the_rest_pass_through(tmp_path):
@@ -97,7 +98,8 @@ def test_gsm8k_preset_reads_any_format_and_its_reward_reads_the_solution(compose
     assert load_rows(cfg.data, split="test") == from_jsonl
     first = from_jsonl[0]
     assert first["answer"].endswith("#### 18") and first["messages"][0]["role"] == "system"
-    assert gsm8k.correctness([None] * 2, ["So she makes\n#### 18", "#### 17"], answer=[first["answer"]] * 2) == [1.0, 0.0]
+    completions = ["So she makes\n#### 18", "#### 17"]
+    assert gsm8k.correctness([None] * 2, completions, answer=[first["answer"]] * 2) == [1.0, 0.0]
 
 
 # ---- bad input: one line, naming the file or column -------------------------------------------------------------
@@ -188,11 +190,12 @@ def test_two_steps_from_a_parquet_file_with_extra_columns_at_the_reward(tmp_path
         "    assert set(topic) == {'sums'} and all(a == str(n + 1) for a, n in zip(answer, level)), (answer, level)\n"
         "    return [1.0] * len(completions)\n")
     run = tmp_path / "run"
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     proc = run_cli(["+recipe=quickstart", "model=tiny", "data=hf", f"data.path={tmp_path}/train.parquet",
                     "data.prompt_column=question", "data.answer_column=gold", "data.prompts_per_step=2",
                     "algo.num_generations=2", "rollout.max_new_tokens=3", "trainer.max_steps=2",
                     "+reward.functions.columns_seen._target_=column_rewards.columns_seen", f"hydra.run.dir={run}"],
-                   tmp_path, env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
+                   tmp_path, env={"PYTHONPATH": pythonpath})
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1] and all(m["reward/columns_seen"] == 1.0 for m in metrics), metrics

@@ -20,7 +20,8 @@ SAVE_ADAPTER = """
 import sys, torch
 from grpo_cli.models import attach_lora, load_base_model, load_tokenizer
 tokenizer = load_tokenizer("tiny-random")
-attach_lora(load_base_model("tiny-random", tokenizer, torch.float32), 8, 16, 0.0, "all-linear").save_pretrained(sys.argv[1])
+base = load_base_model("tiny-random", tokenizer, torch.float32)
+attach_lora(base, 8, 16, 0.0, "all-linear").save_pretrained(sys.argv[1])
 """
 
 
@@ -30,8 +31,8 @@ def test_identical_runs_write_the_same_adapter_config(tmp_path):
     texts = []
     for hash_seed in ("1", "2"):
         out = tmp_path / f"adapter-{hash_seed}"
-        proc = subprocess.run([sys.executable, "-c", SAVE_ADAPTER, str(out)], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        proc = subprocess.run([sys.executable, "-c", SAVE_ADAPTER, str(out)], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONHASHSEED": hash_seed})
         assert proc.returncode == 0, proc.stderr[-2000:]
         texts.append((out / "adapter_config.json").read_text())
     assert texts[0] == texts[1]

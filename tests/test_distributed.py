@@ -255,8 +255,9 @@ def test_sigterm_stops_every_rank_at_the_same_point(tmp_path):
     child.wait(timeout=120)
     text = "".join(output)
     stopped = [line for line in output if line.startswith("grpo-train: stopped by SIGTERM")]
+    resume = resume_command(args, run)
     assert stopped == [f"grpo-train: stopped by SIGTERM after 0 complete step(s); the unfinished step was discarded; "
-                       f"checkpoint {run}/checkpoints/step-000000; resume with: {resume_command(args, run)}\n"], text[-3000:]
+                       f"checkpoint {run}/checkpoints/step-000000; resume with: {resume}\n"], text[-3000:]
     assert sum(line.startswith("grpo-train: SIGTERM received") for line in output) == 1
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000000"]
     assert child.returncode != 0  # torchrun reports the signal it forwarded in its own words

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fixed_batch, randomise_lora, read_jsonl, run_cli, tiny_lora_policy
+from conftest import TINY_LORA_SHAPE, fixed_batch, randomise_lora, read_jsonl, run_cli, tiny_lora_policy
 
 from grpo_cli.config import validate
 from grpo_cli.errors import ConfigError
@@ -49,7 +49,8 @@ def assert_same_rollout(a, b) -> None:
 # ---- config and the seam --------------------------------------------------------------------------
 def test_engine_choice_from_config(compose, tiny):
     cfg = compose(TINY)
-    assert cfg.rollout.engine == "auto" and cfg.rollout.compile == "auto" and cfg.trainer.gradient_checkpointing is False
+    assert cfg.rollout.engine == "auto" and cfg.rollout.compile == "auto"
+    assert cfg.trainer.gradient_checkpointing is False
     assert isinstance(make_engine(cfg.rollout, tiny), HFEngine)  # auto on the CPU
     compiled = make_engine(compose([*TINY, "rollout.engine=compiled"]).rollout, tiny, max_prompt_tokens=32)
     assert isinstance(compiled, CompiledEngine) and compiled.compile is False and compiled.max_prompt_tokens == 32
@@ -190,7 +191,8 @@ def test_frozen_base_is_bit_identical_after_training_with_compiled(trained):
     assert targets and all(w.untyped_storage().data_ptr() not in policy_weights for w in targets.values())
     assert any(not torch.equal(targets[name], layer.get_base_layer().weight)
                for name, layer in trainer.engine.copy.layers.items())
-    assert all(not isinstance(m, type(layer)) for m in merged.modules() for layer in trainer.engine.copy.layers.values())
+    copied = trainer.engine.copy.layers.values()
+    assert all(not isinstance(m, type(layer)) for m in merged.modules() for layer in copied)
     assert merged.get_input_embeddings().weight is trainer.model.get_input_embeddings().weight  # shared, not copied
 
 
@@ -337,7 +339,7 @@ def test_auto_on_the_cpu_is_merged_and_an_unmergeable_adapter_falls_back_to_hf(c
     lm = tiny_lora_policy()
     assert type(make_engine(compose(TINY).rollout, lm)) is MergedEngine
     tokenizer = load_tokenizer("tiny-random")
-    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny={"hidden_size": 64, "num_layers": 2, "num_heads": 4})
+    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny=TINY_LORA_SHAPE)
     dora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True))
     assert type(make_engine(compose(TINY).rollout, dataclasses.replace(lm, model=dora))) is HFEngine
 

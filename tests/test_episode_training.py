@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_TRAINER, make_trainer, read_jsonl, run_cli, straight_and_resumed
-from test_episodes import ENVIRONMENT_FAILURES, ChoosingPolicy, ScriptedPolicy, call, script
+from test_episodes import ENVIRONMENT_FAILURES, ENVIRONMENT_NAMES, ChoosingPolicy, ScriptedPolicy, call, script
 
 from grpo_cli import config
 from grpo_cli.errors import ConfigError, RewardError
@@ -196,9 +196,9 @@ def test_an_environment_that_owns_its_reward_may_be_the_only_one(compose, tmp_pa
     """TRL's IncrementEnv with no reward function (reward.functions=null): get_reward() is the reward, weight 1."""
     owned = ["env._target_=test_episodes.IncrementEnv", "reward.functions=null", "reward.accuracy=null"]
     config.validate(compose([*TINY_TRAINER, *owned]))  # refused before: no reward function
-    with pytest.raises(ConfigError, match=re.escape("reward.functions=null is invalid: list at least one reward function "
-                                                    "with _target_ and weight, or set env._target_ to an environment "
-                                                    "with a get_reward() method")):
+    refused = ("reward.functions=null is invalid: list at least one reward function with _target_ and weight, or "
+               "set env._target_ to an environment with a get_reward() method")
+    with pytest.raises(ConfigError, match=re.escape(refused)):
         config.validate(compose([*TINY_TRAINER, *owned[1:], "env._target_=test_episodes.MyEnv"]))
     trainer = scripted(make_trainer(compose, tmp_path, *owned, "data.prompts_per_step=2", "algo.num_generations=2",
                                     rows=[script(call("increment", step=3), "Done.")] * 2))
@@ -224,7 +224,7 @@ class Multiplies:
         return a * b
 
 
-@pytest.mark.parametrize(("environment", "line"), ENVIRONMENT_FAILURES, ids=[e.__name__ for e, _ in ENVIRONMENT_FAILURES])
+@pytest.mark.parametrize(("environment", "line"), ENVIRONMENT_FAILURES, ids=ENVIRONMENT_NAMES)
 def test_an_environment_that_fails_on_the_first_row_is_refused_before_the_model_loads(config, environment, line):
     cfg = config(["+recipe=quickstart", "model=tiny", f"env._target_=test_episodes.{environment.__name__}"])
     with pytest.raises(ConfigError) as err:
@@ -352,10 +352,10 @@ def test_trls_environment_that_owns_its_reward_trains_through_grpo_train_with_no
     """TRL's documented IncrementEnv (tests/test_episodes.py) as the only reward, as in TRL's
     test_train_with_environment_owned_reward: grpo-train refused it for lacking reward functions."""
     run = tmp_path / "run"
-    proc = run_cli(["+recipe=quickstart", "model=tiny", "env._target_=test_episodes.IncrementEnv", "reward.functions=null",
-                    "reward.accuracy=null", "rollout.max_new_tokens=8", "data.prompts_per_step=2",
-                    "algo.num_generations=2", "trainer.max_steps=1", "trainer.device=cpu", f"hydra.run.dir={run}"],
-                   tmp_path)
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "env._target_=test_episodes.IncrementEnv",
+                    "reward.functions=null", "reward.accuracy=null", "rollout.max_new_tokens=8",
+                    "data.prompts_per_step=2", "algo.num_generations=2", "trainer.max_steps=1", "trainer.device=cpu",
+                    f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [metrics] = read_jsonl(run / "metrics.jsonl")
     assert metrics["reward/IncrementEnv"] == metrics["reward"] == 0.0  # the tiny model calls no tool: no counter

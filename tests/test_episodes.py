@@ -130,14 +130,18 @@ class ScriptedPolicy(Engine):
             script = text.split("SCRIPT:", 1)[1].split(tok.eos_token, 1)[0].split("|||")
             turn = text.count("<|im_start|>tool") + text.count("<tool_response>")  # fallback, native template
             line = script[min(turn, len(script) - 1)]
-            rows += [(tok(self.choose(line), add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[:max_new_tokens]
-                     for _ in range(num_generations)]
+            rows += [self.turn_tokens(line, max_new_tokens) for _ in range(num_generations)]
         self.calls.append(len(rows))
         width = max(len(r) for r in rows)
         completion = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
         ids, mask = left_pad(prompt_ids, tok.pad_token_id, None)
         fired = stop is not None and stop()  # polled once per call: enough to stand for a stop mid-generation
         return finish_rollout(tok, [tok.eos_token_id], ids, mask, completion, num_generations, fired, stop_strings)
+
+    def turn_tokens(self, line: str, max_new_tokens: int) -> list[int]:
+        """What it writes for a turn whose script line is `line`: the chosen text and EOS, cut at max_new_tokens."""
+        tok = self.tokenizer
+        return (tok(self.choose(line), add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[:max_new_tokens]
 
     def choose(self, line: str) -> str:
         return line
@@ -311,7 +315,8 @@ def test_the_sequence_is_prompt_plus_sampled_plus_tool_tokens_never_retokenized(
     roll = run_episodes(policy, ToolFormat(tokenizer), [script(call("multiply", a=2, b=5), call("multiply", a=10, b=1),
                                                                "Done.")], 1, max_new_tokens=128, max_tool_calls=4,
                         tools=TOOLS)
-    full = roll.prompt_ids[0][roll.prompt_mask[0].bool()].tolist() + roll.completion_ids[0][roll.completion_mask[0].bool()].tolist()
+    prompt = roll.prompt_ids[0][roll.prompt_mask[0].bool()].tolist()
+    full = prompt + roll.completion_ids[0][roll.completion_mask[0].bool()].tolist()
     assert len(seen) == 3
     for turn_input in seen[1:]:
         assert full[:len(turn_input[0])] == turn_input[0]  # each turn's input is a prefix of the final sequence
@@ -408,7 +413,8 @@ def test_the_context_ends_an_episode(tokenizer):
     roll = episodes(tokenizer, [row], context_length=prompt + written + 5)  # room for the call, not the result
     assert roll.cut.item() and roll.turns.item() == 1
     assert int(roll.completion_mask[0].sum()) == written
-    assert roll.tool_calls.item() == 1 and [m["role"] for m in roll.messages[0]] == ["user", "assistant"]  # ran, left out
+    # the call ran; the result that did not fit is left out of the messages
+    assert roll.tool_calls.item() == 1 and [m["role"] for m in roll.messages[0]] == ["user", "assistant"]
 
 
 def test_a_stop_request_ends_the_loop_without_running_more_tools(tokenizer):
@@ -434,7 +440,8 @@ def test_the_loss_mask_excludes_tool_tokens_from_every_count(tokenizer):
     B, budget = per_token.shape[0], 128
     assert float(algorithm.dr_grpo_loss(per_token, mask.float(), max_new_tokens=budget)) == pytest.approx(
         float(mask.sum()) / (B * budget))
-    sampled = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in (call("multiply", a=3, b=4) + "12.",))
+    turn = call("multiply", a=3, b=4) + "12."
+    sampled = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in (turn,))
     assert int(mask[0].sum()) == sampled  # the call, the answer and one EOS: nothing of the tool message
     plain = run_episodes(ScriptedPolicy(tokenizer), ToolFormat(tokenizer), [script("Hi.")], 1, max_new_tokens=8,
                          max_tool_calls=0)
@@ -552,9 +559,10 @@ ENVIRONMENT_FAILURES = [  # (class, its one line); the row of these runs has mes
     (ResetGivesDict, "environment ResetGivesDict.reset returned dict {'observation': 'hi'}; it must return a string "
                      "(added to the prompt) or None"),
 ]
+ENVIRONMENT_NAMES = [e.__name__ for e, _ in ENVIRONMENT_FAILURES]  # the test ids
 
 
-@pytest.mark.parametrize(("environment", "line"), ENVIRONMENT_FAILURES, ids=[e.__name__ for e, _ in ENVIRONMENT_FAILURES])
+@pytest.mark.parametrize(("environment", "line"), ENVIRONMENT_FAILURES, ids=ENVIRONMENT_NAMES)
 def test_an_environment_that_fails_is_one_line_naming_its_class_and_method(tokenizer, capfd, environment, line):
     with pytest.raises(RunError) as err:
         episodes(tokenizer, [{**script("Hi."), "start": 1}], tools=(), environment_factory=environment)

@@ -53,11 +53,23 @@ def reference_logits(cfg, adapter_dir: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def chat_ids(tokenizer) -> torch.Tensor:
+    """MESSAGES as the model reads them: the chat template with the generation prompt."""
+    return tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def tiny_base(tiny_cfg, tokenizer):
+    """The tiny run's base model in fp32, as grpo-train built it (its shape and seed)."""
+    return load_base_model("tiny-random", tokenizer, torch.float32, tiny=dict(tiny_cfg.model.tiny),
+                           seed=tiny_cfg.trainer.seed)
+
+
 def exported_logits(out: Path) -> tuple[torch.Tensor, torch.Tensor, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(out)
-    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = chat_ids(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits, ids, model
@@ -126,7 +138,8 @@ def test_the_model_card_names_the_base_by_its_hub_id_or_not_at_all(tmp_path, bas
     from grpo_cli.export import Source, model_card
 
     base = base.format(local=tmp_path)
-    cfg = OmegaConf.create({"model": {"name_or_path": base, "lora": {"r": 16, "alpha": 32}}, "trainer": {"max_steps": 2}})
+    model = {"name_or_path": base, "lora": {"r": 16, "alpha": 32}}
+    cfg = OmegaConf.create({"model": model, "trainer": {"max_steps": 2}})
     card = model_card(Source(tmp_path, tmp_path / "adapter", cfg, "the run's final adapter"), base, merged=True,
                       dtype="bf16")
     front = yaml.safe_load(card.split("---\n")[1])
@@ -145,8 +158,8 @@ def test_adapter_only_is_a_clean_adapter_with_a_card(tiny_cfg, tiny_run, tmp_pat
     assert card.startswith("---\nlibrary_name: peft\n") and "PeftModel.from_pretrained" in card  # tiny: no hub id
     assert "More Information Needed" not in card
     tokenizer = load_tokenizer("tiny-random")
-    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny=dict(tiny_cfg.model.tiny), seed=tiny_cfg.trainer.seed)
+    ids = chat_ids(tokenizer)
+    base = tiny_base(tiny_cfg, tokenizer)
     with torch.no_grad():
         logits = PeftModel.from_pretrained(base, out)(input_ids=ids).logits
     torch.testing.assert_close(logits, reference_logits(tiny_cfg, tiny_run / "adapter", ids))
@@ -172,12 +185,12 @@ def test_checkpoint_export(tiny_cfg, tiny_run, tmp_path):
     perturb(lm.model, seed=7)
     lm.model.save_pretrained(step / "adapter")
     tokenizer = load_tokenizer("tiny-random")
-    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = chat_ids(tokenizer)
     expected = reference_logits(tiny_cfg, step / "adapter", ids)
     for name, args in (("by-number", [str(run), "--checkpoint", "3"]), ("by-dir", [str(step)])):
         out = tmp_path / name
         assert export_main([args[0], str(out), *args[1:], "--dtype", "fp32", "--adapter-only"]) == 0
-        base = load_base_model("tiny-random", tokenizer, torch.float32, tiny=dict(tiny_cfg.model.tiny), seed=tiny_cfg.trainer.seed)
+        base = tiny_base(tiny_cfg, tokenizer)
         with torch.no_grad():
             got = PeftModel.from_pretrained(base, out)(input_ids=ids).logits
         torch.testing.assert_close(got, expected)
@@ -238,7 +251,8 @@ def test_mismatched_base_is_one_line(tiny_cfg, tiny_run, tmp_path, capsys):
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
     (run / "adapter").symlink_to(tiny_run / "adapter")
     for extra in ([], ["--adapter-only"]):
-        one_line_exit_2(capsys, [str(run), str(tmp_path / "out"), *extra], "trained on another base", "but base tiny-random has", "--base")
+        one_line_exit_2(capsys, [str(run), str(tmp_path / "out"), *extra], "trained on another base",
+                        "but base tiny-random has", "--base")
     # the name the adapter recorded is not the run's base
     run = tmp_path / "renamed"
     run.mkdir()
@@ -248,8 +262,9 @@ def test_mismatched_base_is_one_line(tiny_cfg, tiny_run, tmp_path, capsys):
     config["base_model_name_or_path"] = "Qwen/Qwen2.5-0.5B-Instruct"
     (run / "adapter" / "adapter_config.json").write_text(json.dumps(config))
     (run / "adapter" / "adapter_model.safetensors").symlink_to(tiny_run / "adapter" / "adapter_model.safetensors")
-    one_line_exit_2(capsys, [str(run), str(tmp_path / "out")], "Qwen/Qwen2.5-0.5B-Instruct", "model.name_or_path=tiny-random")
-    assert export_main([str(run), str(tmp_path / "out"), "--base", "tiny-random", "--adapter-only"]) == 0  # --base: yours
+    out = str(tmp_path / "out")
+    one_line_exit_2(capsys, [str(run), out], "Qwen/Qwen2.5-0.5B-Instruct", "model.name_or_path=tiny-random")
+    assert export_main([str(run), out, "--base", "tiny-random", "--adapter-only"]) == 0  # --base: yours
 
 
 @pytest.mark.slow
@@ -297,7 +312,8 @@ print(tok.decode(model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.s
 
 @pytest.mark.slow
 def test_grpo_export_console_script_on_a_trained_run(trained_tiny_run, tmp_path):
-    """A run grpo-train made (2 steps) through grpo-export, for real; a fresh process without peft loads and generates."""
+    """A run grpo-train made (2 steps) through grpo-export, for real; a fresh process without peft loads and
+    generates."""
     from peft import PeftModel
 
     run = trained_tiny_run

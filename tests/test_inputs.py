@@ -105,7 +105,8 @@ def test_three_prompt_forms(tmp_path):
     cfg, _ = jsonl_cfg(tmp_path, [
         {"prompt": "What is 1 + 1?", "answer": "2"},
         {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"},
-        {"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 3 + 3?"}], "answer": "6"},
+        {"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 3 + 3?"}],
+         "answer": "6"},
     ], suffix=" Just the number.", system="Be brief.")
     rows = load_rows(cfg)
     assert [r["answer"] for r in rows] == ["2", "4", "6"] and all("prompt" not in r for r in rows)
@@ -128,7 +129,8 @@ def test_a_multi_turn_prompt_gets_the_suffix_on_its_last_user_turn(tmp_path):
 
 @pytest.mark.parametrize("row,words", [
     ({"question": "q", "answer": "1"}, ["lacks a prompt", '"prompt" (text, or a list of chat messages) or "messages"']),
-    ({"messages": "What is 1 + 1?"}, ['"messages" is not a list of chat messages', '{"role": "user", "content": "..."}']),
+    ({"messages": "What is 1 + 1?"},
+     ['"messages" is not a list of chat messages', '{"role": "user", "content": "..."}']),
     ({"prompt": [{"content": "no role"}]}, ['"prompt" is not a list of chat messages']),
     ({"prompt": []}, ['"prompt" is not a list of chat messages']),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
@@ -152,9 +154,9 @@ def test_context_length_check(compose):
     check_context_length(cfg, None, ("rollout.max_new_tokens",))  # unknown context: nothing to check
     with pytest.raises(ConfigError) as err:
         check_context_length(cfg, 1000, ("rollout.max_new_tokens",))
-    assert str(err.value) == ("rollout.max_new_tokens=768 is invalid: with data.max_prompt_tokens=256 a sequence reaches "
-                              "1024 tokens, beyond the 1000-token context of tiny-random; use rollout.max_new_tokens<=744 "
-                              "or lower data.max_prompt_tokens")
+    assert str(err.value) == ("rollout.max_new_tokens=768 is invalid: with data.max_prompt_tokens=256 a sequence "
+                              "reaches 1024 tokens, beyond the 1000-token context of tiny-random; use "
+                              "rollout.max_new_tokens<=744 or lower data.max_prompt_tokens")
 
 
 def test_declared_context_length_from_the_config_alone(tmp_path, compose):
@@ -173,7 +175,8 @@ def test_broken_interpolation_is_one_line(compose):
     cfg = compose(["+recipe=quickstart", "algo.beta=${oops}"])
     with pytest.raises(ConfigError) as err:
         check_interpolations(cfg)
-    assert str(err.value).startswith("algo.beta=${oops} is invalid: it does not resolve (Interpolation key 'oops' not found)")
+    assert str(err.value).startswith("algo.beta=${oops} is invalid: it does not resolve "
+                                     "(Interpolation key 'oops' not found)")
     check_interpolations(compose(["+recipe=quickstart", "eval.max_new_tokens=${rollout.max_new_tokens}"]))
 
 

@@ -34,7 +34,8 @@ def test_head_logprobs_equal_logits_path(chunk, temperature, entropy_in_loss, tr
     weight = torch.randn(V, H, generator=g, dtype=torch.float64)
     bias = torch.randn(V, generator=g, dtype=torch.float64)
     tokens = torch.randint(0, V, (B, T), generator=g)
-    w_logp, w_ent = torch.randn(B, T, generator=g, dtype=torch.float64), torch.randn(B, T, generator=g, dtype=torch.float64)
+    w_logp = torch.randn(B, T, generator=g, dtype=torch.float64)
+    w_ent = torch.randn(B, T, generator=g, dtype=torch.float64)
     results = []
     for fn in ("plain", "chunked"):
         h = hidden.clone().requires_grad_()

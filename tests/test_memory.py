@@ -113,7 +113,8 @@ def test_a_budget_too_small_stops_in_one_line_and_keeps_the_last_checkpoint(tmp_
 @pytest.mark.slow
 def test_an_allocation_that_fails_is_one_line_naming_the_knobs_and_the_kept_checkpoint(tmp_path):
     """A real out-of-memory: the data segment limited (RLIMIT_DATA) below what the resumed run's full logits need
-    (no chunking, one micro-batch: 8 x 768 positions x 49k vocabulary, 1.2 GB a copy): exit 1, one line, the checkpoint kept."""
+    (no chunking, one micro-batch: 8 x 768 positions x 49k vocabulary, 1.2 GB a copy): exit 1, one line, the
+    checkpoint kept."""
     run = tmp_path / "run"
     proc = run_cli([*TINY, "trainer.max_steps=1", "trainer.save_every=1", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

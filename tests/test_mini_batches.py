@@ -207,7 +207,8 @@ def test_resume_with_mini_batches_is_bitwise_identical(tmp_path):
 
 
 # ---- the test, on the tiny model ---------------------------------------------------------
-# the tiny model with a reward that varies (conftest.VARIED_REWARD) and a learning rate that moves it off-policy within a step
+# the tiny model with a reward that varies (conftest.VARIED_REWARD) and a learning rate that moves it off-policy
+# within a step
 CLIPPED = ["+recipe=quickstart", "model=tiny", "data.prompts_per_step=4", "algo.num_generations=4",
            "rollout.max_new_tokens=6", "trainer.max_steps=2", "optimizer.lr=1e-2", "trainer.device=cpu",
            "trainer.log_samples_every=0", *VARIED_BY_LENGTH]

@@ -316,7 +316,8 @@ def test_resume_with_dynamic_sampling_and_adaptive_entropy_is_bitwise(tmp_path):
     args = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "data.prompts_per_step=2",
             "algo.num_generations=2", "algo.filter_groups=true", "algo.filter_max_draws=3", "algo.objective=sapo",
             "algo.entropy_coef=0.01", "algo.entropy_target=100.0", "optimizer.lr=1e-2", "trainer.max_steps=4",
-            "trainer.save_every=2", "trainer.log_samples_every=0", "+reward.functions.varied._target_=my_rewards.varied"]
+            "trainer.save_every=2", "trainer.log_samples_every=0",
+            "+reward.functions.varied._target_=my_rewards.varied"]
     straight, resumed = straight_and_resumed(args, tmp_path, env)
     a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     keep = ("reward", "loss", "entropy", "filter_draws", "filter_dropped_frac", "filter_groups_with_signal")

@@ -99,10 +99,11 @@ def test_policy_reference_and_gradients_equal_the_unpacked_model():
     from grpo_cli.rollout import Rollout
 
     P, G, T = 2, 3, 5
-    rollout = Rollout(prompt_ids=torch.randint(5, 100, (P, 6), generator=g), prompt_mask=torch.ones(P, 6, dtype=torch.long),
+    rollout = Rollout(prompt_ids=torch.randint(5, 100, (P, 6), generator=g),
+                      prompt_mask=torch.ones(P, 6, dtype=torch.long),
                       completion_ids=torch.randint(5, 100, (P * G, T), generator=g),
-                      completion_mask=torch.ones(P * G, T, dtype=torch.long), truncated=torch.zeros(P * G, dtype=torch.bool),
-                      texts=[""] * (P * G), group_size=G)
+                      completion_mask=torch.ones(P * G, T, dtype=torch.long),
+                      truncated=torch.zeros(P * G, dtype=torch.bool), texts=[""] * (P * G), group_size=G)
     results = []
     for lm in (lm_plain, lm_packed):
         lm.model.zero_grad(set_to_none=True)

@@ -44,8 +44,8 @@ def example_commands() -> list[str]:
 
 
 def fresh_shell(line: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`line` run by bash as a reader's shell runs it after `source .venv/bin/activate`: this interpreter's bin/ first on
-    PATH, no PYTHONPATH (the tests' own, set by conftest, would not be there)."""
+    """`line` run by bash as a reader's shell runs it after `source .venv/bin/activate`: this interpreter's bin/ first
+    on PATH, no PYTHONPATH (the tests' own, set by conftest, would not be there)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -85,7 +85,8 @@ def test_extending_commands_train_as_printed_from_a_fresh_shell(example_folder):
         proc = fresh_shell(line, example_folder)
         assert proc.returncode == 0, (line, proc.stderr[-2000:])
         runs[name] = (run_dir_of(proc), proc.stdout + proc.stderr)
-    assert "name_or_path: tiny-random" in (runs["reward"][0] / ".hydra" / "config.yaml").read_text()  # the folder's recipe
+    # the folder's recipe
+    assert "name_or_path: tiny-random" in (runs["reward"][0] / ".hydra" / "config.yaml").read_text()
     [row] = read_jsonl(runs["reward"][0] / "metrics.jsonl")
     assert "reward/brevity" in row  # my_rewards.brevity, imported from the folder, scored the completions
     config = (runs["losses"][0] / ".hydra" / "config.yaml").read_text()
@@ -113,6 +114,12 @@ def example_arguments(fn) -> dict:
     return {name: value[spec["type"]] for name, spec in parameters["properties"].items()}
 
 
+def named_object(path: str):
+    """What a dotted path (`module.name`) names, as Hydra's `_target_` resolves it."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 @pytest.mark.slow  # the tokenizer loads
 def test_the_tool_and_environment_commands_leave_room_for_a_call_and_an_answer(example_folder, compose, monkeypatch):
     """rollout.max_new_tokens is the budget of a whole episode: a call (the embedded model's tokens of the Hermes
@@ -126,10 +133,9 @@ def test_the_tool_and_environment_commands_leave_room_for_a_call_and_an_answer(e
     assert len(commands) == 2
     for overrides in commands:
         cfg = compose(overrides)
-        tools = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in cfg.rollout.tools]
+        tools = [named_object(p) for p in cfg.rollout.tools]
         if cfg.env._target_:
-            module, _, name = cfg.env._target_.rpartition(".")
-            env = getattr(importlib.import_module(module), name)
+            env = named_object(cfg.env._target_)
             tools += [fn for n, fn in inspect.getmembers(env, inspect.isfunction) if n[0] != "_" and
                       n not in ("reset", "get_reward")]
         assert tools

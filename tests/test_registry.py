@@ -1,4 +1,5 @@
-"""registry.Registry: a name taken once by a decorator; an unknown name is the one-line ConfigError naming the choices."""
+"""registry.Registry: a name taken once by a decorator; an unknown name is the one-line ConfigError naming the
+choices."""
 
 from __future__ import annotations
 

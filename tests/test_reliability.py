@@ -44,7 +44,8 @@ BAD_VALUES = [
     ("algo.scale_rewards=median", ["algo.scale_rewards=median", "group"]),
     ("algo.ratio_level=word", ["algo.ratio_level=word", "sequence"]),
     ("trainer.device=tpu", ["trainer.device=tpu", "auto"]),
-    pytest.param("trainer.device=cuda", ["trainer.device=cuda", "no CUDA"], marks=NO_GPU_ONLY, id="trainer.device=cuda"),
+    pytest.param("trainer.device=cuda", ["trainer.device=cuda", "no CUDA"], marks=NO_GPU_ONLY,
+                 id="trainer.device=cuda"),
     ("optimizer.lr=0", ["optimizer.lr=0", "lr > 0"]),
     ("trainer.max_steps=0", ["trainer.max_steps=0"]),
     ("+reward.functions.mine._target_=nowhere.fn", ["reward.functions.mine._target_=nowhere.fn", "cannot be imported"]),
@@ -102,11 +103,12 @@ def test_bad_invocation_is_one_line_exit_2(tmp_path, override, words):
 @pytest.mark.slow  # a grpo-train subprocess
 def test_prompts_per_step_over_nproc_is_refused_before_torchrun(tmp_path):
     t0 = time.time()
-    proc = run_cli(["+recipe=quickstart", "model=tiny", "trainer.nproc=3", "data.prompts_per_step=4"], tmp_path, timeout=120)
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "trainer.nproc=3", "data.prompts_per_step=4"], tmp_path,
+                   timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        "grpo-train: data.prompts_per_step=4 is invalid: must divide over the 3 ranks (each takes whole prompt groups); "
-        "use a multiple of 3, e.g. data.prompts_per_step=3"]
+        "grpo-train: data.prompts_per_step=4 is invalid: must divide over the 3 ranks (each takes whole prompt "
+        "groups); use a multiple of 3, e.g. data.prompts_per_step=3"]
     assert "torch.distributed" not in proc.stdout + proc.stderr and time.time() - t0 < 60
     assert not (tmp_path / "outputs").exists()
 
@@ -118,8 +120,8 @@ def test_prompts_per_step_over_world_size_inside_torchrun(tmp_path):
                    env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("grpo-train: data.prompts_per_step=3 is invalid: must divide over the "
-                                                   "2 ranks"), lines
+    refused = "grpo-train: data.prompts_per_step=3 is invalid: must divide over the 2 ranks"
+    assert len(lines) == 1 and lines[0].startswith(refused), lines
 
 
 def test_unknown_recipe_exit_2(tmp_path):
@@ -145,12 +147,12 @@ def test_jsonl_chat_forms_train(tmp_path):
     data.write_text(
         '{"prompt": "What is 1 + 1?", "answer": "2"}\n'
         '{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}\n'
-        '{"messages": [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 3 + 3?"}],'
-        ' "answer": "6"}\n')
+        '{"messages": [{"role": "system", "content": "You add numbers."}, '
+        '{"role": "user", "content": "What is 3 + 3?"}], "answer": "6"}\n')
     run = tmp_path / "run"
-    proc = run_cli(["+recipe=quickstart", "model=tiny", "data.source=jsonl", f"data.path={data}", "data.prompts_per_step=3",
-                    "algo.num_generations=2", "rollout.max_new_tokens=3", "trainer.max_steps=1", "trainer.log_samples_every=1",
-                    f"hydra.run.dir={run}"], tmp_path)
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "data.source=jsonl", f"data.path={data}",
+                    "data.prompts_per_step=3", "algo.num_generations=2", "rollout.max_new_tokens=3",
+                    "trainer.max_steps=1", "trainer.log_samples_every=1", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     prompts = {s["prompt"] for s in read_jsonl(run / "samples.jsonl")}
     assert len(prompts) == 3
@@ -304,8 +306,9 @@ def stderr_lines_after_signal(child: subprocess.Popen, signum: int) -> tuple[lis
 
 
 # generation dominates a step here (seconds on a CPU): 96 tokens for 8 completions, no reference pass
-GENERATING = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=96", "rollout.min_new_tokens=96", "algo.beta=0.0",
-              "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=2", "trainer.save_every=0",
+GENERATING = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=96", "rollout.min_new_tokens=96",
+              "algo.beta=0.0", "data.prompts_per_step=2", "algo.num_generations=4", "trainer.max_steps=2",
+              "trainer.save_every=0",
               "trainer.log_samples_every=0", *VARIED_REWARD]
 
 
@@ -317,15 +320,17 @@ def test_sigint_mid_generation_discards_the_step_and_resume_is_exact(tmp_path):
 
     child = start([*GENERATING, f"hydra.run.dir={stopped}"], tmp_path)
     metrics = stopped / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") == 1, child)  # step 0 done: step 1 starts generating
-    # a third into step 1's generation, which is as long as step 0's (a signal right at the end of step 0 stops after it)
+    # step 0 done: step 1 starts generating
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") == 1, child)
+    # a third into step 1's generation, which is as long as step 0's (a signal right at the end of step 0 stops
+    # after it)
     time.sleep(0.3 * read_jsonl(metrics)[0]["gen_time_s"])
     lines, seconds = stderr_lines_after_signal(child, signal.SIGINT)
     assert child.returncode == 130, lines
     notice = [text for _, text in lines if text.startswith("grpo-train: SIGINT received: stopping now")]
     assert len(notice) == 1 and "Ctrl-C again to exit at once" in notice[0], lines
-    assert lines[-1][1] == (f"grpo-train: stopped by SIGINT after 1 complete step(s); the unfinished step was discarded; "
-                         f"checkpoint {stopped}/checkpoints/step-000001; resume with: "
+    assert lines[-1][1] == ("grpo-train: stopped by SIGINT after 1 complete step(s); the unfinished step was "
+                         f"discarded; checkpoint {stopped}/checkpoints/step-000001; resume with: "
                          f"{resume_command(GENERATING, stopped)}")
     assert lines[-1][0] < 10, lines  # generation stopped at once, not after its 96 tokens (and the update)
     assert [r["step"] for r in read_jsonl(metrics)] == [0]
@@ -349,13 +354,15 @@ def test_sigterm_stops_a_generation_that_would_run_for_hours(tmp_path):
     huge = ["+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "model.tiny.max_position_embeddings=200000",
             "rollout.max_new_tokens=100000", "trainer.log_samples_every=0"]
     child = start([*huge, f"hydra.run.dir={run}"], tmp_path)
-    wait_for(lambda: "training 50 steps" in (tmp_path / "stdout.txt").read_text(), child)  # the model is loaded: step 1 starts
+    # the model is loaded: step 1 starts
+    wait_for(lambda: "training 50 steps" in (tmp_path / "stdout.txt").read_text(), child)
     time.sleep(3)  # generating
     assert child.poll() is None and not (run / "metrics.jsonl").exists()
     lines, seconds = stderr_lines_after_signal(child, signal.SIGTERM)
     assert child.returncode == 143, lines
-    assert lines[-1][1] == (f"grpo-train: stopped by SIGTERM after 0 complete step(s); the unfinished step was discarded; "
-                            f"checkpoint {run}/checkpoints/step-000000; resume with: {resume_command(huge, run)}")
+    assert lines[-1][1] == ("grpo-train: stopped by SIGTERM after 0 complete step(s); the unfinished step was "
+                            f"discarded; checkpoint {run}/checkpoints/step-000000; resume with: "
+                            f"{resume_command(huge, run)}")
     assert lines[-1][0] < 10 and seconds < 60, (lines, seconds)  # the rest is the interpreter's own teardown
     print(f"SIGTERM -> last line {lines[-1][0]:.2f} s, -> exit {seconds:.2f} s")
 
@@ -387,8 +394,9 @@ def test_second_sigint_exits_at_once(tmp_path):
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
-HUGE_EVAL = ["+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "model.tiny.max_position_embeddings=200000", "eval.max_new_tokens=100000",
-             "eval.num_prompts=2", "rollout.max_new_tokens=4", "trainer.log_samples_every=0"]
+HUGE_EVAL = ["+recipe=quickstart", "model=tiny", "trainer.max_steps=50", "model.tiny.max_position_embeddings=200000",
+             "eval.max_new_tokens=100000", "eval.num_prompts=2", "rollout.max_new_tokens=4",
+             "trainer.log_samples_every=0"]
 
 
 @pytest.mark.slow
@@ -420,6 +428,6 @@ def test_grpo_eval_stops_mid_generation(tmp_path):
     assert child.poll() is None
     lines, seconds = stderr_lines_after_signal(child, signal.SIGINT)
     assert child.returncode == 130, lines
-    assert lines[-1][1] == ("grpo-eval: stopped by SIGINT before it finished; eval.json was not written; run the command "
-                            "again for the result")
+    assert lines[-1][1] == ("grpo-eval: stopped by SIGINT before it finished; eval.json was not written; run the "
+                            "command again for the result")
     assert seconds < 60 and not (out / "eval.json").exists()

@@ -138,8 +138,8 @@ def test_a_refusing_server_stops_the_run_in_one_line_or_scores_0(server):
     verifier = RemoteVerifier(url=url, retries=1, backoff_s=0.0)
     with pytest.raises(RewardError) as raised:
         rewards(verifier).score(["p"] * 2, ["a", "b"], {})
-    assert str(raised.value) == (f"reward verified could not score completion 0 (2 of 2 failed): POST {url} failed after 2 "
-                                 "tries (Connection refused); fix it or set reward.on_error=zero")
+    assert str(raised.value) == (f"reward verified could not score completion 0 (2 of 2 failed): POST {url} failed "
+                                 "after 2 tries (Connection refused); fix it or set reward.on_error=zero")
     totals, _, errors = rewards(verifier, on_error="zero").score(["p"] * 2, ["a", "b"], {})
     assert totals == [0.0, 0.0] and errors == 2
 
@@ -157,10 +157,12 @@ def test_garbage_answers_zero_only_their_completions_without_posting_again(serve
     totals, per_fn, errors = rewards(verifier, on_error="zero").score(["p"] * 4, ["good", "bad", "fine", "so bad"], {})
     assert totals == [4.0, 0.0, 4.0, 0.0] and errors == 2
     assert server.count("/bad") == 4  # garbage is not retried, and the scored ones are not posted again
-    with pytest.raises(RewardError, match=r"could not score completion 1 \(1 of 2 failed\): POST http://127.0.0.1:\d+/bad "
-                                          r"answered what is not JSON: '<html>oops</html>'"):
+    with pytest.raises(RewardError, match=r"could not score completion 1 \(1 of 2 failed\): "
+                                          r"POST http://127.0.0.1:\d+/bad answered what is not JSON: "
+                                          r"'<html>oops</html>'"):
         rewards(verifier).score(["p"] * 2, ["good", "bad"], {})
-    with pytest.raises(RewardError, match=r"the answer '\{\"score\": \"high\"\}' holds no finite number under \"score\""):
+    no_number = r"the answer '\{\"score\": \"high\"\}' holds no finite number under \"score\""
+    with pytest.raises(RewardError, match=no_number):
         rewards(verifier).score(["p"], ["so bad"], {})
     with pytest.raises(RewardError, match=r"answered HTTP 418: 'I am a teapot'; fix it"):
         rewards(RemoteVerifier(url=server.url + "/teapot")).score(["p"], ["a"], {})
@@ -228,7 +230,8 @@ def test_a_reply_without_a_score_or_not_a_chat_completion_follows_on_error(chat_
     with pytest.raises(RewardError, match=r"answered no chat completion \(no choices\[0\].message.content\)"):
         RewardSet([RewardFunction("judge", broken, 1.0)]).score(["p"], ["x"], {})
     with pytest.raises(RewardError, match=r"failed after 1 try \(Connection refused\)"):
-        RewardSet([RewardFunction("judge", Judge(url=refusing_url(), model="m", retries=0), 1.0)]).score(["p"], ["x"], {})
+        judge = Judge(url=refusing_url(), model="m", retries=0)
+        RewardSet([RewardFunction("judge", judge, 1.0)]).score(["p"], ["x"], {})
 
 
 def test_a_template_field_the_row_lacks_is_one_line(chat_server):

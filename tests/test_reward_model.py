@@ -128,9 +128,11 @@ def test_bad_options_are_one_line_before_anything_loads(compose, classifier, ove
 
 
 def test_missing_model_dir_and_out_of_range_label(compose, classifier, tmp_path):
-    with pytest.raises(ConfigError, match=r"reward.functions.rm.model=/no/such/dir is invalid: no such model directory"):
+    with pytest.raises(ConfigError, match=r"reward.functions.rm.model=/no/such/dir is invalid: "
+                                          r"no such model directory"):
         validate(compose_with(compose, "/no/such/dir"))
-    with pytest.raises(ConfigError, match=rf"reward.functions.rm.label=3 is invalid: .* has {NUM_LABELS} output logits"):
+    with pytest.raises(ConfigError, match=r"reward.functions.rm.label=3 is invalid: "
+                                          rf".* has {NUM_LABELS} output logits"):
         RewardSet.from_config(Config.of(compose_with(compose, classifier, "+reward.functions.rm.label=3")).reward)
 
 
@@ -149,7 +151,8 @@ def test_plain_function_rewards_take_options_as_keyword_arguments(compose, tmp_p
     assert per_fn["long"] == [0.0, 1.0, 1.0] and per_fn["strict"] == [0.0] * 3  # no **kwargs: messages not passed
     bad = compose(["+recipe=quickstart", "model=tiny", "+reward.functions.strict._target_=my_rewards.strict",
                    "+reward.functions.strict.min_chars=2"])
-    with pytest.raises(ConfigError, match="reward.functions.strict.min_chars=2 is invalid: my_rewards.strict takes no option"):
+    with pytest.raises(ConfigError, match="reward.functions.strict.min_chars=2 is invalid: "
+                                          "my_rewards.strict takes no option"):
         validate(bad)
 
 

@@ -85,7 +85,8 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holder_is_taken
     try:
         assert holder.stdout.readline().strip() == "locked"
         proc = train(["trainer.resume=auto", "trainer.seed=7"], used, tmp_path, rewards_env)
-        one_line_exit_2(proc, f"run dir {used} is in use by grpo-train pid {holder.pid} on host", "another hydra.run.dir")
+        one_line_exit_2(proc, f"run dir {used} is in use by grpo-train pid {holder.pid} on host",
+                        "another hydra.run.dir")
         untouched(used, finished)  # .hydra/ of the run is not the refused attempt's
     finally:
         holder.kill()
@@ -193,7 +194,8 @@ def flip_a_byte(path):
 
 DAMAGE = {
     "truncated adapter": (lambda c: truncate(c / ADAPTER), "adapter/adapter_model.safetensors has"),
-    "flipped byte in the optimizer state": (lambda c: flip_a_byte(c / "trainer_state.pt"), "trainer_state.pt does not match"),
+    "flipped byte in the optimizer state": (lambda c: flip_a_byte(c / "trainer_state.pt"),
+                                            "trainer_state.pt does not match"),
     "missing metrics copy": (lambda c: (c / "metrics.jsonl").unlink(), "metrics.jsonl is missing"),
     "no manifest": (lambda c: (c / "manifest.json").unlink(), "no readable manifest.json"),
 }
@@ -201,7 +203,8 @@ DAMAGE = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_intact_one(tmp_path, used, finished, rewards_env, damage):
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_intact_one(tmp_path, used, finished, rewards_env,
+                                                                          damage):
     """Resume goes on from step 2 and ends where the straight run ended, bitwise; an orphaned write is removed."""
     spoil, reason = DAMAGE[damage]
     spoil(used / "checkpoints" / "step-000004")
@@ -212,8 +215,9 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_intact_one(tmp_pa
     said = proc.stdout + proc.stderr
     assert f"checkpoint {used}/checkpoints/step-000004 is damaged ({reason}" in said, said[-3000:]
     assert "resuming at step 2 (2 of 4 done)" in said  # after steps 0 and 1: checkpoint step-000002
-    assert read_jsonl(used / "metrics.jsonl") and [r["step"] for r in read_jsonl(used / "metrics.jsonl")] == [0, 1, 2, 3]
-    assert [r["reward"] for r in read_jsonl(used / "metrics.jsonl")] == [r["reward"] for r in read_jsonl(finished / "metrics.jsonl")]
+    resumed_rows, straight_rows = read_jsonl(used / "metrics.jsonl"), read_jsonl(finished / "metrics.jsonl")
+    assert resumed_rows and [r["step"] for r in resumed_rows] == [0, 1, 2, 3]
+    assert [r["reward"] for r in resumed_rows] == [r["reward"] for r in straight_rows]
     assert (used / ADAPTER).read_bytes() == (finished / ADAPTER).read_bytes()
     assert_learned(finished)
     assert not orphan.exists()
@@ -269,7 +273,8 @@ def test_sigterm_stops_a_reward_that_never_returns_within_10_s(tmp_path, rewards
     assert time.time() - sent < 10
     assert child.returncode == 143, err
     assert err.strip().splitlines()[-1].startswith("grpo-train: stopped by SIGTERM after 0 complete step(s); the "
-                                                   f"unfinished step was discarded; checkpoint {run}/checkpoints/step-000000")
+                                                   "unfinished step was discarded; checkpoint "
+                                                   f"{run}/checkpoints/step-000000")
 
 
 class Hang:
@@ -350,7 +355,8 @@ FILES_OF_AT_MOST_20_KB = {"RLIMIT_FSIZE": (20_000, 20_000)}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("write, code, words", [
-    ("trainer.save_every=1", 2, ["checkpoints/step-000001 failed (File too large", "no checkpoint was written before it"]),
+    ("trainer.save_every=1", 2,
+     ["checkpoints/step-000001 failed (File too large", "no checkpoint was written before it"]),
     ("trainer.log_samples_every=1", 1, ["a write found no room (File too large)", "trainer.resume=auto"]),
 ], ids=["checkpoint", "records"])
 def test_a_write_that_finds_no_room_is_one_line(tmp_path, write, code, words):

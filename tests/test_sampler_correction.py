@@ -65,7 +65,8 @@ def trl_weights(mode, clip_min, clip_max, old, sampling, completion_mask):
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
-    start = source.index("            if self.use_vllm and self.vllm_importance_sampling_correction:\n                mask =")
+    start = source.index("            if self.use_vllm and self.vllm_importance_sampling_correction:\n"
+                         "                mask =")
     end = source.index("            # Compute the per-token log probabilities for the reference model", start)
     block = textwrap.dedent(source[start:end])
     self = SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
@@ -123,7 +124,8 @@ def test_sampler_correction_records_the_first_pass_only():
     metrics = correction.metrics()
     assert metrics["sampler/corrected_frac"] == pytest.approx(3 / 5)
     assert correction.metrics() == {}  # forgotten once read
-    assert correction.weights(TRAINER, None, None, rows, MASK, record=True) is None  # an engine without sampler log-probs
+    # an engine without sampler log-probs
+    assert correction.weights(TRAINER, None, None, rows, MASK, record=True) is None
     assert SamplerCorrection("none").weights(TRAINER, None, SAMPLER, rows, MASK, record=True) is None
 
 
@@ -160,7 +162,8 @@ def test_off_policy_mask_measures_the_drift_from_the_sampler_when_it_reported_lo
     adv = torch.tensor([-1.0, 1.0])
     settings = algorithm.LossSettings(off_policy_mask_threshold=0.1)
     # mean sampler - logp = 1 > 0.1 on row 0
-    dropped, _ = algorithm.policy_loss(algorithm.LossInputs(logp, adv, MASK, sampler_logp=logp + 1.0, settings=settings))
+    off_policy = algorithm.LossInputs(logp, adv, MASK, sampler_logp=logp + 1.0, settings=settings)
+    dropped, _ = algorithm.policy_loss(off_policy)
     kept, _ = algorithm.policy_loss(algorithm.LossInputs(logp, adv, MASK, settings=settings))
     assert float(kept) == pytest.approx((1.0 - 1.0) / 2)         # -A per token, per-sequence mean, mean of rows
     assert float(dropped) == pytest.approx((0.0 - 1.0) / 2)      # row 0 (A < 0) dropped

@@ -117,8 +117,8 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path, tmp_path_factory
     sweep_dir = tmp_path / "sweep"
     env = module_on_path(tmp_path_factory, "failing_reward", FAILING_REWARD)
     # the failing reward comes first: job 0 fails while it trains (its values are valid), job 1 must still run
-    proc = run_cli(["-m", *TINY, "+reward.functions.x._target_=failing_reward.boom,grpo_cli.rewards.arithmetic.bare_number",
-                    f"hydra.sweep.dir={sweep_dir}"], tmp_path, timeout=600, env=env)
+    failing_then_fine = "+reward.functions.x._target_=failing_reward.boom,grpo_cli.rewards.arithmetic.bare_number"
+    proc = run_cli(["-m", *TINY, failing_then_fine, f"hydra.sweep.dir={sweep_dir}"], tmp_path, timeout=600, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     # the summary callback ended the sweep (Hydra did not re-raise the failure past it)
     assert "Error executing job" not in proc.stderr
@@ -222,8 +222,9 @@ def test_callback_records_a_failure_and_keeps_the_basic_sweep_going(tmp_path, ca
 
     cfg0, dir0 = _job_config(sweep_dir, 0)
     cb.on_job_start(cfg0)
-    (dir0 / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": r, "kl": 0.1 * s, "clip_fraction": 0.0})
-                                                + "\n" for s, r in enumerate([0.1, 0.5, 0.3])) + '{"step": 3, "rew')
+    metrics_rows = [{"step": s, "reward": r, "kl": 0.1 * s, "clip_fraction": 0.0}
+                    for s, r in enumerate([0.1, 0.5, 0.3])]
+    (dir0 / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in metrics_rows) + '{"step": 3, "rew')
     ret = JobReturn(status=JobStatus.COMPLETED, _return_value=0.3)
     cb.on_job_end(cfg0, ret)
 

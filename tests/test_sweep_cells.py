@@ -56,7 +56,8 @@ ACCURACY = {0.0: [0.5, 0.6, 0.7, 0.8, 0.9], 0.04: [0.4, 0.6], 0.1: [0.3], 0.2: [
 
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory) -> Path:
-    jobs = [({"algo.beta": b, "trainer.seed": s}, acc, "ok") for b, accs in ACCURACY.items() for s, acc in enumerate(accs)]
+    jobs = [({"algo.beta": b, "trainer.seed": s}, acc, "ok")
+            for b, accs in ACCURACY.items() for s, acc in enumerate(accs)]
     jobs.append(({"algo.beta": 0.04, "trainer.seed": 2}, None, "failed"))
     sweep_dir = write_sweep(tmp_path_factory.mktemp("seeded") / "sweep", jobs)
     sweep.write_summary(sweep_dir)
@@ -163,7 +164,8 @@ def typed_with(cfg, **dotted) -> Config:
 
 
 def test_eval_final_auto_is_on_in_a_sweep_with_a_held_out_split(base_cfg):
-    assert final_eval_on(typed_with(base_cfg), multirun=True) and not final_eval_on(typed_with(base_cfg), multirun=False)
+    assert final_eval_on(typed_with(base_cfg), multirun=True)
+    assert not final_eval_on(typed_with(base_cfg), multirun=False)
     assert final_eval_on(typed_with(base_cfg, eval__final=True), multirun=False)
     assert not final_eval_on(typed_with(base_cfg, eval__final=False), multirun=True)
     no_split = typed_with(base_cfg, data__source="jsonl", data__eval_path=None)
@@ -177,7 +179,8 @@ def test_held_out_rows_do_not_depend_on_the_seed(base_cfg):
 
 
 @pytest.mark.parametrize(("values", "words"), [
-    ({"sweep__metric": "accuracy"}, "sweep.metric=accuracy is invalid: use one of auto, final_eval_accuracy, mean_reward"),
+    ({"sweep__metric": "accuracy"},
+     "sweep.metric=accuracy is invalid: use one of auto, final_eval_accuracy, mean_reward"),
     ({"sweep__metric": "final_eval_accuracy", "eval__final": False}, "sweep.metric=final_eval_accuracy is invalid"),
     ({"eval__final": True, "reward__accuracy": None}, "reward.accuracy=null is invalid: eval.final=true needs"),
     ({"eval__final": "yes"}, "eval.final=yes is invalid: use auto, true or false"),
@@ -239,8 +242,9 @@ def test_a_stop_during_the_final_eval_checkpoints_and_the_resume_runs_only_the_e
     assert stopped.value.completed == 1 and stopped.value.checkpoint_dir.name == "step-000001"
     assert not (run_dir / "final_eval.json").exists() and (run_dir / "adapter").is_dir()
 
+    evaluator = partial(Evaluator.for_training, Config.of(compose([*TINY_TRAINER, *overrides])))
     resumed = make_trainer(compose, run_dir, *overrides, f"trainer.resume={stopped.value.checkpoint_dir}",
-                           make_evaluator=partial(Evaluator.for_training, Config.of(compose([*TINY_TRAINER, *overrides]))))
+                           make_evaluator=evaluator)
     summary = fit(resumed, run_dir)
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0]  # no step was trained again
     assert json.loads((run_dir / "final_eval.json").read_text())["eval/accuracy"] == summary["final_eval_accuracy"]

@@ -86,7 +86,8 @@ def test_a_named_metric_stays_and_the_damaged_job_leaves_its_cell(tmp_path, caps
 def test_a_damaged_job_status_keeps_its_job_in_the_summary_and_says_so(finished, capsys):
     (finished / SWEEP_ID_FILE).write_text("abc\n")  # a sweep with an id: its jobs carry it
     for num in range(4):
-        (finished / str(num) / "job_status.json").write_text(json.dumps({"sweep_id": "abc", "job": num, "status": "ok"}))
+        status = {"sweep_id": "abc", "job": num, "status": "ok"}
+        (finished / str(num) / "job_status.json").write_text(json.dumps(status))
         (finished / str(num) / "adapter").mkdir()
     (finished / "2" / "job_status.json").write_text('{"sweep_id": "ab')
     assert sweep.main([str(finished)]) == 0

@@ -94,7 +94,8 @@ def test_paired_p_by_hand_takes_out_what_the_seed_shares():
     # differences 0.03, 0.01, 0.01: mean 0.016667, std 0.011547, t = mean / (std / sqrt(3)) = 2.5, df 2
     from scipy import stats
 
-    assert paired_p(other, best) == pytest.approx(2 * stats.t.sf(2.5, 2)) and paired_p(other, best) == pytest.approx(0.1296, abs=1e-4)
+    assert paired_p(other, best) == pytest.approx(2 * stats.t.sf(2.5, 2))
+    assert paired_p(other, best) == pytest.approx(0.1296, abs=1e-4)
     assert welch_p(list(other.values()), list(best.values())) > 0.6  # unpaired, the seed's spread hides it
     assert paired_p({0: 0.5, 5: 0.6}, best) is None                # one shared seed: no test
     assert paired_p({0: 0.6, 1: 0.7}, {0: 0.5, 1: 0.6}) == 0.0      # the same difference on every seed

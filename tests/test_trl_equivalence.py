@@ -87,9 +87,10 @@ def trl_loss(setup, tmp_path, *, beta, loss_type="grpo", level="token", **args):
     trainer = object.__new__(trl.GRPOTrainer)
     from accelerate import Accelerator
 
+    epsilon_high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
     trainer.__dict__.update(
         args=config, model=lm.model, accelerator=Accelerator(cpu=True), beta=beta, loss_type=loss_type,
-        epsilon_low=config.epsilon, epsilon_high=config.epsilon_high if config.epsilon_high is not None else config.epsilon,
+        epsilon_low=config.epsilon, epsilon_high=epsilon_high,
         importance_sampling_level=level, top_entropy_quantile=config.top_entropy_quantile,
         off_policy_mask_threshold=config.off_policy_mask_threshold, use_vllm=False,
         vllm_importance_sampling_correction=False, max_completion_length=T, current_gradient_accumulation_steps=1,
@@ -115,13 +116,15 @@ def trl_loss(setup, tmp_path, *, beta, loss_type="grpo", level="token", **args):
 
 
 def S(**kw):  # noqa: N802 - a short name for the cases table
-    options = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in algorithm.ObjectiveOptions.__dataclass_fields__.values()}}
+    option_names = {f.name for f in algorithm.ObjectiveOptions.__dataclass_fields__.values()}
+    options = {k: kw.pop(k) for k in list(kw) if k in option_names}
     return algorithm.LossSettings(options=algorithm.ObjectiveOptions(**options), **kw)
 
 
 # (id, TRL's arguments, ours): the options the two share. eps 0.2 unless named.
 CASES = [
-    *[(f"{lt}-{level}-beta{beta}", dict(loss_type=lt, level=level, beta=beta), dict(loss_type=lt, ratio_level=level, beta=beta))
+    *[(f"{lt}-{level}-beta{beta}", dict(loss_type=lt, level=level, beta=beta),
+       dict(loss_type=lt, ratio_level=level, beta=beta))
       for lt in ("grpo", "bnpo", "dapo", "dr_grpo") for level in ("token", "sequence") for beta in (0.0, 0.04)],
     ("eps_high", dict(beta=0.04, epsilon_high=0.28), dict(beta=0.04, eps_high=0.28)),
     ("delta", dict(beta=0.0, delta=1.3), dict(beta=0.0, settings=S(delta=1.3))),

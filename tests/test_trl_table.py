@@ -38,7 +38,8 @@ def test_our_defaults_in_the_table_are_the_configs(compose):
     cfg = compose([])
     for trl_name, _, key, value in table_rows():
         got = ours(cfg, key)
-        assert got == value or (value is None and got is None), f"{trl_name}: {key} is {got!r}, the table says {value!r}"
+        differs = f"{trl_name}: {key} is {got!r}, the table says {value!r}"
+        assert got == value or (value is None and got is None), differs
 
 
 @pytest.mark.slow  # imports TRL

@@ -74,7 +74,8 @@ EARLY = [
 @pytest.mark.slow  # grpo-train subprocesses (no model is loaded)
 @pytest.mark.parametrize("overrides,line", EARLY, ids=["syntax", "exit-on-import", "init-raises", "init-exits",
                                                       "plugin-syntax", "plugin-exits"])
-def test_user_code_that_fails_to_import_or_build_is_one_line_before_the_model_loads(tmp_path, user_env, overrides, line):
+def test_user_code_that_fails_to_import_or_build_is_one_line_before_the_model_loads(tmp_path, user_env, overrides,
+                                                                                     line):
     run = tmp_path / "run"
     proc = run_cli([*TINY, *overrides, f"hydra.run.dir={run}"], tmp_path, env=user_env)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -84,14 +85,16 @@ def test_user_code_that_fails_to_import_or_build_is_one_line_before_the_model_lo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target,named", [("interrupts", "KeyboardInterrupt on completion 0: pressed inside the reward"),
-                                          ("exits", "SystemExit on completion 0: 3")])
+@pytest.mark.parametrize("target,named", [
+    ("interrupts", "KeyboardInterrupt on completion 0: pressed inside the reward"),
+    ("exits", "SystemExit on completion 0: 3")])
 def test_a_reward_that_raises_a_base_exception_is_named_in_one_line_exit_1(tmp_path, user_env, target, named):
     """The reward thread catches BaseException: no thread traceback, and the exception it raised is the one named."""
     proc = run_cli([*TINY, f"+reward.functions.x._target_=user_rewards.{target}", f"hydra.run.dir={tmp_path / 'run'}"],
                    tmp_path, env=user_env)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [f"grpo-train: reward x raised {named}; fix it or set reward.on_error=zero"]
+    assert proc.stderr.strip().splitlines() == [f"grpo-train: reward x raised {named}; "
+                                                "fix it or set reward.on_error=zero"]
 
 
 ENVIRONMENTS = '''
@@ -113,7 +116,8 @@ class ExitsLater:
 
 
 @pytest.mark.slow
-def test_an_environment_that_exits_during_the_run_is_one_line_exit_1_and_keeps_the_last_step(tmp_path_factory, tmp_path):
+def test_an_environment_that_exits_during_the_run_is_one_line_exit_1_and_keeps_the_last_step(tmp_path_factory,
+                                                                                                tmp_path):
     """The issue's case: sys.exit(0) in get_reward ended the run with exit 0, no line and nothing recorded."""
     env, run = module_on_path(tmp_path_factory, "user_envs", ENVIRONMENTS), tmp_path / "run"
     proc = run_cli([*TINY, "trainer.max_steps=2", "trainer.save_every=0", "env._target_=user_envs.ExitsLater",
@@ -141,7 +145,8 @@ REFUSED = [  # (overrides, the start of the one line)
 
 
 @pytest.mark.slow  # grpo-train subprocesses (no model is loaded)
-@pytest.mark.parametrize("overrides,line", REFUSED, ids=["reset-exits", "native-template", "two-tools-one-name", "vllm"])
+@pytest.mark.parametrize("overrides,line", REFUSED,
+                         ids=["reset-exits", "native-template", "two-tools-one-name", "vllm"])
 def test_what_cannot_work_is_refused_in_one_line_before_the_model_loads(tmp_path, overrides, line):
     run = tmp_path / "run"
     proc = run_cli([*TINY, *overrides, f"hydra.run.dir={run}"], tmp_path)

@@ -1,6 +1,7 @@
 """rollout.engine=vllm: the engine samples the policy being trained (greedy equal to the hf engine's after an
 update), its seeds reproduce, the episode loop runs over it, a 2-step grpo-train run with the sampler correction,
-and the refusals; and rewards.judge.Judge against vLLM's own OpenAI-compatible server of the embedded model. Skipped where vllm is not importable (the main venv); `make test-vllm` runs them in .venv-vllm.
+and the refusals; and rewards.judge.Judge against vLLM's own OpenAI-compatible server of the embedded model.
+Skipped where vllm is not importable (the main venv); `make test-vllm` runs them in .venv-vllm.
 
 The tiny model here has one attention head (head_dim 64): vLLM's CPU attention has no kernel for the default
 tiny model's head_dim 16."""
@@ -149,7 +150,8 @@ def test_lora_sync_samples_the_policy(lm):
             randomise_lora(lm.model, 0.5, seed=seed)
             engine.policy_changed()
             got = engine.generate(prompts, 2, max_new_tokens=8, greedy=True)
-            assert torch.equal(got.completion_ids, hf.generate(prompts, 2, max_new_tokens=8, greedy=True).completion_ids)
+            expected = hf.generate(prompts, 2, max_new_tokens=8, greedy=True)
+            assert torch.equal(got.completion_ids, expected.completion_ids)
             assert engine.sync_s > 0
     finally:
         engine.close()
@@ -209,7 +211,8 @@ def test_the_judge_scores_through_vllms_openai_server(served):
 
     def reply(completion: str, chat: list) -> str:
         asked = [{"role": "user", "content": judge.request("", completion, chat, {})}]
-        return judge.service.post({"model": "smollm2", "messages": asked, **judge.sampling})["choices"][0]["message"]["content"]
+        answer = judge.service.post({"model": "smollm2", "messages": asked, **judge.sampling})
+        return answer["choices"][0]["message"]["content"]
 
     replies = [reply(c, m) for c, m in zip(completions, messages, strict=True)]
     assert all(isinstance(r, str) and r.strip() for r in replies), replies

@@ -350,9 +350,11 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, offline_run):
     run_dir = tmp_path / "run"
     env = clean_env(WANDB_CACHE_DIR=str(tmp_path / "wb_cache"), WANDB_DATA_DIR=str(tmp_path / "wb_data"),
                     WANDB_CONFIG_DIR=str(tmp_path / "wb_config"))
-    args = [script("grpo-train"), "+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4", "data.prompts_per_step=2",
-            "algo.num_generations=2", "logger=wandb", "logger.wandb.mode=offline", "trainer.save_every=1", "trainer.log_samples_every=0", f"hydra.run.dir={run_dir}"]
-    first = prewarmed.run([*args, "trainer.max_steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    args = [script("grpo-train"), "+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=4",
+            "data.prompts_per_step=2", "algo.num_generations=2", "logger=wandb", "logger.wandb.mode=offline",
+            "trainer.save_every=1", "trainer.log_samples_every=0", f"hydra.run.dir={run_dir}"]
+    first = prewarmed.run([*args, "trainer.max_steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     run_id = (run_dir / "wandb_run_id").read_text().strip()
     second = prewarmed.run([*args, "trainer.max_steps=3", "trainer.resume=auto",
@@ -367,7 +369,8 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, offline_run):
     for segment in segments:
         runs = [r.run for r in wandb_records(segment) if r.WhichOneof("record_type") == "run"]
         assert runs and all(r.run_id == run_id for r in runs)
-        steps.append(sorted({r.history.step.num for r in wandb_records(segment) if r.WhichOneof("record_type") == "history"}))
+        history = [r for r in wandb_records(segment) if r.WhichOneof("record_type") == "history"]
+        steps.append(sorted({r.history.step.num for r in history}))
     assert steps == [[0, 1], [2]]
     assert f"wandb sync {run_dir}/wandb/offline-run-*-{run_id}" in second.stdout
     assert offline_run["wandb"]["run"].run_id != run_id  # another run dir, another W&B run
