@@ -34,6 +34,19 @@ def pytest_configure(config):
         prewarmed.start_shared({**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.fixture(autouse=True)
+def _environment_set_on_import_is_restored():
+    """What a library sets in os.environ on import during one test (torch's compiler sets TOKENIZERS_PARALLELISM to
+    0) does not leak into the next: the prewarmed server forks only for an environment equal to its own."""
+    before = {key: os.environ.get(key) for key in prewarmed.SET_ON_IMPORT}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` are skipped, in one place, where no CUDA device is visible."""
     import torch
