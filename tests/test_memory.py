@@ -4,6 +4,8 @@ update whatever the cut, and the one line of a budget that is too small or of an
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -70,8 +72,9 @@ def test_the_activation_estimate_follows_the_widths():
     per_layer = 6 * 64 + 2 * 32 + 4 * 128
     assert memory.activation_bytes_per_token(small, torch.float32, False) == pytest.approx(
         2 * per_layer * 4 * memory.ALLOCATOR_FACTOR)
+    # checkpointed: both layers' inputs kept, one layer's saved values recomputed at a time
     assert memory.activation_bytes_per_token(small, torch.bfloat16, True) == pytest.approx(
-        2 * per_layer * 2 * memory.ALLOCATOR_FACTOR * memory.CHECKPOINTED_SHARE)
+        (2 * 64 + per_layer) * 2 * memory.ALLOCATOR_FACTOR)
 
 
 @pytest.mark.slow
@@ -132,3 +135,45 @@ def test_an_allocation_that_fails_is_one_line_naming_the_knobs_and_the_kept_chec
                     r"checkpoint after 1 step\(s\), .*step-000001, is kept; resume with the same command plus "
                     r"trainer.resume=auto", lines[-1]), lines[-3:]
     assert (run / "checkpoints" / "step-000001").is_dir()
+
+
+FREED_AFTER_FRAGMENTING = """
+import sys, torch
+from grpo_cli import memory
+if sys.argv[1] == "returned":
+    assert memory.return_freed_blocks()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+first = torch.ones(2**21)
+del first  # one freed 8 MiB block raises glibc's moving threshold past 8 MiB: later ones come from the heap
+blocks, kept = [], []
+for _ in range(40):
+    blocks.append(torch.ones(2**21))  # 8 MiB: a long row's activation
+    kept.append(torch.ones(2**14))    # 64 KiB that outlives it, above it in the heap
+held = rss()
+del blocks
+print((held - rss()) / 2**20)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+@pytest.mark.parametrize("allocator", ["default", "returned"])
+def test_freed_blocks_go_back_to_the_system_once_returned(allocator):
+    """40 freed 8 MiB blocks, each below a 64 KiB one still held: glibc's default keeps them all (its heap can only
+    shrink from the top); after return_freed_blocks (what a budget sets on the CPU) all 320 MiB leave the process."""
+    proc = subprocess.run([sys.executable, "-c", FREED_AFTER_FRAGMENTING, allocator], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    freed = float(proc.stdout.split()[-1])
+    assert freed >= 300 if allocator == "returned" else freed < 100, freed
+
+
+def test_a_budget_takes_the_head_in_small_blocks_and_returns_freed_blocks_on_the_cpu():
+    lm = tiny_lora_policy()
+    section = trainer_section(memory_budget_gb=memory.in_use_bytes(lm.device) / memory.GIB + 2)
+    plan = memory.plan(section, lm, rows=4, longest_row=2000, chunk_size=1024)
+    assert plan.head_chunk == memory.BUDGET_HEAD_CHUNK and plan.returns_freed_blocks
+    assert f"the LM head {memory.BUDGET_HEAD_CHUNK} positions at a time, freed blocks returned" in plan.line()
+    assert memory.plan(section, lm, rows=4, longest_row=2000, chunk_size=64).head_chunk == 64
+    assert memory.plan(trainer_section(), lm, rows=4, longest_row=2000, chunk_size=1024).head_chunk is None

@@ -6,25 +6,31 @@ what an out-of-memory error says.
 
 A step's peak is the model and its engine (read off the process once they are loaded), then the larger of the
 rollout's KV cache and the training pass: the activations autograd keeps for one micro-batch (per token, from the
-model's widths) and the LM head's block of logits. The activation estimate counts the tensors a decoder layer
-saves for its backward with LoRA on every linear layer,
+model's widths) and the LM head's blocks of logits. The activation estimate counts the values a decoder layer saves
+for its backward with LoRA on every linear layer,
 
     per token per layer:  6 x hidden + 2 x kv width + 4 x intermediate  values  (norms, q, k, v, attention out,
                                                                               MLP in/gate/up/act; measured with
                                                                               autograd's saved-tensor hooks)
 
-times what the allocator holds beyond them, and with checkpointing a share of that. Both factors are measured on
-SmolLM2-135M in fp32 on the 2-core CPU, from whole steps at 1024 and 4096 new tokens a row (2026-12-03, one row a
-micro-batch: peak RSS over what the model, its engine and the head held, 3.3 and 3.1 MiB a token, against 1.2 MB of
-saved tensors: 2.7) and from one row's pass at 2048 and 4096 tokens with and without checkpointing
-(scripts/probe_row_memory.py: 1.43 against 1.80 and 1.32 against 1.49 MiB a token: 0.8). Most of it is freed blocks
-glibc keeps, which checkpointing does not give back (docs/usage.md, "Known limit"). The first factors, 1.7 and 0.4,
-were measured at 512-2048 tokens a micro-batch and planned steps that an 8 GiB cap killed at 2048 and 4096 new
-tokens. On CUDA the caching allocator holds less, so the estimate errs high there.
+every layer's without checkpointing; with it, every layer's input (hidden values) and one layer's saved values,
+recomputed in the backward. A budget also takes the LM head in blocks of BUDGET_HEAD_CHUNK positions and, on the CPU,
+has glibc return freed blocks to the system (return_freed_blocks): by default glibc keeps them, and a long row's
+peak is then mostly freed blocks, not tensors. Measured on one row of SmolLM2-135M in fp32 on the 2-core CPU
+(scripts/probe_row_memory.py, 2026-12-03), peak growth in MiB a token, glibc's default against blocks returned:
+
+    2048 tokens, plain                 2.28  against 1.26   (the estimate above: 1.14 + 0.07 for the head blocks)
+    2048 tokens, checkpointed          0.83  against 0.18   (0.10 + 0.07)
+    4096 tokens, checkpointed          0.87  against 0.12   (0.10 + 0.04)
+
+so with blocks returned the estimate holds to a few per cent; ALLOCATOR_FACTOR leaves room for what the rest of a
+step holds beside the pass. Without a budget nothing is estimated and the settings stand as given (glibc's default
+is the faster: a returned block costs a page fault per 4 KiB when it is allocated again).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import resource
@@ -35,15 +41,18 @@ import torch
 
 from grpo_cli import prepack
 from grpo_cli.errors import ConfigError
+from grpo_cli.models import enable_activation_checkpointing
 
 if TYPE_CHECKING:
     from grpo_cli.schema import TrainerConfig
 
 GIB = 2**30
-ALLOCATOR_FACTOR = 2.7       # peak RSS growth over the saved tensors' bytes (CPU, glibc), measured (above)
-CHECKPOINTED_SHARE = 0.8     # a checkpointed pass's peak per token over a plain one's, measured (above)
+ALLOCATOR_FACTOR = 1.3       # peak growth over the estimated tensors with freed blocks returned (1.04 measured, above)
 CPU_MICRO_BATCH_TOKENS = 2048  # auto on the CPU: the products run at full speed from a few hundred tokens on
 HEAD_BLOCKS = 3              # fp32 [chunk, vocab] blocks alive at once in the head pass (logits, p, onehot - p)
+BUDGET_HEAD_CHUNK = 256      # positions a head block holds under a budget: 150 MB at a 49k vocabulary, as fast as 1024
+MMAP_THRESHOLD = 2**20       # glibc serves blocks this large and larger from their own mappings, unmapped on free
+M_MMAP_THRESHOLD = -3        # mallopt's parameter number (glibc's malloc.h)
 
 
 def micro_batch_tokens(setting, device: torch.device) -> int | None:
@@ -59,8 +68,22 @@ def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) 
     hidden, layers = text.hidden_size, text.num_hidden_layers
     head_dim = getattr(text, "head_dim", None) or hidden // text.num_attention_heads
     kv = head_dim * getattr(text, "num_key_value_heads", text.num_attention_heads)
-    saved = layers * (6 * hidden + 2 * kv + 4 * text.intermediate_size) * torch.finfo(dtype).bits // 8
-    return saved * ALLOCATOR_FACTOR * (CHECKPOINTED_SHARE if checkpointing else 1.0)
+    per_layer = 6 * hidden + 2 * kv + 4 * text.intermediate_size
+    values = layers * hidden + per_layer if checkpointing else layers * per_layer
+    return values * torch.finfo(dtype).bits // 8 * ALLOCATOR_FACTOR
+
+
+def return_freed_blocks() -> bool:
+    """Have glibc serve blocks of MMAP_THRESHOLD bytes and more from their own mappings, which free() unmaps at
+    once. By default glibc raises that threshold up to 32 MiB as large blocks are freed, so a long row's activations
+    and head blocks come from its heap, whose freed blocks it keeps (module docstring). Process-wide, for the
+    allocations after the call. False where the C library has no mallopt (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
 
 
 def kv_cache_bytes(config, dtype: torch.dtype, rows: int, tokens: int) -> float:
@@ -95,13 +118,24 @@ class MemoryPlan:
     budget_gb: float | None = None
     loaded_gb: float = 0.0       # the model and its engine, measured
     estimate_gb: float = 0.0     # the estimated peak of a step
+    head_chunk: int | None = None  # positions a LM-head block holds under a budget; None: trainer.logprob_chunk_size
+    returns_freed_blocks: bool = False  # under a budget on the CPU: glibc unmaps freed large blocks (apply)
 
     def line(self) -> str:
         tokens = f"at most {self.micro_batch_tokens} tokens" if self.micro_batch_tokens else "no token limit"
         checkpointing = "on" if self.checkpointing else "off"
+        returned = ", freed blocks returned to the system" if self.returns_freed_blocks else ""
         return (f"trainer.memory_budget_gb={self.budget_gb:g}: micro-batches of {tokens}, activation checkpointing "
-                f"{checkpointing} (model and engine {self.loaded_gb:.1f} GiB with their packed weights; a step's "
-                f"estimated peak {self.estimate_gb:.1f} GiB)")
+                f"{checkpointing}, the LM head {self.head_chunk} positions at a time{returned} (model and engine "
+                f"{self.loaded_gb:.1f} GiB with their packed weights; a step's estimated peak "
+                f"{self.estimate_gb:.1f} GiB)")
+
+    def apply(self, model) -> None:
+        """Turns on what the plan chose for `model`: activation checkpointing, and glibc returning freed blocks."""
+        if self.checkpointing:
+            enable_activation_checkpointing(model)
+        if self.returns_freed_blocks:
+            return_freed_blocks()
 
 
 def plan(tcfg: TrainerConfig, lm, engine=None, *, rows: int, longest_row: int, chunk_size: int | None) -> MemoryPlan:
@@ -109,10 +143,11 @@ def plan(tcfg: TrainerConfig, lm, engine=None, *, rows: int, longest_row: int, c
     gradient_checkpointing, memory_budget_gb) and the loaded model `lm`. `rows`: completions a step generates on
     this rank; `longest_row`: the most tokens (prompt + completion) one row can have. What the model and `engine` (a
     rollout Engine) hold is read off the process, plus what their weights will take once packed (model.prepack packs
-    lazily, at the first product). Without a budget the settings
-    stand as given. With one, the largest micro-batch that fits is taken (no more than micro_batch_tokens when
-    that is a number; auto leaves it to the budget), without checkpointing if one whole row fits so, else with it;
-    a budget that cannot hold one row even checkpointed is a ConfigError naming the knobs."""
+    lazily, at the first product). Without a budget the settings stand as given. With one, the LM head goes
+    BUDGET_HEAD_CHUNK positions at a time (or chunk_size, if fewer), glibc returns freed blocks on the CPU, and the
+    largest micro-batch that fits is taken (no more than micro_batch_tokens when that is a number; auto leaves it to
+    the budget), without checkpointing if one whole row fits so, else with it; a budget that cannot hold one row even
+    checkpointed is a ConfigError naming the knobs."""
     budget = tcfg.memory_budget_gb
     if budget is None:
         return MemoryPlan(micro_batch_tokens(tcfg.micro_batch_tokens, lm.device), bool(tcfg.gradient_checkpointing))
@@ -121,7 +156,9 @@ def plan(tcfg: TrainerConfig, lm, engine=None, *, rows: int, longest_row: int, c
     packed = [(lm.model, ("forward", "backward"))] + ([] if engine is None else engine.packed_models())
     loaded = in_use_bytes(lm.device) + prepack.pending_bytes(*packed)
     vocab = lm.model.get_output_embeddings().weight.shape[0]
-    head = HEAD_BLOCKS * min(chunk_size or longest_row, longest_row) * vocab * 4.0
+    head_chunk = min(chunk_size or BUDGET_HEAD_CHUNK, BUDGET_HEAD_CHUNK)
+    head = HEAD_BLOCKS * min(head_chunk, longest_row) * vocab * 4.0
+    returned = lm.device.type == "cpu"
     room = budget * GIB * 0.95 - loaded - head  # 5 %: what the estimate does not see (records, the optimizer step)
     generation = kv_cache_bytes(config, dtype, rows, longest_row)
     for checkpointing in (bool(tcfg.gradient_checkpointing), True):
@@ -130,7 +167,7 @@ def plan(tcfg: TrainerConfig, lm, engine=None, *, rows: int, longest_row: int, c
         if fits >= longest_row and budget * GIB * 0.95 >= loaded + generation:
             chosen = fits if tokens is None else min(tokens, fits)
             estimate = loaded + max(generation, head + chosen * per_token)
-            return MemoryPlan(chosen, checkpointing, budget, loaded / GIB, estimate / GIB)
+            return MemoryPlan(chosen, checkpointing, budget, loaded / GIB, estimate / GIB, head_chunk, returned)
     need = loaded + max(generation, head + longest_row * activation_bytes_per_token(config, dtype, True))
     raise ConfigError(f"trainer.memory_budget_gb={budget:g} is too small for rows of up to {longest_row} tokens "
                       f"(data.max_prompt_tokens + rollout.max_new_tokens): one row needs about {need / GIB:.1f} GiB "

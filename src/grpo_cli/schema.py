@@ -307,8 +307,9 @@ class TrainerConfig:
         "tokens (prompt + completion) per forward/backward at most; a longer row goes alone; auto = what "
         "memory_budget_gb fits, else 2048 on the CPU and none on CUDA; null = none", "auto", AUTO_OR_COUNT,
         row="memory")
-    memory_budget_gb: float | None = option("memory a step must fit in (GiB): the tokens per micro-batch and "
-                                            "activation checkpointing follow, said in one line at start; null = "
+    memory_budget_gb: float | None = option("memory a step must fit in (GiB): the tokens per micro-batch, "
+                                            "activation checkpointing, the LM head's blocks and (CPU) glibc "
+                                            "returning freed blocks follow, said in one line at start; null = "
                                             "none", None, POSITIVE, row="memory")
     max_grad_norm: float = option("gradient clipping norm", 1.0, POSITIVE)
     logprob_chunk_size: int | None = option("token rows per log-softmax chunk (bounds memory); null = one pass",

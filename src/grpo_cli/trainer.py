@@ -29,7 +29,7 @@ from grpo_cli.config_rules import is_on_policy
 from grpo_cli.data import PromptSampler, load_rows
 from grpo_cli.errors import Interrupted, InvariantError, warn
 from grpo_cli.evaluate import final_eval_on
-from grpo_cli.models import LoadedModel, enable_activation_checkpointing, load_policy, load_within_context
+from grpo_cli.models import LoadedModel, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
 from grpo_cli.rewards import Outcomes, RewardSet
 from grpo_cli.rewards.aggregation import present_mean
@@ -201,8 +201,7 @@ class GRPOTrainer:
                                   longest_row=data.max_prompt_tokens + self.roll.max_new_tokens)
         if self.memory.budget_gb is not None:
             warn(self.memory.line())
-        if self.memory.checkpointing:
-            enable_activation_checkpointing(self.model)
+        self.memory.apply(self.model)
         self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype, stop=self.stop,
                                              environment=self.episodes and self.episodes.environment_factory)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -277,7 +276,7 @@ class GRPOTrainer:
     def _logprobs(self, batch: Batch, rows: slice, *, grad: bool, with_entropy: bool = False):
         with torch.set_grad_enabled(grad):
             return completion_logprobs(self.model, batch.rollout, rows, self.roll.temperature,
-                                       self.tcfg.logprob_chunk_size, with_entropy)
+                                       self.memory.head_chunk or self.tcfg.logprob_chunk_size, with_entropy)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, batch: Batch, parts: list[slice], adapter: bool) -> torch.Tensor:
