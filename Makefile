@@ -74,7 +74,7 @@ bench-scaling: $(STAMP)
 # long completions, ours against TRL (hours on 2 CPU cores): the T-scaling table, then the memory-cap table
 bench-long: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) scripts/bench_long.py --mode lengths
+	$(PY) scripts/bench_long.py --mode lengths --ours-budget 4.5
 	$(PY) scripts/bench_long.py --mode budget
 
 clean:

@@ -10,7 +10,8 @@ LoRA r=16 on all linear layers, beta 0.04, one update per step; each cell is one
 (scripts/bench_worker.py), one after another, alone on the machine. TRL runs at each of `--trl` settings: `nogc`
 (the whole batch in one forward, no recomputation: TRL at its fastest), `default` (GRPOConfig's own defaults:
 gradient_checkpointing=True) and `lean` (its documented memory settings: checkpointing and one completion per
-forward, gradient accumulation over the batch). Ours runs at its defaults, and under a cap with
+forward, gradient accumulation over the batch). Ours runs at its defaults, with `--ours-budget GB` also with
+trainer.memory_budget_gb=GB (its memory settings follow from the budget), and under a cap with
 trainer.memory_budget_gb set to the cap. A cap is enforced on the whole process by a cgroup's memory limit (what it
 holds in memory, as a container would count it; its OOM killer ends the worker at the cap), or RLIMIT_DATA where no
 cgroup can be made; an allocation past it counts as "does not fit", and so does a cell past `--cell-timeout` seconds
@@ -121,26 +122,29 @@ def shown(cell: dict | None, key: str, spec: str = ".1f") -> str:
 
 
 def lengths(args, log_dir: Path) -> dict:
-    sides = ["ours", *(f"trl-{s}" for s in args.trl)]
+    ours = ["ours", *(["ours-budget"] if args.ours_budget else [])]
+    sides = [*ours, *(f"trl-{s}" for s in args.trl)]
     cells: dict[str, dict[int, dict]] = {side: {} for side in sides}
+    budget = {"overrides": [f"trainer.memory_budget_gb={args.ours_budget}"]}
     for T in args.lengths:
         for side in sides:
             if side in args.skip.get(T, ()):
                 continue
-            cells[side][T] = run_cell(side, spec_for(args, T, side), log_dir, f"lengths-T{T}-{side}", args.cell_timeout)
+            spec = spec_for(args, T, side, **(budget if side == "ours-budget" else {}))
+            cells[side][T] = run_cell(side, spec, log_dir, f"lengths-T{T}-{side}", args.cell_timeout)
     rows = []
     for T in args.lengths:
         for key, label, f in (("s", "s / step", ".1f"), ("gen_s", "generation s", ".1f"),
                               ("decode_ms_per_row_step", "decode ms / row-step", ".2f"),
                               ("peak_mb", "peak RSS MB", ".0f")):
             rows.append([f"T={T} {label}", *(shown(cells[s].get(T), key, f) for s in sides)])
-        ours = cells["ours"].get(T)
-        for other in sides[1:]:
-            theirs = cells[other].get(T)
-            if ours and theirs and ours["status"] == theirs["status"] == "ok":
-                rows.append([f"T={T} ours / {other}", "", *("" for _ in sides[1:])])
-                rows[-1][1 + sides.index(other)] = f"{ours['s'] / theirs['s']:.2f} time, " \
-                                                   f"{ours['peak_mb'] / theirs['peak_mb']:.2f} memory"
+        for mine in ours:
+            for other in sides[len(ours):]:
+                a, b = cells[mine].get(T), cells[other].get(T)
+                if a and b and a["status"] == b["status"] == "ok":
+                    rows.append([f"T={T} {mine} / {other}", *("" for _ in sides)])
+                    rows[-1][1 + sides.index(other)] = f"{a['s'] / b['s']:.2f} time, " \
+                                                       f"{a['peak_mb'] / b['peak_mb']:.2f} memory"
     print_table(f"GRPO step as completions grow: P=1 G={args.G}, exactly T new tokens, fp32, threads={args.threads}",
                 ["", *sides], rows)
     return {"mode": "lengths", "cells": cells}
@@ -183,6 +187,8 @@ def main(argv=None) -> None:
                    help="TRL settings to run; default nogc,default,lean (lengths), default,lean (budget)")
     p.add_argument("--skip", type=lambda v: {int(t): s.split("+") for t, s in (x.split(":") for x in v.split(","))},
                    default={}, help="cells not to run, e.g. 4096:trl-nogc+trl-default (said in the table)")
+    p.add_argument("--ours-budget", type=float, default=None,
+                   help="lengths: also ours with trainer.memory_budget_gb=GB (its memory settings, as TRL's lean)")
     p.add_argument("--G", type=int, default=8)
     p.add_argument("--threads", type=int, default=2, help="torch threads per subprocess (2 = both cores here)")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps before the timed one")
@@ -200,6 +206,7 @@ def main(argv=None) -> None:
     load_before = os.getloadavg()
     result = (lengths if args.mode == "lengths" else budget)(args, log_dir)
     result.update({"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "threads": args.threads,
+                   "ours_budget_gb": args.ours_budget,
                    "G": args.G, "lengths": args.lengths, "trl_settings": args.trl, "cell_timeout_s": args.cell_timeout,
                    "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "loadavg_before": load_before,
                             "loadavg_after": os.getloadavg(), "avx512": "avx512f" in Path("/proc/cpuinfo").read_text()},
