@@ -1,7 +1,8 @@
 """A run dir written before the typed config (commit 72f1e9a, the last before the structured configs of issue 50)
 resumes under this code: tests/data/run_before_typed_config is that commit's `grpo-train +recipe=quickstart
 model=tiny trainer.device=cpu rollout.max_new_tokens=4 data.prompts_per_step=2 algo.num_generations=2
-trainer.log_samples_every=0 trainer.max_steps=1 trainer.save_every=1` (its .lock left out)."""
+trainer.log_samples_every=0 trainer.max_steps=1 trainer.save_every=1` (its .lock and .hydra/hydra.yaml, which
+names the machine's paths, left out)."""
 
 from __future__ import annotations
 
