@@ -73,17 +73,23 @@ def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) 
     return values * torch.finfo(dtype).bits // 8 * ALLOCATOR_FACTOR
 
 
+def _mallopt():
+    """glibc's mallopt, or None where the C library has none."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return mallopt
+
+
 def return_freed_blocks() -> bool:
     """Have glibc serve blocks of MMAP_THRESHOLD bytes and more from their own mappings, which free() unmaps at
     once. By default glibc raises that threshold up to 32 MiB as large blocks are freed, so a long row's activations
     and head blocks come from its heap, whose freed blocks it keeps (module docstring). Process-wide, for the
     allocations after the call. False where the C library has no mallopt (not glibc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    mallopt = _mallopt()
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
 
 
 def kv_cache_bytes(config, dtype: torch.dtype, rows: int, tokens: int) -> float:
@@ -158,7 +164,7 @@ def plan(tcfg: TrainerConfig, lm, engine=None, *, rows: int, longest_row: int, c
     vocab = lm.model.get_output_embeddings().weight.shape[0]
     head_chunk = min(chunk_size or BUDGET_HEAD_CHUNK, BUDGET_HEAD_CHUNK)
     head = HEAD_BLOCKS * min(head_chunk, longest_row) * vocab * 4.0
-    returned = lm.device.type == "cpu"
+    returned = lm.device.type == "cpu" and _mallopt() is not None  # the start-up line says so only where it happens
     room = budget * GIB * 0.95 - loaded - head  # 5 %: what the estimate does not see (records, the optimizer step)
     generation = kv_cache_bytes(config, dtype, rows, longest_row)
     for checkpointing in (bool(tcfg.gradient_checkpointing), True):
