@@ -169,3 +169,33 @@ def test_the_inference_copy_shares_the_heads_packed_weight_and_packs_its_merged_
     assert merged and all(m._packs is not head._packs for m in merged)
     x = torch.randn(3, head.in_features)
     torch.testing.assert_close(copy_head(x), torch.nn.functional.linear(x, head.weight, head.bias))
+
+
+def test_the_lean_copy_holds_packed_weights_only_and_lets_go_of_them_while_the_policy_trains():
+    """On the CPU the merged engine's copy keeps no plain merged weight (its layers multiply through the packed
+    one), lets go of the packed ones when an update begins, and after the adapter changed gives the policy's
+    logits again; the memory plan counts its layers by their shape while they are let go."""
+    from grpo_cli.rollout import MergedEngine
+
+    lm = tiny_lora_policy()
+    prepack_frozen_linears(lm.model)
+    engine = MergedEngine(lm.model, lm.tokenizer, lm.device)
+    merged = list(engine.copy.plain.values())
+    head = lm.model.get_output_embeddings()  # shared with the policy, packed at the first product
+    shapes = sum(m.in_features * m.out_features * 4 for m in [*merged, head])
+    assert engine.copy.lean and not any(m._packs for m in merged)  # nothing held before the first rollout
+    assert prepack.pending_bytes(*engine.packed_models()) == shapes
+    ids = torch.tensor([[5, 9, 3, 7, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(engine.inference_model()(input_ids=ids).logits, lm.model(input_ids=ids).logits,
+                                   rtol=0, atol=1e-5)
+    assert all(m.weight.numel() == 0 and m._packs["forward"][0] == prepack.PACKED_ONLY for m in merged)
+    assert prepack.pending_bytes(*engine.packed_models()) == 0
+
+    engine.update_begins()
+    assert engine.stale and not any(m._packs for m in merged)
+    randomise_lora(lm.model, seed=1)  # what an optimizer step does to the adapter
+    engine.policy_changed()
+    with torch.no_grad():
+        policy = lm.model(input_ids=ids).logits
+        torch.testing.assert_close(engine.inference_model()(input_ids=ids).logits, policy, rtol=0, atol=1e-5)

@@ -22,6 +22,7 @@ import torch
 
 SETTINGS = ("auto", True, False)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+PACKED_ONLY = "packed only"  # the version of a pack whose plain weight was let go (PackedLinear.pack_only)
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -84,11 +85,26 @@ class PackedLinear(torch.nn.Linear):
         """The packed weight (`forward`) or transposed weight (`backward`), packed again when the weight changed."""
         version = self.weight._version
         found = self._packs.get(direction)
+        if found is not None and found[0] == PACKED_ONLY:
+            return found[2]
         if found is None or found[0] != version or found[1] != self.weight.data_ptr():
             weight = self.weight if direction == "forward" else self.weight.t().contiguous()
             found = (version, self.weight.data_ptr(), _pack(weight))
             self._packs[direction] = found
         return found[2]
+
+    def pack_only(self, weight: torch.Tensor) -> None:
+        """Multiply by `weight` through its packed copy alone, holding no plain weight: for a layer that is only
+        ever multiplied with, forward and without a gradient (the CPU inference copy's merged layers), where the
+        plain weight would double the layer's memory. `weight` is packed now; `self.weight` keeps its dtype and
+        device but no elements."""
+        self._packs = {"forward": (PACKED_ONLY, 0, _pack(weight))}
+        self.weight.data = weight.new_empty(0)
+
+    def release(self) -> None:
+        """Let go of the weight and its packs (a packed-only layer until `pack_only` gives it a weight again)."""
+        self._packs = {}
+        self.weight.data = self.weight.data.new_empty(0)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b through the packed weight (a frozen layer on the CPU only)."""
@@ -144,8 +160,8 @@ def pending_bytes(*models: tuple[torch.nn.Module, tuple[str, ...]]) -> int:
             if not isinstance(module, PackedLinear):
                 continue
             for direction in directions:
-                key = (module.weight.data_ptr(), direction)
+                key = (module.weight.data_ptr() or id(module), direction)  # 0: a weight let go
                 if key not in seen and direction not in module._packs:
-                    seen.add(key)
-                    total += module.weight.numel() * module.weight.element_size()
+                    seen.add(key)  # by the layer's shape: a packed-only layer holds no plain weight to count
+                    total += module.in_features * module.out_features * module.weight.element_size()
     return total

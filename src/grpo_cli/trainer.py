@@ -238,8 +238,9 @@ class GRPOTrainer:
         t0, compile_before = time.perf_counter(), self.engine.compile_s
         options = dict(max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
                        **sampling_options(self.roll), stop=self.stop)
-        roll = self.engine.generate(enc.ids, G, **options) if self.episodes is None else self.episodes.run(
-            self.engine, self.tokenizer, rows, G, context_length=self.lm.context_length, **options)
+        with self.memory.generating():
+            roll = self.engine.generate(enc.ids, G, **options) if self.episodes is None else self.episodes.run(
+                self.engine, self.tokenizer, rows, G, context_length=self.lm.context_length, **options)
         if roll is None or roll.interrupted:  # None: a stop request came while a tool or the environment ran
             return None
         compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
@@ -359,6 +360,7 @@ class GRPOTrainer:
 
     def update(self, step: int, batch: Batch) -> StepStats:
         """Every optimizer update of one step: `num_iterations` passes over the mini-batches."""
+        self.engine.update_begins()
         self.model.train()
         ordered, minis = self.mini_batch_layout(batch)
         parts = [rows for mini in minis for rows in mini.micro]

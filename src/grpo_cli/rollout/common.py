@@ -226,10 +226,11 @@ class Engine:
     `generate` returns G completions per prompt (rows g*G .. g*G+G-1 share prompt g), sampled from the
     global torch RNG (the caller seeds it) with the options of `sampling_kwargs` (greedy ignores all but
     `stop_strings`), each ended at EOS or at its first stop string, polling `stop()` at every decode step;
-    `sampling_options(cfg.rollout)` gives the sampling keywords of a config; `policy_changed()` is
-    called after every optimizer step that changed the policy's weights; `close()` frees what the engine
-    holds. Log-probs for the loss never come from an engine: the trainer recomputes them, so an engine may
-    sample with other numerics (merged bf16 weights, CUDA graphs) without biasing the update.
+    `sampling_options(cfg.rollout)` gives the sampling keywords of a config; `update_begins()` is called before
+    the trainer's update and `policy_changed()` after every optimizer step that changed the policy's weights;
+    `close()` frees what the engine holds. Log-probs for the loss never come from an engine: the trainer
+    recomputes them, so an engine may sample with other numerics (merged bf16 weights, CUDA graphs) without
+    biasing the update.
     """
 
     name = "base"
@@ -255,6 +256,10 @@ class Engine:
         """Models of the engine's own (beside the policy) whose prepacked weights it multiplies through, with the
         directions it packs (prepack.pending_bytes): none here; an inference copy's, forward."""
         return []
+
+    def update_begins(self) -> None:
+        """The trainer is about to update the policy: what the engine rebuilds after `policy_changed()` anyway may
+        be let go now, so the update has that memory (the `merged` engine's copy on the CPU). Nothing here."""
 
     def policy_changed(self) -> None:
         """The policy's trainable weights changed (an optimizer step, a loaded checkpoint)."""

@@ -8,6 +8,7 @@ import time
 import torch
 
 from grpo_cli.errors import ModelLoadError
+from grpo_cli.prepack import PackedLinear
 
 
 def merge_obstacle(peft_model) -> str | None:
@@ -34,9 +35,15 @@ class InferenceCopy:
     are shared with the policy, and nothing of the policy is ever written: its frozen base is the reference
     policy and stays bit-exact. `refresh()` recomputes the merged weights in place (same storage, so a
     captured CUDA graph stays valid) and must run after each optimizer step that changed the adapter.
+
+    `lean` (the `merged` engine on the CPU, where the adapted layers are model.prepack's PackedLinear): each merged
+    layer holds only its packed weight, made at `refresh()`, and `release()` lets go of them all until the next
+    `refresh()`, which recomputes every merged weight anyway; so between rollouts, while the policy trains, the
+    copy takes no memory of its own (in fp32 the embedded model's adapted layers are 0.42 GB, and as many again
+    packed).
     """
 
-    def __init__(self, peft_model, engine: str = "merged"):
+    def __init__(self, peft_model, engine: str = "merged", lean: bool = False):
         import copy
 
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -60,7 +67,13 @@ class InferenceCopy:
             self.targets[name] = plain.weight
         model.generation_config = inner.generation_config  # shared too: EOS ids and defaults are the policy's
         self.model = model.eval()
-        self.refresh()
+        self.plain = {name: model.get_submodule(name) for name in self.layers}
+        self.lean = lean and all(isinstance(m, PackedLinear) and m.weight.device.type == "cpu"
+                                 for m in self.plain.values())
+        if self.lean:
+            self.release()
+        else:
+            self.refresh()
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -71,7 +84,16 @@ class InferenceCopy:
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
                     merged = merged + layer.get_delta_weight(adapter).float()
-            self.targets[name].copy_(merged)
+            if self.lean:
+                self.plain[name].pack_only(merged.to(self.targets[name].dtype))
+            else:
+                self.targets[name].copy_(merged)
+
+    def release(self) -> None:
+        """A lean copy lets go of its merged layers until the next `refresh()`; any other keeps them."""
+        if self.lean:
+            for plain in self.plain.values():
+                plain.release()
 
 
 class FollowsThePolicy:
@@ -81,13 +103,19 @@ class FollowsThePolicy:
 
     sync_s = 0.0
 
-    def follow(self, model, engine: str) -> None:
+    def follow(self, model, engine: str, lean: bool = False) -> None:
         self.source = model
-        self.copy = InferenceCopy(model, engine=engine) if hasattr(model, "get_base_model") else None
+        self.copy = InferenceCopy(model, engine=engine, lean=lean) if hasattr(model, "get_base_model") else None
         self.stale = True  # refreshed at the first generation: after a checkpoint's adapter is loaded
 
     def policy_changed(self) -> None:
         self.stale = True
+
+    def update_begins(self) -> None:
+        """A lean copy is let go while the policy trains (Engine.update_begins); the next generation rebuilds it."""
+        if self.copy is not None and self.copy.lean:
+            self.copy.release()
+            self.stale = True
 
     def inference_model(self):
         if self.copy is None:

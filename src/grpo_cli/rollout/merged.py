@@ -1,7 +1,8 @@
 """The `merged` engine (the CPU default): transformers' generate as in `hf`, each prompt prefilled once and its KV
 cache repeated for its G completions, but on a merged inference copy of the policy instead of the peft model, so
 that no decode step takes the per-layer LoRA detour (two small matmuls, a scale and an add in each adapted layer).
-On the CPU the copy's layers run on prepacked weights too (model.prepack), packed again after each refresh.
+On the CPU the copy's layers run on prepacked weights too (model.prepack), packed again after each refresh, and
+hold nothing else: the copy is lean (InferenceCopy), let go while the policy trains and rebuilt for the next rollout.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class MergedEngine(FollowsThePolicy, HFEngine):
 
     def __init__(self, model, tokenizer, device=None):
         super().__init__(model, tokenizer, device)
-        self.follow(model, self.name)
+        self.follow(model, self.name, lean=True)
 
     def close(self) -> None:
         self.drop_copy()
