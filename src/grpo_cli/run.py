@@ -62,6 +62,8 @@ class Run:
     def close(self) -> None:
         """Leave the process group (of a trainer this run built) and release the run dir."""
         try:
+            if self.trainer is not None:
+                self.trainer.close()  # the rollout worker's process ends with the run, however it ends
             if self.built_trainer and self.trainer is not None:
                 distributed.teardown(self.trainer.dist)
         finally:
@@ -155,6 +157,10 @@ class Run:
         self.last_checkpoint = (start, found)
         trainer.skipped_updates = state.get("skipped_updates", 0)  # a checkpoint's state: a plain dict
         trainer.fresh_adapter = start == 0
+        if self.cfg.rollout.placement == "worker":
+            from grpo_cli.rollout.worker import versions_from_tensors
+
+            trainer.resumed_versions = versions_from_tensors(checkpoint.rollout_versions(found))
         if trainer.entropy_control is not None:
             trainer.entropy_control.restore(state)
         if self.main:
@@ -231,7 +237,7 @@ class Run:
                                    {"skipped_updates": trainer.skipped_updates,
                                     "fingerprint": rundir.fingerprint(self.cfg),
                                     **(trainer.entropy_control.state() if trainer.entropy_control else {})},
-                                   self.tcfg.keep_last)
+                                   self.tcfg.keep_last, tensors=trainer.rollout_versions())
         distributed.barrier(trainer.dist)
         self.last_checkpoint = (done, path)
         return path
