@@ -215,7 +215,8 @@ class AlgoConfig:
     check: bool = option("live invariant checks (cheap)", True)
     sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
         option("weigh each token's policy term by exp(trainer - sampler log-prob), per token or summed per "
-               "sequence, truncated to or masked outside the clip bounds (rollout.engine=vllm)", "none"))
+               "sequence, truncated to or masked outside the clip bounds (rollout.engine=vllm or "
+               "rollout.placement=worker)", "none"))
     sampler_clip_min: float | None = option("lower bound of the sampler weight; null = none", None, number(0),
                                             row="sampler clip")
     sampler_clip_max: float | None = option("upper bound of the sampler weight; null = none", 3.0, number(0),

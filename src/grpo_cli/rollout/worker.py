@@ -31,9 +31,11 @@ version within SYNC_TOLERANCE, else the run stops in one line naming the step an
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -286,6 +288,7 @@ def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: 
     worker down)."""
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
+    end_with_the_trainer()
     try:
         from omegaconf import OmegaConf
 
@@ -320,6 +323,14 @@ def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: 
                 results.put(("batch", step, version, *generate(cfg, lm, engine, prompt_ids, seed)))
     except Exception as err:  # noqa: BLE001  every failure goes back to the trainer, which says it in one line
         results.put(("failed", err if _picklable(err) else RunError(f"the rollout worker failed: {error_line(err)}")))
+
+
+def end_with_the_trainer() -> None:
+    """On Linux the kernel kills this process when the trainer's ends, even by SIGKILL (prctl PR_SET_PDEATHSIG);
+    elsewhere the request loop notices a new parent between requests."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int) -> tuple[Rollout, dict]:
