@@ -71,9 +71,11 @@ def test_max_staleness_0_leaves_the_default_path_bitwise(compose, tmp_path):
     assert_same_adapter(*runs)
 
 
-# the reward of TINY, and a signal at one step's scoring where SIGNAL_AT_CALL says (tests/varied_reward.py)
+# the reward of TINY, and a signal at one step's scoring where SIGNAL_AT_CALL says (tests/varied_reward.py); the
+# sampler correction weighs the lag, with a bound that the lag crosses
 SIGNALLING = [*TINY[:-2], "+reward.functions.varied._target_=varied_reward.by_length_with_a_signal",
-              "+reward.functions.varied.weight=1.0", *WORKER, "trainer.save_every=0"]
+              "+reward.functions.varied.weight=1.0", *WORKER, "trainer.save_every=0",
+              "algo.sampler_correction=token_truncate", "algo.sampler_clip_max=1.05"]
 
 
 def signal_at(step: int, to: str, record: Path) -> dict:
@@ -89,9 +91,11 @@ def test_a_worker_run_stopped_by_sigterm_resumes_to_the_uninterrupted_adapter(tm
     proc = run_cli([*SIGNALLING, f"hydra.run.dir={straight}"], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_jsonl(straight / "metrics.jsonl")
-    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]  # step t trains on version max(0, t - 1)'s batch
+    assert [r["rollout/version"] for r in rows] == [0, 0, 1, 2]  # step t trains on version max(0, t - 1)'s batch
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
     assert all(0 <= r["sync/logp_gap"] <= 1e-3 for r in rows)
     assert rows[0]["sampler/logp_diff_max"] < 1e-4 < rows[1]["sampler/logp_diff_max"]  # the lag, seen from step 1
+    assert rows[0]["sampler/corrected_frac"] == 0 < max(r["sampler/corrected_frac"] for r in rows[1:])
     assert_learned(straight)
 
     proc = run_cli([*SIGNALLING, f"hydra.run.dir={stopped}"], tmp_path, timeout=120,
@@ -118,6 +122,7 @@ def test_a_worker_that_dies_is_one_line_not_a_hang(tmp_path):
     worker = int(record.read_text())
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"grpo-train: the rollout worker (pid {worker}) ended with exit code -9 before it "), last
+    assert last.endswith("; no checkpoint was written yet"), last  # trainer.save_every=0
 
 
 @pytest.mark.slow
@@ -133,4 +138,4 @@ def test_a_weight_sync_that_does_not_happen_stops_the_run_in_one_line(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("grpo-train: sync check failed at step 2: after the weight sync of policy version 1 the "
                            "rollout worker's log-probs on the probe sequence differ from the trainer's by "), last
-    assert "over the tolerance 0.001" in last
+    assert "over the tolerance 0.001: the new weights did not reach the worker" in last

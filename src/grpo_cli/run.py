@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 import grpo_cli.config  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
 from grpo_cli import checkpoint, distributed, memory, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
-from grpo_cli.errors import Interrupted, InvariantError, RunError, UserCodeError
+from grpo_cli.errors import Interrupted, InvariantError, RunError, UserCodeError, WorkerError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
 from grpo_cli.monitors import Monitors
 from grpo_cli.ranks import is_rank_zero
@@ -116,6 +116,8 @@ class Run:
             except UserCodeError as failed:  # it failed before the update: the state after `step` steps is intact
                 restore_rng(last_complete)
                 raise self.keeping_the_last_state(failed, step) from None
+            except WorkerError as failed:
+                raise WorkerError(f"{failed}; {self.kept()}") from None
             except (RuntimeError, MemoryError) as error:
                 if not memory.is_out_of_memory(error):
                     raise
@@ -131,10 +133,13 @@ class Run:
     def out_of_memory(self, error: BaseException, step: int) -> RunError:
         """One line for an allocation that failed in `step`: nothing of the step is saved (an update may have
         begun), the newest checkpoint on disk is kept and named, with the command that resumes from it."""
-        kept = "no checkpoint was written yet" if self.last_checkpoint is None else (
+        return RunError(f"{memory.out_of_memory_line(error, step, self.trainer.lm.device)}; {self.kept()}")
+
+    def kept(self) -> str:
+        """What a run that failed mid-step keeps: the newest checkpoint on disk and the command that resumes from it."""
+        return "no checkpoint was written yet" if self.last_checkpoint is None else (
             f"the checkpoint after {self.last_checkpoint[0]} step(s), {self.last_checkpoint[1]}, is kept; resume "
             f"with the same command plus trainer.resume=auto hydra.run.dir={self.run_dir}")
-        return RunError(f"{memory.out_of_memory_line(error, step, self.trainer.lm.device)}; {kept}")
 
     def keeping_the_last_state(self, failed: UserCodeError, done: int) -> UserCodeError:
         """`failed`, its line extended by the checkpoint of the state after `done` complete steps and how to go on
