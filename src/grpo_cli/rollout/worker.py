@@ -201,7 +201,8 @@ class RolloutWorker:
 
     # ---- the schedule ---------------------------------------------------------------------------
     def _schedule(self) -> None:
-        """Request every batch that its version can generate now: step t's by version max(0, t - K)."""
+        """Request every batch that its version can generate now: step t's by version max(0, t - K); on a stop
+        request that came while a sync waited, no more (the run is stopping; its checkpoint keeps the versions)."""
         while self.next_step < self.max_steps and max(0, self.next_step - self.K) <= self.version:
             version = max(0, self.next_step - self.K)
             if version not in self.history:  # a resumed checkpoint that kept no earlier versions: the resumed one
@@ -210,23 +211,25 @@ class RolloutWorker:
                      "uninterrupted one (a checkpoint written with rollout.placement=local or an older grpo-cli)")
                 version = self.version
             if version != self.synced_to:
-                self._sync(version)
+                if not self._sync(version):
+                    return
             request = self.prompts_of(self.next_step)
             self.requests.put(("generate", self.next_step, version, request.prompt_ids, request.seed))
             self.next_step += 1
 
-    def _sync(self, version: int) -> None:
-        """Write `version`'s adapter into the shared buffers (once the worker has copied the previous one) and ask
-        the worker to load it."""
+    def _sync(self, version: int) -> bool:
+        """Write `version`'s adapter into the shared buffers (once the worker has copied the previous one, which may
+        wait for the batch it is generating) and ask the worker to load it; False when a stop request came first."""
         if self.unacknowledged is not None:
             waited = self.unacknowledged
-            self._wait(lambda _: waited not in self.expected, f"loaded the adapter of version {waited}",
-                       stoppable=False)
+            if not self._wait(lambda _: waited not in self.expected, f"loaded the adapter of version {waited}"):
+                return False
         adapter, probe = self.history[version]
         for name, buffer in self.buffers.items():
             buffer.copy_(adapter[name])
         self.expected[version], self.unacknowledged, self.synced_to = probe, version, version
         self.requests.put(("sync", version))
+        return True
 
     def _adapter_copy(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().to("cpu", copy=True) for name, p in trainable(self.lm.model).items()}
@@ -236,14 +239,14 @@ class RolloutWorker:
                                 self.cfg.trainer.logprob_chunk_size)
 
     # ---- the results ----------------------------------------------------------------------------
-    def _wait(self, done: Callable, what: str, stoppable: bool = True) -> bool:
+    def _wait(self, done: Callable, what: str) -> bool:
         """Take the worker's messages until `done(message)` holds after one; False when a stop request came
-        first (if `stoppable`). A worker that ended is one line (WorkerError), never a hang."""
+        first. A worker that ended is one line (WorkerError), never a hang."""
         while True:
             try:
                 message = self.results.get(timeout=POLL_S)
             except queue.Empty:
-                if stoppable and self.stop():
+                if self.stop():
                     return False
                 self._check_alive(what)
                 continue
