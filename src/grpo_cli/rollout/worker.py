@@ -49,10 +49,11 @@ from grpo_cli.rollout.logprobs import completion_logprobs
 from grpo_cli.schema import Config
 
 # The largest |worker - trainer| log-prob on the probe that passes. The two copies hold the same fp32 weights and
-# run the same kernels, but maybe with other thread counts: a dot product summed in another order differs by ~1e-6
-# relative, ~1e-5 on a log-prob of magnitude ~10 over a vocabulary. One missed update at a usual learning rate moves
-# log-probs by 1e-3 or more and the drift grows with every missed sync, so 1e-3 separates the two by 100x. Half
-# precision rounds each product to 8 (bf16) or 11 bits: 5e-2 there.
+# run the same kernels, maybe with other thread counts: a dot product summed in another order differs by ~1e-6
+# relative, ~1e-5 on a log-prob of magnitude ~10 over a vocabulary, so 1e-3 leaves 100x room for rounding. A missed
+# sync leaves the worker on an older adapter, and the gap grows with every sync missed: it is caught at the first
+# sync where the drift passes 1e-3 (one update at the tests' lr 1e-2; at a small lr maybe several). Half precision
+# rounds each product to 8 (bf16) or 11 bits: 5e-2 there.
 SYNC_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
 HALF_SYNC_TOLERANCE = 5e-2
 # A test hook, read by the worker: "1" makes it acknowledge every weight sync without loading the new adapter, to
@@ -117,6 +118,7 @@ def versions_as_tensors(versions: Versions) -> dict[str, torch.Tensor]:
 
 
 def versions_from_tensors(tensors: dict[str, torch.Tensor]) -> Versions:
+    """The kept versions of a checkpoint's tensors (`versions_as_tensors`)."""
     found: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         version, _, name = key.partition("/")
