@@ -112,17 +112,25 @@ def test_a_worker_run_stopped_by_sigterm_resumes_to_the_uninterrupted_adapter(tm
     assert_same_adapter(straight, stopped)
 
 
+def stopped_after(steps: int, run: Path) -> str:
+    """The tail of the line of a run stopped by its rollout worker before the update of step `steps`."""
+    return (f"; the run stopped after {steps} complete step(s), checkpoint {run}/checkpoints/step-{steps:06d}; resume "
+            f"with the same command plus trainer.resume=auto hydra.run.dir={run}")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_worker_that_dies_is_one_line_not_a_hang(tmp_path):
-    record = tmp_path / "worker.pid"
-    proc = run_cli([*SIGNALLING, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120,
-                   env=signal_at(1, "worker", record))
+    """SIGKILL to the worker during step 1: step 2 finds it dead before its update, and the run stops in one line
+    with the state after 2 steps checkpointed."""
+    record, run = tmp_path / "worker.pid", tmp_path / "run"
+    proc = run_cli([*SIGNALLING, f"hydra.run.dir={run}"], tmp_path, timeout=120, env=signal_at(1, "worker", record))
     assert proc.returncode == 1, proc.stderr[-3000:]
     worker = int(record.read_text())
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"grpo-train: the rollout worker (pid {worker}) ended with exit code -9 before it "), last
-    assert last.endswith("; no checkpoint was written yet"), last  # trainer.save_every=0
+    assert last.endswith(stopped_after(2, run)), last
+    assert (run / "checkpoints" / "step-000002" / "rollout_versions.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -132,10 +140,11 @@ def test_a_weight_sync_that_does_not_happen_stops_the_run_in_one_line(tmp_path):
     the trainer's once the first update moved the adapter."""
     from grpo_cli.rollout.worker import SKIP_SYNC_TEST_HOOK
 
-    proc = run_cli([*SIGNALLING, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120,
-                   env={SKIP_SYNC_TEST_HOOK: "1"})
+    run = tmp_path / "run"
+    proc = run_cli([*SIGNALLING, f"hydra.run.dir={run}"], tmp_path, timeout=120, env={SKIP_SYNC_TEST_HOOK: "1"})
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("grpo-train: sync check failed at step 2: after the weight sync of policy version 1 the "
                            "rollout worker's log-probs on the probe sequence differ from the trainer's by "), last
     assert "over the tolerance 0.001: the new weights did not reach the worker" in last
+    assert last.endswith(stopped_after(2, run)), last

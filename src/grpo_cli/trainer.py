@@ -35,28 +35,19 @@ from grpo_cli.rewards import Outcomes, RewardSet
 from grpo_cli.rewards.aggregation import present_mean
 from grpo_cli.rollout import (
     EncodedPrompts,
+    Generation,
     Rollout,
     completion_logprobs,
     encode_prompts,
     episodes,
     make_engine,
     sampling_options,
+    sampling_seed,
 )
 from grpo_cli.rollout import rows as row_ops
 from grpo_cli.rollout.logprobs import real_lengths
-from grpo_cli.rollout.worker import Request, RolloutWorker, versions_as_tensors
 from grpo_cli.schema import AlgoConfig, Config
 from grpo_cli.stopping import StopRequest
-
-
-@dataclass
-class Generation:
-    """One step's completions on this rank, not yet scored."""
-
-    rollout: Rollout
-    rows: list[dict]                 # the data row of each prompt
-    prompts: list[str]               # the prompt text of each completion (G per prompt)
-    stats: dict                      # generation timing and prompt counts, for the metrics
 
 
 @dataclass
@@ -215,16 +206,13 @@ class GRPOTrainer:
         self.loss_settings = algorithm.loss_settings(self.algo, self.roll.max_new_tokens)
         self.entropy_control = algorithm.adaptive_entropy(self.algo)
         self.sampler_correction = algorithm.SamplerCorrection.of(self.algo)
-        self.skipped_in_a_row = 0
-        self.skipped_updates = 0
+        self.skipped_in_a_row = self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
-        self.worker: RolloutWorker | None = None  # rollout.placement=worker: started by the first step
-        self.resumed_versions: dict | None = None  # the earlier versions a resumed worker run regenerates from
+        self.generation_source = self.generate  # rollout.placement=worker: Run puts the rollout worker's here
 
     # ---- one step -------------------------------------------------------------------------------
     def prompts(self, step: int, draw: int = 0) -> tuple[list[dict], EncodedPrompts]:
-        """This rank's share of the step's prompt rows (those kept) and their encoding. `draw` > 0: a further
-        round of algo.filter_groups (dynamic_sampling.py)."""
+        """This rank's share of the step's kept prompt rows, encoded; `draw` > 0: a round of algo.filter_groups."""
         rows = self.sampler.batch(step) if not draw else \
             dynamic_sampling.extra_prompts(self.sampler, step, draw, self.algo.filter_max_draws)
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
@@ -237,47 +225,11 @@ class GRPOTrainer:
                                  "and was dropped; raise it or use data.overlong=truncate")
         return [rows[i] for i in enc.kept], enc
 
-    def sampling_seed(self, step: int, draw: int = 0) -> int:
-        """The seed of a step's sampling: it depends on (seed, step, rank, draw) only, for exact resume."""
-        return self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank + draw * dynamic_sampling.DRAW_SEED
-
-    def next_generation(self, step: int) -> Generation | None:
-        """The step's generation from its source: sampled here (rollout.placement=local), or taken from the rollout
-        worker (rollout.placement=worker), started at the first step, from the resumed policy."""
-        if self.roll.placement == "local":
-            return self.generate(step)
-        if self.worker is None:
-            self.worker = RolloutWorker(self.cfg, self.lm, self.worker_request, start=step, stop=self.stop,
-                                        history=self.resumed_versions)
-        got = self.worker.batch(step)
-        if got is None:
-            return None
-        roll, stats = got
-        rows, enc = self.prompts(step)
-        return Generation(roll, rows, roll.prompt_texts(enc.texts),
-                          stats={**stats, "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped})
-
-    def worker_request(self, step: int) -> Request:
-        return Request(self.prompts(step)[1].ids, self.sampling_seed(step))
-
-    def rollout_versions(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint keeps for the rollout worker: the adapters (and probe log-probs) of the last K versions,
-        from which a resumed run regenerates its in-flight batches exactly (none with rollout.placement=local)."""
-        if self.worker is not None:
-            return versions_as_tensors(self.worker.versions_to_keep())
-        return versions_as_tensors(self.resumed_versions or {})
-
-    def close(self) -> None:
-        """Shut down the rollout worker, if one runs (its process is gone afterwards)."""
-        if self.worker is not None:
-            self.worker.close()
-
     def generate(self, step: int, draw: int = 0) -> Generation | None:
-        """This rank's share of the step's prompts and their G completions each; None when a stop request
-        ended generation. `draw` > 0: a further round of algo.filter_groups (dynamic_sampling.py)."""
+        """The step's prompts (`prompts`) and their G completions each; None when a stop request ended generation."""
         G = self.algo.num_generations
         rows, enc = self.prompts(step, draw)
-        torch.manual_seed(self.sampling_seed(step, draw))
+        torch.manual_seed(sampling_seed(self.tcfg.seed, step, self.dist.rank, draw))  # exact resume
         t0, compile_before = time.perf_counter(), self.engine.compile_s
         options = dict(max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
                        **sampling_options(self.roll), stop=self.stop)
@@ -446,15 +398,13 @@ class GRPOTrainer:
         if self.algo.filter_groups:
             batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
         else:
-            generation, batch = self.next_generation(step), None
+            generation, batch = self.generation_source(step), None
             scores = None if generation is None else self.score(generation)  # None: a stop request came first
             if scores is not None:
                 batch = self.make_batch(generation, scores)
         if self.stop_agreed(batch is None or self.stop()):
             return None
         stats = self.update(step, batch)
-        if self.worker is not None:
-            self.worker.policy_changed(step + 1)
         if self.algo.check:
             check_invariants(step, batch, stats, self.algo)
         metrics = self.metrics(step, batch, stats, time.perf_counter() - t0)
