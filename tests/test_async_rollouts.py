@@ -59,6 +59,13 @@ def test_staleness_needs_the_worker_placement_in_one_line(compose):
     assert validate(compose([*TINY_TRAINER, *WORKER, "algo.sampler_correction=token_truncate"])) == []
 
 
+def test_the_cores_split_between_trainer_and_worker():
+    from grpo_cli.rollout.worker import thread_split
+
+    assert thread_split(None, 2) == (1, 1) and thread_split(None, 8) == (4, 4) and thread_split(None, 1) == (1, 1)
+    assert thread_split(3, 8) == (5, 3) and thread_split(4, 2) == (1, 4)  # (trainer, worker): at least one each
+
+
 @pytest.mark.slow
 def test_max_staleness_0_leaves_the_default_path_bitwise(compose, tmp_path):
     """Two steps with the option left out and with rollout.max_staleness=0 end with the same adapter bytes."""
