@@ -2,7 +2,8 @@
 
 A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the adapter (safetensors), the optimiser state and
 the learning-rate schedule's update count (`trainer_state.pt`, tensors only, loaded with weights_only=True), RNG
-states and the step (`state.json`, with the config fingerprint of grpo_cli.rundir), and the metrics written so far.
+states and the step (`state.json`, with the config fingerprint of grpo_cli.rundir), the metrics written so far, and
+with rollout.placement=worker the adapters of the policy versions its in-flight batches need (ROLLOUT_VERSIONS).
 It is written under a temporary name and renamed into place, so a crash mid-write leaves the previous checkpoint
 whole.
 `manifest.json`, written last, lists every other file with its size and sha256: resume checks a checkpoint

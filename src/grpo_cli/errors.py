@@ -71,7 +71,7 @@ class RewardError(UserCodeError):
 
 class WorkerError(RunError):
     """The rollout worker (rollout.placement=worker) ended, or its policy is not the trainer's after a weight sync;
-    the message says which, and the run adds which checkpoint is kept."""
+    found before a step's update, so the run adds the checkpoint of the state after the last complete step."""
 
 
 class InvariantError(RunError):
