@@ -67,15 +67,28 @@ def test_the_cores_split_between_trainer_and_worker():
 
 
 @pytest.mark.slow
-def test_max_staleness_0_leaves_the_default_path_bitwise(compose, tmp_path):
-    """Two steps with the option left out and with rollout.max_staleness=0 end with the same adapter bytes."""
-    runs = []
-    for extra in ([], ["rollout.max_staleness=0"]):
-        run = tmp_path / f"run{len(runs)}"
-        fit(make_trainer(compose, run, *TINY[3:], "trainer.max_steps=2", "trainer.save_every=0", *extra), run)
-        runs.append(run)
+@pytest.mark.timeout(200)
+def test_max_staleness_0_is_todays_loop_bitwise_here_and_in_a_worker(compose, tmp_path):
+    """Two steps with the option left out, with rollout.max_staleness=0 set, and with generation in a worker (K=0:
+    its batch of step t by version t, as the local loop) end with the same adapter bytes: the worker samples with
+    the same seeds from the same weights. One torch thread throughout: the worker's split of the cores would
+    otherwise change the order of the sums."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = []
+        for extra in ([], ["rollout.max_staleness=0"], ["rollout.placement=worker"]):
+            run = tmp_path / f"run{len(runs)}"
+            fit(make_trainer(compose, run, *TINY[3:], "trainer.max_steps=2", "trainer.save_every=0", *extra), run)
+            runs.append(run)
+    finally:
+        torch.set_num_threads(threads)
     assert_learned(runs[0])
-    assert_same_adapter(*runs)
+    assert_same_adapter(runs[0], runs[1])
+    assert_same_adapter(runs[0], runs[2])
+    assert read_jsonl(runs[2] / "metrics.jsonl")[1]["rollout/staleness"] == 0
 
 
 # the reward of TINY, and a signal at one step's scoring where SIGNAL_AT_CALL says (tests/varied_reward.py); the
