@@ -6,3 +6,32 @@ adapters compares two untouched ones."""
 
 def by_length(prompts, completions, **_):
     return [len(c) % 5 / 4 for c in completions]
+
+
+def by_length_with_a_signal(prompts, completions, **_):
+    """`by_length`, and at its call number $SIGNAL_AT_CALL (the step's scoring: one call a step) a signal, for the
+    rollout-worker tests: SIGNAL_TO=worker SIGKILLs the rollout worker (the grpo-train process's child that
+    multiprocessing spawned), SIGNAL_TO=self SIGTERMs grpo-train; the worker's pid is written to $SIGNAL_RECORD
+    first. Without SIGNAL_AT_CALL it is `by_length`."""
+    import os
+    import signal
+    from pathlib import Path
+
+    global _calls
+    _calls = globals().get("_calls", 0) + 1
+    if str(_calls) == os.environ.get("SIGNAL_AT_CALL"):
+        workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _spawned_by(p, os.getpid())]
+        Path(os.environ["SIGNAL_RECORD"]).write_text(" ".join(map(str, workers)))
+        if os.environ["SIGNAL_TO"] == "worker":
+            os.kill(workers[0], signal.SIGKILL)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return by_length(prompts, completions)
+
+
+def _spawned_by(proc, parent: int) -> bool:
+    try:
+        stat, cmdline = (proc / "stat").read_text(), (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmdline

@@ -2,7 +2,8 @@
 
 A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the adapter (safetensors), the optimiser state and
 the learning-rate schedule's update count (`trainer_state.pt`, tensors only, loaded with weights_only=True), RNG
-states and the step (`state.json`, with the config fingerprint of grpo_cli.rundir), and the metrics written so far.
+states and the step (`state.json`, with the config fingerprint of grpo_cli.rundir), the metrics written so far, and
+with rollout.placement=worker the adapters of the policy versions its in-flight batches need (ROLLOUT_VERSIONS).
 It is written under a temporary name and renamed into place, so a crash mid-write leaves the previous checkpoint
 whole.
 `manifest.json`, written last, lists every other file with its size and sha256: resume checks a checkpoint
@@ -25,6 +26,7 @@ import torch
 from grpo_cli.errors import CheckpointError, no_room
 from grpo_cli.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS
 
+ROLLOUT_VERSIONS = "rollout_versions.safetensors"  # rollout.placement=worker: the adapters in-flight batches need
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 MANIFEST = "manifest.json"
@@ -87,8 +89,10 @@ def _tupled(obj):
     return tuple(_tupled(x) for x in obj) if isinstance(obj, list) else obj
 
 
-def save(run_dir: Path, step: int, model, optimizer, lr_schedule, extra: dict, keep_last: int) -> Path:
-    """Write the state after `step` steps (so resume starts at `step`) and prune old checkpoints."""
+def save(run_dir: Path, step: int, model, optimizer, lr_schedule, extra: dict, keep_last: int,
+         tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the state after `step` steps (so resume starts at `step`) and prune old checkpoints; `tensors`, where
+    given, go to ROLLOUT_VERSIONS (`rollout_versions` reads them back)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, step)
@@ -101,6 +105,10 @@ def save(run_dir: Path, step: int, model, optimizer, lr_schedule, extra: dict, k
         torch.save({"optimizer": optimizer.state_dict(), "lr_schedule": lr_schedule.state_dict(), "rng": rng_tensors},
                    tmp / "trainer_state.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, "rng": rng_json, **extra}))
+        if tensors:
+            from safetensors.torch import save_file
+
+            save_file({k: t.contiguous() for k, t in tensors.items()}, tmp / ROLLOUT_VERSIONS)
         metrics = run_dir / METRICS
         if metrics.is_file():
             shutil.copy2(metrics, tmp / METRICS)
@@ -239,3 +247,11 @@ def load(path: Path, model, optimizer, lr_schedule) -> dict:
     state = json.loads((path / "state.json").read_text())
     restore_rng(_rng_from_files(state["rng"], trainer_state["rng"]))
     return state
+
+
+def rollout_versions(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint keeps for the rollout worker (empty where it keeps none)."""
+    from safetensors.torch import load_file
+
+    file = path / ROLLOUT_VERSIONS
+    return load_file(file) if file.is_file() else {}

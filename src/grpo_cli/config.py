@@ -251,16 +251,32 @@ def check_precision(config: Config) -> list[str]:
 def _validate_vllm(config: Config) -> None:
     """rollout.engine=vllm and algo.sampler_correction: what only they refuse."""
     correction, engine, quantization = config.algo.sampler_correction, config.rollout.engine, config.model.quantization
-    if correction != "none" and engine != "vllm":
+    if correction != "none" and engine != "vllm" and config.rollout.placement != "worker":
         fail("algo.sampler_correction", correction, f"needs the sampler's own log-probs, which rollout.engine={engine} "
-             "does not give (it samples with the trainer's numerics); use rollout.engine=vllm or "
-             "sampler_correction=none")
+             "does not give (it samples with the trainer's numerics); use rollout.engine=vllm, "
+             "rollout.placement=worker or sampler_correction=none")
     if correction != "none" and config.algo.objective == "vespo":
         fail("algo.sampler_correction", correction, "is not applied to algo.objective=vespo (its weights are its own); "
              "use algo.sampler_correction=none")
     if engine == "vllm" and quantization is not None:
         fail("rollout.engine", "vllm", f"cannot serve a bitsandbytes-quantized base (model.quantization="
              f"{quantization}) with its adapter; use rollout.engine=hf or model.quantization=null")
+
+
+def _validate_placement(config: Config, n_ranks: int) -> None:
+    """rollout.placement and rollout.max_staleness: what generation in a worker process does not run (yet)."""
+    rollout = config.rollout
+    if rollout.max_staleness and rollout.placement == "local":
+        fail("rollout.max_staleness", rollout.max_staleness, "needs rollout.placement=worker (generation beside "
+             "training; in the training process generation and training take turns); add rollout.placement=worker "
+             "or use rollout.max_staleness=0")
+    if rollout.placement != "worker":
+        return
+    unsupported = [(rollout.tools or config.env._target_, "tools and environments (rollout.tools, env)"),
+                   (config.algo.filter_groups, "algo.filter_groups"), (n_ranks > 1, "more than one rank")]
+    for present, what in unsupported:
+        if present:
+            fail("rollout.placement", "worker", f"does not run {what} yet; use rollout.placement=local")
 
 
 def validate(cfg: DictConfig) -> list[str]:
@@ -290,6 +306,7 @@ def validate(cfg: DictConfig) -> list[str]:
              f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
     precision_warnings = check_precision(config)
     _validate_vllm(config)
+    _validate_placement(config, n_ranks)
     quantization = config.model.quantization
     if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
         fail("model.quantization", quantization, "needs bitsandbytes, which is not installed; pip install "

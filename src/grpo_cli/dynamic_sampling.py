@@ -23,8 +23,6 @@ from grpo_cli import algorithm
 from grpo_cli.data import PromptSampler
 from grpo_cli.rollout import rows as row_ops
 
-DRAW_SEED = 7_919  # round d of a step samples with the step's seed + d * DRAW_SEED
-
 
 def extra_prompts(sampler: PromptSampler, step: int, draw: int, max_draws: int) -> list[dict]:
     """The prompts of round `draw` >= 1 of `step`: a stream of its own, shuffled with another seed."""

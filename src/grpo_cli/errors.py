@@ -69,6 +69,11 @@ class RewardError(UserCodeError):
     """A reward function raised or returned a non-finite or misshapen score."""
 
 
+class WorkerError(RunError):
+    """The rollout worker (rollout.placement=worker) ended, or its policy is not the trainer's after a weight sync;
+    found before a step's update, so the run adds the checkpoint of the state after the last complete step."""
+
+
 class InvariantError(RunError):
     """A live invariant check failed; the message names the invariant and the step."""
 

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 import grpo_cli.config  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
 from grpo_cli import checkpoint, distributed, memory, rundir
 from grpo_cli.checkpoint import restore_rng, rng_snapshot
-from grpo_cli.errors import Interrupted, InvariantError, RunError, UserCodeError
+from grpo_cli.errors import Interrupted, InvariantError, RunError, UserCodeError, WorkerError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
 from grpo_cli.monitors import Monitors
 from grpo_cli.ranks import is_rank_zero
@@ -35,6 +35,7 @@ from grpo_cli.tracking import Tracker, open_tracker
 
 if TYPE_CHECKING:  # the trainer (transformers, peft) loads only once the dir is claimed and the libraries quieted
     from grpo_cli.models import LoadedModel
+    from grpo_cli.rollout.worker import RolloutWorker, Versions
     from grpo_cli.trainer import Batch, GRPOTrainer
 
 class Run:
@@ -51,6 +52,8 @@ class Run:
         self.built_trainer = False
         self.last_eval: tuple[int, dict] | None = None  # (complete steps, result) of the newest eval.every eval
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
+        self.worker: RolloutWorker | None = None  # rollout.placement=worker: the process that generates
+        self.resumed_versions: Versions | None = None  # the earlier policy versions its in-flight batches need
         self.monitors = Monitors({name: spec.weight for name, spec in (self.cfg.reward.functions or {}).items()})
 
     def __enter__(self) -> Run:
@@ -60,8 +63,11 @@ class Run:
         self.close()
 
     def close(self) -> None:
-        """Leave the process group (of a trainer this run built) and release the run dir."""
+        """Shut the rollout worker down, leave the process group (of a trainer this run built) and release the run
+        dir."""
         try:
+            if self.worker is not None:
+                self.worker.close()
             if self.built_trainer and self.trainer is not None:
                 distributed.teardown(self.trainer.dist)
         finally:
@@ -92,6 +98,8 @@ class Run:
             start = self.resume()
             if self.claim.decision.checkpoint is None and trainer.stop_agreed(stop()):
                 raise Interrupted(stop.signum or signal.SIGTERM, None, completed=0)  # a new run that wrote nothing yet
+            if self.cfg.rollout.placement == "worker" and start < self.tcfg.max_steps:
+                self.start_worker(start)
             if self.main:  # a final eval of an earlier attempt does not describe this one's weights
                 (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
             tracker = self.open_tracker(start)
@@ -111,7 +119,7 @@ class Run:
         for step in range(start, self.tcfg.max_steps):
             try:
                 result = trainer.step(step)
-            except UserCodeError as failed:  # it failed before the update: the state after `step` steps is intact
+            except (UserCodeError, WorkerError) as failed:  # before the update: the state after `step` steps is intact
                 restore_rng(last_complete)
                 raise self.keeping_the_last_state(failed, step) from None
             except (RuntimeError, MemoryError) as error:
@@ -134,14 +142,15 @@ class Run:
             f"with the same command plus trainer.resume=auto hydra.run.dir={self.run_dir}")
         return RunError(f"{memory.out_of_memory_line(error, step, self.trainer.lm.device)}; {kept}")
 
-    def keeping_the_last_state(self, failed: UserCodeError, done: int) -> UserCodeError:
+    def keeping_the_last_state(self, failed: UserCodeError | WorkerError, done: int) -> UserCodeError | WorkerError:
         """`failed`, its line extended by the checkpoint of the state after `done` complete steps and how to go on
-        from it once the code is fixed; as it is before this run's first step (nothing to keep) and under torchrun
-        (the other ranks are not at a point where they could save)."""
+        from it (user code: once it is fixed); as it is before this run's first step (nothing to keep) and under
+        torchrun (the other ranks are not at a point where they could save)."""
         if (done == 0 and self.last_checkpoint is None) or self.trainer.dist.enabled:
             return failed
+        fix = "once fixed, " if isinstance(failed, UserCodeError) else ""
         return type(failed)(f"{failed}; the run stopped after {done} complete step(s), checkpoint "
-                            f"{self.checkpoint_at(done)}; once fixed, resume with the same command plus "
+                            f"{self.checkpoint_at(done)}; {fix}resume with the same command plus "
                             f"trainer.resume=auto hydra.run.dir={self.run_dir}")
 
     def resume(self) -> int:
@@ -155,12 +164,28 @@ class Run:
         self.last_checkpoint = (start, found)
         trainer.skipped_updates = state.get("skipped_updates", 0)  # a checkpoint's state: a plain dict
         trainer.fresh_adapter = start == 0
+        if self.cfg.rollout.placement == "worker":
+            from grpo_cli.rollout.worker import versions_from_tensors
+
+            self.resumed_versions = versions_from_tensors(checkpoint.rollout_versions(found))
         if trainer.entropy_control is not None:
             trainer.entropy_control.restore(state)
         if self.main:
             rundir.roll_back_records(self.run_dir, start, found)
             self.monitors.replay([r for r in read_metrics(self.run_dir / METRICS) if r["step"] < start])
         return start
+
+    def start_worker(self, start: int) -> None:
+        """rollout.placement=worker: the rollout worker, started from the policy after `start` steps (and the versions
+        its first batches need), becomes the trainer's source of generations."""
+        from grpo_cli.rollout import sampling_seed
+        from grpo_cli.rollout.worker import RolloutWorker
+
+        trainer = self.trainer
+        self.worker = RolloutWorker(self.cfg, trainer.lm, trainer.prompts,
+                                    lambda step: sampling_seed(self.tcfg.seed, step, trainer.dist.rank),
+                                    start=start, stop=trainer.stop, history=self.resumed_versions)
+        trainer.generation_source = self.worker.generation
 
     def open_tracker(self, start: int) -> Tracker:
         """Rank 0 logs (metrics.jsonl, the logger's sink, the console); the other ranks' tracker has no sinks."""
@@ -215,6 +240,15 @@ class Run:
             if stopping:
                 raise Interrupted(stop.signum or signal.SIGTERM, ckpt, completed=done)
 
+    def rollout_versions(self, done: int) -> dict | None:
+        """What the checkpoint after `done` steps keeps for the rollout worker: the adapters (and probe log-probs) of
+        the last K versions, from which a resumed run regenerates its in-flight batches exactly."""
+        if self.worker is None:
+            return None
+        from grpo_cli.rollout.worker import versions_as_tensors
+
+        return versions_as_tensors(self.worker.versions_to_keep(done))
+
     def checkpoint_at(self, done: int) -> Path:
         """A checkpoint of the state after `done` complete steps: the one this run last wrote or resumed from
         when it is that state, else a new one (weights, optimiser and RNG are still those after `done`)."""
@@ -231,7 +265,7 @@ class Run:
                                    {"skipped_updates": trainer.skipped_updates,
                                     "fingerprint": rundir.fingerprint(self.cfg),
                                     **(trainer.entropy_control.state() if trainer.entropy_control else {})},
-                                   self.tcfg.keep_last)
+                                   self.tcfg.keep_last, tensors=self.rollout_versions(done))
         distributed.barrier(trainer.dist)
         self.last_checkpoint = (done, path)
         return path

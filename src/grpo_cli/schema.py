@@ -215,7 +215,8 @@ class AlgoConfig:
     check: bool = option("live invariant checks (cheap)", True)
     sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
         option("weigh each token's policy term by exp(trainer - sampler log-prob), per token or summed per "
-               "sequence, truncated to or masked outside the clip bounds (rollout.engine=vllm)", "none"))
+               "sequence, truncated to or masked outside the clip bounds (rollout.engine=vllm or "
+               "rollout.placement=worker)", "none"))
     sampler_clip_min: float | None = option("lower bound of the sampler weight; null = none", None, number(0),
                                             row="sampler clip")
     sampler_clip_max: float | None = option("upper bound of the sampler weight; null = none", 3.0, number(0),
@@ -283,6 +284,14 @@ class RolloutConfig:
                                       row="vllm memory")
     vllm_sync: Literal["merged", "lora"] = option("vllm engine: the policy after each update as merged weights "
                                                   "reloaded in place, or as a LoRA request", "merged")
+    placement: Literal["local", "worker"] = option(
+        "where generation runs: local = in the training process, taking turns with training; worker = a process of "
+        "its own (docs/usage.md \"Generation in a worker process\")", "local", row="worker")
+    max_staleness: int = option("K: batches are generated up to K policy versions ahead of the update that uses "
+                                "them (needs placement=worker); 0 = on-policy", 0, integer(0), row="worker")
+    worker_threads: int | None = option("placement=worker on the CPU: the worker's torch threads, the trainer "
+                                        "keeps the rest; null = half of the trainer's (at least 1 each)", None,
+                                        integer(1), row="worker")
 
 
 @dataclass(frozen=True, kw_only=True)

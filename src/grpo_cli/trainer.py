@@ -34,27 +34,20 @@ from grpo_cli.optim import LRSchedule, build_optimizer
 from grpo_cli.rewards import Outcomes, RewardSet
 from grpo_cli.rewards.aggregation import present_mean
 from grpo_cli.rollout import (
+    EncodedPrompts,
+    Generation,
     Rollout,
     completion_logprobs,
     encode_prompts,
     episodes,
     make_engine,
     sampling_options,
+    sampling_seed,
 )
 from grpo_cli.rollout import rows as row_ops
 from grpo_cli.rollout.logprobs import real_lengths
 from grpo_cli.schema import AlgoConfig, Config
 from grpo_cli.stopping import StopRequest
-
-
-@dataclass
-class Generation:
-    """One step's completions on this rank, not yet scored."""
-
-    rollout: Rollout
-    rows: list[dict]                 # the data row of each prompt
-    prompts: list[str]               # the prompt text of each completion (G per prompt)
-    stats: dict                      # generation timing and prompt counts, for the metrics
 
 
 @dataclass
@@ -213,15 +206,13 @@ class GRPOTrainer:
         self.loss_settings = algorithm.loss_settings(self.algo, self.roll.max_new_tokens)
         self.entropy_control = algorithm.adaptive_entropy(self.algo)
         self.sampler_correction = algorithm.SamplerCorrection.of(self.algo)
-        self.skipped_in_a_row = 0
-        self.skipped_updates = 0
+        self.skipped_in_a_row = self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
+        self.generation_source = self.generate  # rollout.placement=worker: Run puts the rollout worker's here
 
     # ---- one step -------------------------------------------------------------------------------
-    def generate(self, step: int, draw: int = 0) -> Generation | None:
-        """This rank's share of the step's prompts and their G completions each; None when a stop request
-        ended generation. `draw` > 0: a further round of algo.filter_groups (dynamic_sampling.py)."""
-        G = self.algo.num_generations
+    def prompts(self, step: int, draw: int = 0) -> tuple[list[dict], EncodedPrompts]:
+        """This rank's share of the step's kept prompt rows, encoded; `draw` > 0: a round of algo.filter_groups."""
         rows = self.sampler.batch(step) if not draw else \
             dynamic_sampling.extra_prompts(self.sampler, step, draw, self.algo.filter_max_draws)
         if self.dist.enabled:  # whole groups per rank: the rank's contiguous share of the step's prompts
@@ -232,9 +223,13 @@ class GRPOTrainer:
             raise InvariantError(f"every prompt of step {step} is over "
                                  f"data.max_prompt_tokens={self.cfg.data.max_prompt_tokens} "
                                  "and was dropped; raise it or use data.overlong=truncate")
-        rows = [rows[i] for i in enc.kept]
-        # sampling depends on (seed, step, rank) only: exact resume
-        torch.manual_seed(self.tcfg.seed * 100_003 + step * 1_009 + self.dist.rank + draw * dynamic_sampling.DRAW_SEED)
+        return [rows[i] for i in enc.kept], enc
+
+    def generate(self, step: int, draw: int = 0) -> Generation | None:
+        """The step's prompts (`prompts`) and their G completions each; None when a stop request ended generation."""
+        G = self.algo.num_generations
+        rows, enc = self.prompts(step, draw)
+        torch.manual_seed(sampling_seed(self.tcfg.seed, step, self.dist.rank, draw))  # exact resume
         t0, compile_before = time.perf_counter(), self.engine.compile_s
         options = dict(max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
                        **sampling_options(self.roll), stop=self.stop)
@@ -405,7 +400,7 @@ class GRPOTrainer:
         if self.algo.filter_groups:
             batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
         else:
-            generation, batch = self.generate(step), None
+            generation, batch = self.generation_source(step), None
             scores = None if generation is None else self.score(generation)  # None: a stop request came first
             if scores is not None:
                 batch = self.make_batch(generation, scores)
@@ -442,7 +437,7 @@ class GRPOTrainer:
             **{k: batch.stats.get(k, 0.0) for k in ("gen_tokens_per_s", "gen_time_s", "gen_compile_s", "gen_sync_s")},
             "reward_errors": batch.reward_errors, "skipped_updates": self.skipped_updates,
             **{k: batch.stats[k] for k in ("prompts_truncated", "prompts_dropped")},
-            **{k: v for k, v in batch.stats.items() if k.startswith("filter_")},
+            **{k: v for k, v in batch.stats.items() if k.startswith(("filter_", "rollout/", "sync/"))},
             **{f"episodes/{k}": v for k, v in batch.rollout.metrics().items()},
             **self.sampler_correction.metrics(),
             **{f"outcomes/{name}/{kind}": n for name, o in batch.outcomes.items() for kind, n in o.counts().items()},

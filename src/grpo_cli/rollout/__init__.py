@@ -17,6 +17,7 @@ from grpo_cli.rollout.common import (
     ENGINES,
     EncodedPrompts,
     Engine,
+    Generation,
     Rollout,
     StopFn,
     completion_masks,
@@ -26,6 +27,7 @@ from grpo_cli.rollout.common import (
     positions,
     prefill,
     sampling_options,
+    sampling_seed,
 )
 from grpo_cli.rollout.compiled import CompiledEngine
 from grpo_cli.rollout.hf import HFEngine, generate
@@ -36,10 +38,12 @@ from grpo_cli.rollout.vllm import VLLMEngine  # rollout.engine=vllm; imports vll
 from grpo_cli.schema import RolloutConfig
 
 __all__ = [
-    "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "HFEngine", "InferenceCopy", "MergedEngine", "Rollout",
+    "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "Generation", "HFEngine", "InferenceCopy", "MergedEngine",
+    "Rollout",
     "StopFn", "as_engine",
     "completion_hidden", "completion_logits", "completion_logprobs", "completion_masks", "encode_prompts",
-    "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill", "sampling_options", "VLLMEngine",
+    "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill", "sampling_options", "sampling_seed",
+    "VLLMEngine",
 ]
 
 

@@ -87,6 +87,25 @@ class Rollout:
         return []
 
 
+@dataclass
+class Generation:
+    """One step's completions on this rank, not yet scored."""
+
+    rollout: Rollout
+    rows: list[dict]                 # the data row of each prompt
+    prompts: list[str]               # the prompt text of each completion (G per prompt)
+    stats: dict                      # generation timing and prompt counts, for the metrics
+
+
+DRAW_SEED = 7_919  # round d of a step (algo.filter_groups) samples with the step's seed + d * DRAW_SEED
+
+
+def sampling_seed(seed: int, step: int, rank: int, draw: int = 0) -> int:
+    """The seed a step's sampling starts from: (trainer.seed, step, rank, draw) alone decide it, so that resume is
+    exact and a rollout worker samples what the training process would."""
+    return seed * 100_003 + step * 1_009 + rank + draw * DRAW_SEED
+
+
 def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int, overlong: str = "truncate") -> EncodedPrompts:
     """Chat-template each row's messages; prompts longer than max_prompt_tokens lose their left end
     (`truncate`) or are dropped (`drop`)."""
