@@ -322,7 +322,7 @@ class TrainerConfig:
                                             "none", None, POSITIVE, row="memory")
     max_grad_norm: float = option("gradient clipping norm", 1.0, POSITIVE)
     logprob_chunk_size: int | None = option("token rows per log-softmax chunk (bounds memory); null = one pass",
-                                            1024, integer(1))
+                                            256, integer(1))
     gradient_checkpointing: bool = option("recompute activations in the backward (less memory, ~1/3 more "
                                           "compute)", False)
     save_every: int = option("checkpoint every K steps; 0 = only the final adapter", 0, integer(0),
