@@ -158,6 +158,8 @@ def test_the_sampling_keys_are_pinned_and_a_key_newer_than_the_checkpoint_counts
     older = {k: v for k, v in current.items() if k not in ("rollout.top_k", "rollout.min_p")}
     assert rundir.changed_keys(older, current) == ["rollout.top_k"]
     assert rundir.changed_keys(current, older) == ["rollout.min_p", "rollout.top_k"]  # a key gone is a change
+    # a checkpoint of a release that still pinned the LM head's block size: no longer a key that decides a step
+    assert rundir.changed_keys({**current, "trainer.logprob_chunk_size": 1024}, current) == []
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo_cli import prepack
-from grpo_cli.errors import ConfigError
+from grpo_cli.errors import ConfigError, warn
 from grpo_cli.models import enable_activation_checkpointing
 
 if TYPE_CHECKING:
@@ -175,7 +175,10 @@ class MemoryPlan:
         return keeping_freed_blocks_while_generating(self.returns_freed_blocks)
 
     def apply(self, model) -> None:
-        """Turns on what the plan chose for `model`: activation checkpointing, and glibc returning freed blocks."""
+        """Turns on what the plan chose for `model`: activation checkpointing, and glibc returning freed blocks; a
+        budget's plan says what it chose, in one line (errors.warn: the run's console)."""
+        if self.budget_gb is not None:
+            warn(self.line())
         if self.checkpointing:
             enable_activation_checkpointing(model)
         if self.returns_freed_blocks:

@@ -42,12 +42,12 @@ RUN_MARKERS = RUN_OUTPUTS[:4]
 # the keys (or whole sections) that decide what a step computes
 FINGERPRINT_KEYS = (
     "model", "algo", "data", "reward", "optimizer",
-    "rollout", "trainer.seed", "trainer.max_steps", "trainer.micro_batch_size", "trainer.logprob_chunk_size",
-    "trainer.max_grad_norm",
+    "rollout", "trainer.seed", "trainer.max_steps", "trainer.micro_batch_size", "trainer.max_grad_norm",
 )
 NOT_FINGERPRINTED = ("algo.check", "reward.timeout_s", "reward.accuracy")  # checks and limits, not the computation
-# trainer.micro_batch_tokens, memory_budget_gb and gradient_checkpointing are not in FINGERPRINT_KEYS either: they
-# change rounding, not what a step computes, and lowering them is how a run that ran out of memory goes on
+# trainer.micro_batch_tokens, logprob_chunk_size, memory_budget_gb and gradient_checkpointing are not in
+# FINGERPRINT_KEYS either: they change rounding at most, not what a step computes (the head's blocks of 256 and of
+# 1024 positions train the quickstart bit for bit), and lowering them is how a run that ran out of memory goes on
 # the saved adapter, base weights or optimizer state cannot take a change of these: refused even when allowed
 NEVER_CHANGED = ("model.name_or_path", "model.lora.r", "model.lora.target_modules", "model.tiny", "optimizer.name")
 
@@ -179,13 +179,22 @@ def fingerprint(config: Config) -> dict:
     out: dict = {"world_size": ranks(config)}
     for key in FINGERPRINT_KEYS:
         flatten(key, _composed_value(dict(config.composed), key), out)
-    return {k: v for k, v in out.items() if not any(_under(k, skip) for skip in NOT_FINGERPRINTED)}
+    return {k: v for k, v in out.items() if fingerprinted(k)}
+
+
+def fingerprinted(key: str) -> bool:
+    """Whether this release counts `key` as deciding a step (FINGERPRINT_KEYS, but NOT_FINGERPRINTED; world_size)."""
+    return key == "world_size" or (any(_under(key, k) for k in FINGERPRINT_KEYS)
+                                   and not any(_under(key, skip) for skip in NOT_FINGERPRINTED))
 
 
 def changed_keys(saved: dict, current: dict) -> list[str]:
     """Keys whose value differs. A key that `saved` lacks and that now holds its declared default is not a change:
-    grpo-cli gained the option after `saved` was written, and the older version behaved as that default."""
-    return sorted(k for k in saved.keys() | current.keys() if saved.get(k, "<unset>") != current.get(k, "<unset>")
+    grpo-cli gained the option after `saved` was written, and the older version behaved as that default. A key that
+    `saved` holds and this release no longer fingerprints (trainer.logprob_chunk_size, found to change rounding at
+    most) is not compared."""
+    keys = {k for k in saved if fingerprinted(k)} | current.keys()
+    return sorted(k for k in keys if saved.get(k, "<unset>") != current.get(k, "<unset>")
                   and not (k not in saved and current[k] == default_of(k)))
 
 

@@ -27,7 +27,7 @@ import torch
 from grpo_cli import algorithm, distributed, dynamic_sampling, memory
 from grpo_cli.config_rules import is_on_policy
 from grpo_cli.data import PromptSampler, load_rows
-from grpo_cli.errors import Interrupted, InvariantError, warn
+from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.evaluate import final_eval_on
 from grpo_cli.models import LoadedModel, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
@@ -192,9 +192,7 @@ class GRPOTrainer:
         self.memory = memory.plan(self.tcfg, self.lm, self.engine, chunk_size=self.tcfg.logprob_chunk_size,
                                   rows=data.prompts_per_step * self.algo.num_generations // self.dist.world_size,
                                   longest_row=data.max_prompt_tokens + self.roll.max_new_tokens)
-        if self.memory.budget_gb is not None:
-            warn(self.memory.line())
-        self.memory.apply(self.model)
+        self.memory.apply(self.model)  # and with a budget, its line at start-up
         self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype, stop=self.stop,
                                              environment=self.episodes and self.episodes.environment_factory)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
