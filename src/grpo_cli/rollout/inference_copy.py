@@ -57,23 +57,27 @@ class InferenceCopy:
         for layer in self.layers.values():
             del memo[id(layer.get_base_layer().weight)]                    # ... but the weights that get merged
         model = copy.deepcopy(inner, memo)
-        self.targets: dict[str, torch.Tensor] = {}
+        self.plain: dict[str, torch.nn.Linear] = {}  # the merged layers: plain linear layers of the copy
         for name in self.layers:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             plain = getattr(parent, child).get_base_layer()
             plain.weight.requires_grad_(False)
             setattr(parent, child, plain)
-            self.targets[name] = plain.weight
+            self.plain[name] = plain
         model.generation_config = inner.generation_config  # shared too: EOS ids and defaults are the policy's
         self.model = model.eval()
-        self.plain = {name: model.get_submodule(name) for name in self.layers}
         self.lean = lean and all(isinstance(m, PackedLinear) and m.weight.device.type == "cpu"
                                  for m in self.plain.values())
         if self.lean:
             self.release()
         else:
             self.refresh()
+
+    @property
+    def targets(self) -> dict[str, torch.Tensor]:
+        """The merged weights, by layer name."""
+        return {name: plain.weight for name, plain in self.plain.items()}
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -84,10 +88,11 @@ class InferenceCopy:
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
                     merged = merged + layer.get_delta_weight(adapter).float()
+            target = self.plain[name]
             if self.lean:
-                self.plain[name].pack_only(merged.to(self.targets[name].dtype))
+                target.pack_only(merged.to(target.weight.dtype))
             else:
-                self.targets[name].copy_(merged)
+                target.weight.copy_(merged)
 
     def release(self) -> None:
         """A lean copy lets go of its merged layers until the next `refresh()`; any other keeps them."""
