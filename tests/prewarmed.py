@@ -17,6 +17,10 @@ a terminal for stdio runs the script with a real exec (subprocess.Popen), as doe
 request unless the worker runs torch with one thread (OMP_NUM_THREADS=1, as `make test`'s workers do): with more,
 torch's import starts threads, and a fork copies only the thread that forks.
 
+The server runs on the C allocator a command gets (grpo_cli/allocator.py: it re-executes itself with TCMalloc
+preloaded where installed), so its children do; a request that would get another (GRPO_CLI_ALLOCATOR set
+otherwise, or a memory budget on its command line) runs with a real exec.
+
 PREWARMED_LOG=FILE appends one line per request to FILE: the test, and whether it forked.
 
 `popen` and `run` take the arguments of subprocess.Popen and subprocess.run that the tests use.
@@ -39,13 +43,15 @@ import threading
 import time
 from pathlib import Path
 
+from grpo_cli import allocator
+
 # the console scripts of pyproject.toml's [project.scripts], as installed: name -> "module:function"
 ENTRY_POINTS = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")
                 if e.value.startswith("grpo_cli.")}
 # environment variables that torch, transformers, huggingface_hub or Python read when imported or started
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
                    "CUDA", "LD_", "XDG_", "HOME", "TMPDIR", "LANG", "LC_", "TOKENIZERS", "TQDM", "NCCL", "RANK",
-                   "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
+                   "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "GRPO_CLI_ALLOCATOR")
 # defaults that grpo_cli.cli and torch put in the environment when imported: the server starts without them, so
 # that its imports set them (and its children get them) whether or not this worker has imported those modules yet
 SET_ON_IMPORT = ("TQDM_DISABLE", "TOKENIZERS_PARALLELISM", "TORCHINDUCTOR_CACHE_DIR")
@@ -141,6 +147,8 @@ def _forkable(args: list[str], env: dict, server: Server) -> bool:
         return False
     if any(str(a).startswith("trainer.nproc=") and str(a) != "trainer.nproc=1" for a in args):
         return False  # grpo-train execs torchrun, whose ranks start as fresh processes anyway
+    if allocator.budget_on_command_line([str(a) for a in args]):
+        return False  # grpo-train keeps glibc's allocator for it; the server runs on the one a command gets without
     base, imported = server.env, server.set_by_imports()
     changed = {k for k in set(env) | set(base) | set(imported) if env.get(k) != base.get(k, imported.get(k))
                and not (k in imported and k not in env)} - {"PYTHONPATH"}
@@ -400,4 +408,5 @@ def become(request: dict) -> None:
 
 
 if __name__ == "__main__":
+    allocator.preload(allocator.libraries_to_preload([]))  # the allocator a grpo-cli command runs on, as it would
     become(serve(sys.argv[1]))

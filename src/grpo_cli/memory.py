@@ -24,8 +24,11 @@ peak is then mostly freed blocks, not tensors. Measured on one row of SmolLM2-13
     4096 tokens, checkpointed          0.87  against 0.12   (0.10 + 0.04)
 
 so with blocks returned the estimate holds to a few per cent; ALLOCATOR_FACTOR leaves room for what the rest of a
-step holds beside the pass. Without a budget nothing is estimated and the settings stand as given (glibc's default
-is the faster: a returned block costs a page fault per 4 KiB when it is allocated again).
+step holds beside the pass. Without a budget nothing is estimated and the settings stand as given, and the command
+runs on TCMalloc where installed (grpo_cli/allocator.py: it keeps freed blocks in size classes, so a step's peak
+holds fewer of them than glibc's heap does, at glibc's speed); returning blocks throughout would cost a page fault
+per 4 KiB each time one is allocated again. A budget plans with glibc's allocator, whose freed blocks it can have
+returned.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo_cli import prepack
+from grpo_cli import allocator, prepack
 from grpo_cli.errors import ConfigError, warn
 from grpo_cli.models import enable_activation_checkpointing
 
@@ -196,6 +199,7 @@ def plan(tcfg: TrainerConfig, lm, engine=None, *, rows: int, longest_row: int, c
     the budget), without checkpointing if one whole row fits so, else with it; a budget that cannot hold one row even
     checkpointed is a ConfigError naming the knobs."""
     budget = tcfg.memory_budget_gb
+    allocator.check_budget(budget, lm.device.type)
     if budget is None:
         return MemoryPlan(micro_batch_tokens(tcfg.micro_batch_tokens, lm.device), bool(tcfg.gradient_checkpointing))
     tokens = None if tcfg.micro_batch_tokens == "auto" else tcfg.micro_batch_tokens  # auto: the budget decides

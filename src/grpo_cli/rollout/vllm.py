@@ -14,7 +14,7 @@ What it is, and why each choice:
 
 vLLM is imported only here, and only when the engine is built: the rest of grpo-cli runs without it.
 On the CPU it needs `VLLM_ENABLE_V1_MULTIPROCESSING=0` (set here: the engine lives in the trainer's process)
-and libiomp5 preloaded for speed (grpo-train re-executes itself with it: cli.preload_iomp).
+and libiomp5 preloaded for speed (grpo-train re-executes itself with it: cli.preload_libraries).
 """
 
 from __future__ import annotations
