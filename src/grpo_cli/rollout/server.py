@@ -86,7 +86,8 @@ class ServerRollouts(AheadOfTheUpdate):
 
     def _start_server(self, cfg: Config, lm, run_dir: Path) -> VLLMServer:
         """`vllm serve` of the base (no adapter: the adapters come by name) on the CPU's share of the threads that
-        the worker placement would take, or on the accelerator vLLM finds."""
+        the worker placement would take, or on the accelerator vLLM finds. Two adapters at most are loaded at once:
+        the new version's, and the one before until it is unloaded."""
         base = self.scratch / "base"
         save_checkpoint(lm.model, lm.tokenizer, base, lm.dtype, with_adapter=False)
         cpu, threads = lm.device.type == "cpu", None
@@ -95,9 +96,9 @@ class ServerRollouts(AheadOfTheUpdate):
             torch.set_num_threads(trainer_threads)
         roll = cfg.rollout
         return VLLMServer(base, Path(run_dir) / SERVER_LOG, dtype=str(lm.dtype).removeprefix("torch."),
-                          lora_rank=lora_rank(lm.model), max_loras=self.K + 1, seed=cfg.trainer.seed,
+                          lora_rank=lora_rank(lm.model), max_loras=2, seed=cfg.trainer.seed,
                           max_model_len=roll.vllm_max_model_len, kv_cache_gib=roll.vllm_kv_cache_gib,
-                          threads=threads, cpu=cpu)
+                          gpu_memory_utilization=roll.vllm_gpu_memory_utilization, threads=threads, cpu=cpu)
 
     def close(self) -> None:
         """Stop the thread (a call in flight ends with the server, or runs out), unload this run's adapters from a

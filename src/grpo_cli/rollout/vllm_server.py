@@ -66,10 +66,12 @@ def _die_with_the_trainer() -> None:
 
 class VLLMServer:
     """A `vllm serve` of the checkpoint in `folder` (the base, no adapter) on a free port of 127.0.0.1, in a process
-    group of its own, logging to `log`; `stop()` ends the whole group."""
+    group of its own, logging to `log`; `stop()` ends the whole group. On CUDA it takes rollout.vllm_gpu_memory_
+    utilization of the device beside the trainer (vLLM's default, 0.9, would leave the trainer nothing)."""
 
     def __init__(self, folder: Path, log: Path, *, dtype: str, lora_rank: int, max_loras: int, seed: int,
-                 max_model_len: int | None, kv_cache_gib: float, threads: int | None, cpu: bool):
+                 max_model_len: int | None, kv_cache_gib: float, gpu_memory_utilization: float,
+                 threads: int | None, cpu: bool):
         head, how, lib = vllm_python()
         self.port, self.log = free_port(), log
         self.url = f"http://127.0.0.1:{self.port}/v1"
@@ -78,7 +80,7 @@ class VLLMServer:
                    "--port", str(self.port), "--enable-lora", "--max-lora-rank", str(rank), "--max-loras",
                    str(max_loras), "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
                    *(["--max-model-len", str(max_model_len)] if max_model_len else []),
-                   *(["--enforce-eager"] if cpu else [])]
+                   *(["--enforce-eager"] if cpu else ["--gpu-memory-utilization", str(gpu_memory_utilization)])]
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib)))}
         if threads is not None:  # the trainer keeps the rest; the cores are the ones this process may use (taskset)
