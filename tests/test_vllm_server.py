@@ -2,7 +2,7 @@
 each policy version. A K=1 run trains against the server grpo-train starts, with its staleness and sync-gap metrics, and
 leaves no server process; a sync that does not happen (the test hook loads the previous adapter under the new name)
 on a server given by rollout.server_url stops in one line and leaves that server running; SIGTERM stops the run and
-its server; the refusals.
+its server, and the resumed run ends with the uninterrupted one's adapter; the refusals.
 Skipped where vllm is not importable (the main venv); `make test-vllm` runs them in .venv-vllm.
 
 The tiny model has one attention head (head_dim 64): vLLM's CPU attention has no kernel for head_dim 16."""
@@ -61,14 +61,20 @@ def assert_no_server(pid: int) -> None:
     assert not alive(pid) and not group_members(pid), f"vLLM's server {pid} (or its engine) outlived grpo-train"
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The K=1 server run uninterrupted: (its run dir, its CompletedProcess)."""
+    folder = tmp_path_factory.mktemp("straight")
+    return folder / "run", run_cli([*SERVER, f"hydra.run.dir={folder / 'run'}"], folder, timeout=280)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_server_run_trains_with_staleness_1_and_stops_its_server(tmp_path):
+def test_a_server_run_trains_with_staleness_1_and_stops_its_server(straight):
     """Step t trains on version max(0, t - 1)'s batch from the server; every sync's probe gap is rounding (vLLM's
     CPU kernels against torch, both fp32); the sampler's log-probs are the generating version's: equal to the
     trainer's at step 0, a lag from step 1; the server is gone when grpo-train exits."""
-    run = tmp_path / "run"
-    proc = run_cli([*SERVER, f"hydra.run.dir={run}"], tmp_path, timeout=280)
+    run, proc = straight
     assert proc.returncode == 0, proc.stderr[-3000:]
     pid = server_pid(proc.stderr)
     assert STARTED.search(proc.stderr).group(4) == "vllm imports in grpo-train's own python"
@@ -163,15 +169,24 @@ def test_a_weight_sync_that_does_not_happen_stops_a_run_on_a_given_server_in_one
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_sigterm_stops_the_run_and_its_server(tmp_path):
-    """SIGTERM during step 1's scoring: the step finishes, the run checkpoints and exits 143, the server is gone."""
+@pytest.mark.timeout(400)
+def test_sigterm_stops_the_run_and_its_server_and_the_resume_is_the_straight_run(tmp_path, straight):
+    """SIGTERM during step 1's scoring: the run checkpoints after step 1 (with version 0's adapter, which step 1's
+    in-flight batch came from) and exits 143, the server gone; trainer.resume=auto, on a new server, regenerates
+    that batch and ends with the uninterrupted run's adapter, bitwise (the same seeds on the same weights)."""
+    from test_async_rollouts import assert_same_adapter
+
     run, record = tmp_path / "run", tmp_path / "record"
     proc = run_cli([*SERVER, f"hydra.run.dir={run}"], tmp_path, timeout=280, env=signal_at(1, "self", record))
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("grpo-train: stopped by SIGTERM after 1 complete step(s)")
     assert (run / "checkpoints" / "step-000001" / "rollout_versions.safetensors").is_file()
     assert_no_server(server_pid(proc.stderr))
+
+    proc = run_cli([*SERVER, f"hydra.run.dir={run}", "trainer.resume=auto"], tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert_same_adapter(straight[0], run)
 
 
 def test_refusals_in_one_line(compose):
