@@ -268,9 +268,9 @@ def _validate_placement(config: Config, n_ranks: int) -> None:
     run (yet)."""
     rollout = config.rollout
     if rollout.max_staleness and rollout.placement == "local":
-        fail("rollout.max_staleness", rollout.max_staleness, "needs rollout.placement=worker (generation beside "
-             "training; in the training process generation and training take turns); add rollout.placement=worker "
-             "or use rollout.max_staleness=0")
+        fail("rollout.max_staleness", rollout.max_staleness, "needs rollout.placement=worker or server (generation "
+             "beside training; in the training process generation and training take turns); add "
+             "rollout.placement=worker or use rollout.max_staleness=0")
     if rollout.server_url is not None and rollout.placement != "server":
         fail("rollout.server_url", rollout.server_url, "is read only with rollout.placement=server; add it or "
              "drop rollout.server_url")

@@ -276,7 +276,8 @@ class RolloutConfig:
     call_opener: str = option("text prefilled at the start of the first assistant turn (in the prompt, not "
                               "trained), e.g. the opening of a call for a small model that never starts one alone",
                               "", ANY_TEXT, row="tools")
-    vllm_dtype: DTYPE = option("vllm engine: the dtype it samples in; auto = model.dtype", "auto", row="vllm")
+    vllm_dtype: DTYPE = option("vllm engine (and the server placement=server starts): the dtype it samples in; "
+                               "auto = model.dtype", "auto", row="vllm")
     vllm_max_model_len: int | None = option("vllm engine: longest prompt + completion it serves; null = the "
                                             "model's context", None, integer(1), row="vllm")
     vllm_gpu_memory_utilization: float = option("vllm engine on CUDA: the share of GPU memory it takes beside the "

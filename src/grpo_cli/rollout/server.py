@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from grpo_cli.errors import RunError, UserError, WorkerError, error_line
-from grpo_cli.rollout.ahead import AheadOfTheUpdate, Versions
+from grpo_cli.rollout.ahead import HALF_SYNC_TOLERANCE, SYNC_TOLERANCE, AheadOfTheUpdate, Versions
 from grpo_cli.rollout.common import EncodedPrompts, eos_ids, sampling_options
-from grpo_cli.rollout.vllm import SEED_RANGE, lora_rank, sampled_rollout, save_checkpoint
+from grpo_cli.rollout.vllm import DTYPES, SEED_RANGE, lora_rank, sampled_rollout, save_checkpoint
 from grpo_cli.rollout.vllm_server import ServerAPI, VLLMServer, wait_until_up
 from grpo_cli.rollout.worker import thread_split
 from grpo_cli.schema import Config
@@ -64,6 +64,11 @@ class ServerRollouts(AheadOfTheUpdate):
                  seed_of: Callable[[int], int], *, start: int, stop: Callable[[], bool], run_dir: Path,
                  history: Versions | None = None):
         super().__init__(cfg, lm, prompts_of, seed_of, start=start, stop=stop, history=history)
+        # the dtype of the server grpo-train starts (rollout.vllm_dtype), whose rounding the sync check allows for;
+        # a given server's is its own: model.dtype's tolerance
+        self.dtype = lm.dtype if cfg.rollout.vllm_dtype == "auto" else DTYPES[cfg.rollout.vllm_dtype]
+        if cfg.rollout.server_url is None:
+            self.tolerance = max(self.tolerance, SYNC_TOLERANCE.get(self.dtype, HALF_SYNC_TOLERANCE))
         self.scratch = Path(tempfile.mkdtemp(prefix="grpo-server-"))
         self.prefix = f"grpo-{os.getpid()}"  # adapter names of this process: a shared server keeps them apart
         self.server: VLLMServer | None = None
@@ -89,13 +94,13 @@ class ServerRollouts(AheadOfTheUpdate):
         the worker placement would take, or on the accelerator vLLM finds. Two adapters at most are loaded at once:
         the new version's, and the one before until it is unloaded."""
         base = self.scratch / "base"
-        save_checkpoint(lm.model, lm.tokenizer, base, lm.dtype, with_adapter=False)
+        save_checkpoint(lm.model, lm.tokenizer, base, self.dtype, with_adapter=False)
         cpu, threads = lm.device.type == "cpu", None
         if cpu:
             trainer_threads, threads = thread_split(cfg.rollout.worker_threads, torch.get_num_threads())
             torch.set_num_threads(trainer_threads)
         roll = cfg.rollout
-        return VLLMServer(base, Path(run_dir) / SERVER_LOG, dtype=str(lm.dtype).removeprefix("torch."),
+        return VLLMServer(base, Path(run_dir) / SERVER_LOG, dtype=str(self.dtype).removeprefix("torch."),
                           lora_rank=lora_rank(lm.model), max_loras=2, seed=cfg.trainer.seed,
                           max_model_len=roll.vllm_max_model_len, kv_cache_gib=roll.vllm_kv_cache_gib,
                           gpu_memory_utilization=roll.vllm_gpu_memory_utilization, threads=threads, cpu=cpu)
