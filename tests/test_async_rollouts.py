@@ -51,8 +51,8 @@ def test_staleness_needs_the_worker_placement_in_one_line(compose):
         return str(err.value)
 
     assert refusal("rollout.max_staleness=2") == (
-        "rollout.max_staleness=2 is invalid: needs rollout.placement=worker (generation beside training; in the "
-        "training process generation and training take turns); add rollout.placement=worker or use "
+        "rollout.max_staleness=2 is invalid: needs rollout.placement=worker or server (generation beside training; "
+        "in the training process generation and training take turns); add rollout.placement=worker or use "
         "rollout.max_staleness=0")
     assert refusal("rollout.placement=worker", "algo.filter_groups=true") == (
         "rollout.placement=worker is invalid: does not run algo.filter_groups yet; use rollout.placement=local")

@@ -251,10 +251,10 @@ def check_precision(config: Config) -> list[str]:
 def _validate_vllm(config: Config) -> None:
     """rollout.engine=vllm and algo.sampler_correction: what only they refuse."""
     correction, engine, quantization = config.algo.sampler_correction, config.rollout.engine, config.model.quantization
-    if correction != "none" and engine != "vllm" and config.rollout.placement != "worker":
+    if correction != "none" and engine != "vllm" and config.rollout.placement == "local":
         fail("algo.sampler_correction", correction, f"needs the sampler's own log-probs, which rollout.engine={engine} "
              "does not give (it samples with the trainer's numerics); use rollout.engine=vllm, "
-             "rollout.placement=worker or sampler_correction=none")
+             "rollout.placement=worker or server, or sampler_correction=none")
     if correction != "none" and config.algo.objective == "vespo":
         fail("algo.sampler_correction", correction, "is not applied to algo.objective=vespo (its weights are its own); "
              "use algo.sampler_correction=none")
@@ -264,19 +264,26 @@ def _validate_vllm(config: Config) -> None:
 
 
 def _validate_placement(config: Config, n_ranks: int) -> None:
-    """rollout.placement and rollout.max_staleness: what generation in a worker process does not run (yet)."""
+    """rollout.placement, rollout.max_staleness and rollout.server_url: what generation beside training does not
+    run (yet)."""
     rollout = config.rollout
     if rollout.max_staleness and rollout.placement == "local":
-        fail("rollout.max_staleness", rollout.max_staleness, "needs rollout.placement=worker (generation beside "
-             "training; in the training process generation and training take turns); add rollout.placement=worker "
-             "or use rollout.max_staleness=0")
-    if rollout.placement != "worker":
+        fail("rollout.max_staleness", rollout.max_staleness, "needs rollout.placement=worker or server (generation "
+             "beside training; in the training process generation and training take turns); add "
+             "rollout.placement=worker or use rollout.max_staleness=0")
+    if rollout.server_url is not None and rollout.placement != "server":
+        fail("rollout.server_url", rollout.server_url, "is read only with rollout.placement=server; add it or "
+             "drop rollout.server_url")
+    if rollout.placement == "local":
         return
     unsupported = [(rollout.tools or config.env._target_, "tools and environments (rollout.tools, env)"),
                    (config.algo.filter_groups, "algo.filter_groups"), (n_ranks > 1, "more than one rank")]
+    if rollout.placement == "server":
+        unsupported.append((config.model.quantization is not None, "a bitsandbytes-quantized base (model."
+                            f"quantization={config.model.quantization}): vLLM serves no LoRA on one"))
     for present, what in unsupported:
         if present:
-            fail("rollout.placement", "worker", f"does not run {what} yet; use rollout.placement=local")
+            fail("rollout.placement", rollout.placement, f"does not run {what} yet; use rollout.placement=local")
 
 
 def validate(cfg: DictConfig) -> list[str]:

@@ -35,7 +35,7 @@ from grpo_cli.tracking import Tracker, open_tracker
 
 if TYPE_CHECKING:  # the trainer (transformers, peft) loads only once the dir is claimed and the libraries quieted
     from grpo_cli.models import LoadedModel
-    from grpo_cli.rollout.worker import RolloutWorker, Versions
+    from grpo_cli.rollout.ahead import AheadOfTheUpdate, Versions
     from grpo_cli.trainer import Batch, GRPOTrainer
 
 class Run:
@@ -52,7 +52,7 @@ class Run:
         self.built_trainer = False
         self.last_eval: tuple[int, dict] | None = None  # (complete steps, result) of the newest eval.every eval
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
-        self.worker: RolloutWorker | None = None  # rollout.placement=worker: the process that generates
+        self.worker: AheadOfTheUpdate | None = None  # rollout.placement=worker or server: what generates
         self.resumed_versions: Versions | None = None  # the earlier policy versions its in-flight batches need
         self.monitors = Monitors({name: spec.weight for name, spec in (self.cfg.reward.functions or {}).items()})
 
@@ -98,7 +98,7 @@ class Run:
             start = self.resume()
             if self.claim.decision.checkpoint is None and trainer.stop_agreed(stop()):
                 raise Interrupted(stop.signum or signal.SIGTERM, None, completed=0)  # a new run that wrote nothing yet
-            if self.cfg.rollout.placement == "worker" and start < self.tcfg.max_steps:
+            if self.cfg.rollout.placement != "local" and start < self.tcfg.max_steps:
                 self.start_worker(start)
             if self.main:  # a final eval of an earlier attempt does not describe this one's weights
                 (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
@@ -164,8 +164,8 @@ class Run:
         self.last_checkpoint = (start, found)
         trainer.skipped_updates = state.get("skipped_updates", 0)  # a checkpoint's state: a plain dict
         trainer.fresh_adapter = start == 0
-        if self.cfg.rollout.placement == "worker":
-            from grpo_cli.rollout.worker import versions_from_tensors
+        if self.cfg.rollout.placement != "local":
+            from grpo_cli.rollout.ahead import versions_from_tensors
 
             self.resumed_versions = versions_from_tensors(checkpoint.rollout_versions(found))
         if trainer.entropy_control is not None:
@@ -176,15 +176,22 @@ class Run:
         return start
 
     def start_worker(self, start: int) -> None:
-        """rollout.placement=worker: the rollout worker, started from the policy after `start` steps (and the versions
-        its first batches need), becomes the trainer's source of generations."""
+        """rollout.placement=worker or server: the rollout worker or vLLM's server, started from the policy after
+        `start` steps (and the versions its first batches need), becomes the trainer's source of generations."""
         from grpo_cli.rollout import sampling_seed
-        from grpo_cli.rollout.worker import RolloutWorker
 
         trainer = self.trainer
-        self.worker = RolloutWorker(self.cfg, trainer.lm, trainer.prompts,
-                                    lambda step: sampling_seed(self.tcfg.seed, step, trainer.dist.rank),
-                                    start=start, stop=trainer.stop, history=self.resumed_versions)
+        args = (self.cfg, trainer.lm, trainer.prompts, lambda step: sampling_seed(self.tcfg.seed, step,
+                                                                                  trainer.dist.rank))
+        if self.cfg.rollout.placement == "server":
+            from grpo_cli.rollout.server import ServerRollouts
+
+            self.worker = ServerRollouts(*args, start=start, stop=trainer.stop, history=self.resumed_versions,
+                                         run_dir=self.run_dir)
+        else:
+            from grpo_cli.rollout.worker import RolloutWorker
+
+            self.worker = RolloutWorker(*args, start=start, stop=trainer.stop, history=self.resumed_versions)
         trainer.generation_source = self.worker.generation
 
     def open_tracker(self, start: int) -> Tracker:
@@ -245,7 +252,7 @@ class Run:
         the last K versions, from which a resumed run regenerates its in-flight batches exactly."""
         if self.worker is None:
             return None
-        from grpo_cli.rollout.worker import versions_as_tensors
+        from grpo_cli.rollout.ahead import versions_as_tensors
 
         return versions_as_tensors(self.worker.versions_to_keep(done))
 

@@ -139,6 +139,8 @@ DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
 DOTTED_PATHS = Rule(_dotted_paths, "a list of pkg.module.fn",
                     failure="needs a list of dotted paths of callables, e.g. "
                             "'rollout.tools=[grpo_cli.calculator.calculator]'")
+HTTP_URL = Rule(lambda v: isinstance(v, str) and v.startswith(("http://", "https://")) and len(v) > 8,
+                "an http(s):// URL", failure="needs an http(s):// base URL, e.g. http://127.0.0.1:8000/v1")
 AUTO_OR_COUNT = Rule(lambda v: v == "auto" or (is_int(v) and v >= 1), "auto or an integer >= 1", verb="use")
 MODEL_NAME = Rule(TEXT.test, "hub id, dir, embedded:NAME, tiny-random",
                   failure="give a hub id, a local directory, embedded:NAME or tiny-random")
@@ -216,7 +218,7 @@ class AlgoConfig:
     sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
         option("weigh each token's policy term by exp(trainer - sampler log-prob), per token or summed per "
                "sequence, truncated to or masked outside the clip bounds (rollout.engine=vllm or "
-               "rollout.placement=worker)", "none"))
+               "rollout.placement=worker or server)", "none"))
     sampler_clip_min: float | None = option("lower bound of the sampler weight; null = none", None, number(0),
                                             row="sampler clip")
     sampler_clip_max: float | None = option("upper bound of the sampler weight; null = none", 3.0, number(0),
@@ -274,7 +276,8 @@ class RolloutConfig:
     call_opener: str = option("text prefilled at the start of the first assistant turn (in the prompt, not "
                               "trained), e.g. the opening of a call for a small model that never starts one alone",
                               "", ANY_TEXT, row="tools")
-    vllm_dtype: DTYPE = option("vllm engine: the dtype it samples in; auto = model.dtype", "auto", row="vllm")
+    vllm_dtype: DTYPE = option("vllm engine (and the server placement=server starts): the dtype it samples in; "
+                               "auto = model.dtype", "auto", row="vllm")
     vllm_max_model_len: int | None = option("vllm engine: longest prompt + completion it serves; null = the "
                                             "model's context", None, integer(1), row="vllm")
     vllm_gpu_memory_utilization: float = option("vllm engine on CUDA: the share of GPU memory it takes beside the "
@@ -284,11 +287,17 @@ class RolloutConfig:
                                       row="vllm memory")
     vllm_sync: Literal["merged", "lora"] = option("vllm engine: the policy after each update as merged weights "
                                                   "reloaded in place, or as a LoRA request", "merged")
-    placement: Literal["local", "worker"] = option(
+    placement: Literal["local", "worker", "server"] = option(
         "where generation runs: local = in the training process, taking turns with training; worker = a process of "
-        "its own (docs/usage.md \"Generation in a worker process\")", "local", row="worker")
+        "its own (docs/usage.md \"Generation in a worker process\"); server = vLLM's OpenAI-compatible server, the "
+        "adapter loaded by name at each version (docs/usage.md \"Generation on vLLM's server\")", "local",
+        row="worker")
     max_staleness: int = option("K: batches are generated up to K policy versions ahead of the update that uses "
-                                "them (needs placement=worker); 0 = on-policy", 0, integer(0), row="worker")
+                                "them (needs placement=worker or server); 0 = on-policy", 0, integer(0), row="worker")
+    server_url: str | None = option("placement=server: the base URL (http://HOST:PORT/v1) of a running vLLM server "
+                                    "of the base model, started with --enable-lora and "
+                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; null = grpo-train starts `vllm serve` "
+                                    "and stops it at the end", None, HTTP_URL, row="worker")
     worker_threads: int | None = option("placement=worker on the CPU: the worker's torch threads, the trainer "
                                         "keeps the rest; null = half of the trainer's (at least 1 each)", None,
                                         integer(1), row="worker")

@@ -188,26 +188,36 @@ class VLLMEngine(Engine):
 
     def rollout(self, prompt_ids, num_generations, outputs, eos, stop_strings, interrupted: bool) -> Rollout:
         """The Rollout of vLLM's outputs (one per completion, in order), with its per-token log-probs."""
-        pad = self.tokenizer.pad_token_id
-        samples = [out.outputs[0] for out in outputs]
-        width = max(1, max(len(s.token_ids) for s in samples))
-        completion = torch.full((len(samples), width), pad, dtype=torch.long)
-        logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
-        for i, sample in enumerate(samples):
+        samples = []
+        for sample in (out.outputs[0] for out in outputs):
             tokens = list(sample.token_ids)
-            completion[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            for t, (token, ranked) in enumerate(zip(tokens, sample.logprobs or [], strict=False)):
-                logprobs[i, t] = ranked[token].logprob if token in ranked else float("nan")
-        ids, mask = left_pad(prompt_ids, pad, self.device)
-        roll = finish_rollout(self.tokenizer, eos, ids, mask, completion.to(self.device), num_generations, interrupted,
-                              stop_strings)
-        roll.sampler_logprobs = logprobs.to(self.device)
-        return roll
+            samples.append((tokens, [ranked[token].logprob if token in ranked else float("nan")
+                                     for token, ranked in zip(tokens, sample.logprobs or [], strict=False)]))
+        return sampled_rollout(self.tokenizer, eos, prompt_ids, num_generations, samples, stop_strings, interrupted,
+                               self.device)
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         del llm
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def sampled_rollout(tokenizer, eos: list[int], prompt_ids: list[list[int]], num_generations: int,
+                    samples: list[tuple[list[int], list[float]]], stop_strings: Sequence[str], interrupted: bool,
+                    device) -> Rollout:
+    """The Rollout of sampled completions (per completion, in order: its token ids and the sampler's log-prob of
+    each), the log-probs as `sampler_logprobs` (NaN where the sampler gave none)."""
+    pad = tokenizer.pad_token_id
+    width = max(1, max(len(tokens) for tokens, _ in samples))
+    completion = torch.full((len(samples), width), pad, dtype=torch.long)
+    logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
+    for i, (tokens, logps) in enumerate(samples):
+        completion[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logprobs[i, :len(logps)] = torch.tensor(logps, dtype=torch.float32)
+    ids, mask = left_pad(prompt_ids, pad, device)
+    roll = finish_rollout(tokenizer, eos, ids, mask, completion.to(device), num_generations, interrupted, stop_strings)
+    roll.sampler_logprobs = logprobs.to(device)
+    return roll
 
 
 def lora_rank(peft_model) -> int:
