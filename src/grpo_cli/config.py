@@ -274,6 +274,9 @@ def _validate_placement(config: Config, n_ranks: int) -> None:
     if rollout.server_url is not None and rollout.placement != "server":
         fail("rollout.server_url", rollout.server_url, "is read only with rollout.placement=server; add it or "
              "drop rollout.server_url")
+    if rollout.worker_device != "auto" and rollout.placement != "worker":
+        fail("rollout.worker_device", rollout.worker_device, "is read only with rollout.placement=worker; add it or "
+             "drop rollout.worker_device")
     if rollout.placement == "local":
         return
     unsupported = [(rollout.tools or config.env._target_, "tools and environments (rollout.tools, env)"),

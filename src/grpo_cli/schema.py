@@ -301,6 +301,9 @@ class RolloutConfig:
     worker_threads: int | None = option("placement=worker on the CPU: the worker's torch threads, the trainer "
                                         "keeps the rest; null = half of the trainer's (at least 1 each)", None,
                                         integer(1), row="worker")
+    worker_device: str = option("placement=worker: the device the worker generates on, e.g. cuda:1 beside a trainer "
+                                "on cuda:0 (one device: the engine runs on one); auto = the trainer's", "auto", DEVICE,
+                                row="worker")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,13 +75,14 @@ class RolloutWorker(AheadOfTheUpdate):
         super().__init__(cfg, lm, prompts_of, seed_of, start=start, stop=stop, history=history)
         self.buffers = {name: t.detach().to("cpu", copy=True).share_memory_()
                         for name, t in trainable(lm.model).items()}
+        device = lm.device if cfg.rollout.worker_device == "auto" else torch.device(cfg.rollout.worker_device)
         trainer_threads, worker_threads = thread_split(cfg.rollout.worker_threads, torch.get_num_threads())
-        if lm.device.type == "cpu":
+        if lm.device.type == "cpu" and device.type == "cpu":  # the cores are shared: split them
             torch.set_num_threads(trainer_threads)
         context = mp.get_context("spawn")
         self.requests, self.results = context.Queue(), context.Queue()
         self.process = context.Process(target=serve, name="grpo-rollout-worker", daemon=True,
-                                       args=(dict(cfg.composed), str(lm.device), self.buffers, self.probe,
+                                       args=(dict(cfg.composed), str(device), self.buffers, self.probe,
                                              self.requests, self.results, worker_threads, os.getpid()))
         self.process.start()
         self.begin("loaded its policy")
