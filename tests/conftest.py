@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import prewarmed
@@ -62,6 +63,23 @@ def pytest_collection_modifyitems(config, items):
 def script(name: str) -> str:
     path = BIN / name
     return str(path) if path.exists() else shutil.which(name) or name
+
+
+def wait_until_served(url: str, server, log: Path, timeout_s: float) -> None:
+    """Until the OpenAI-compatible server at `url` lists its models; its process `server` must stay up meanwhile
+    (else the tail of its `log`), for at most `timeout_s` seconds."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert server.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"vLLM's server did not come up in {timeout_s:.0f} s"
+        try:
+            with urllib.request.urlopen(url + "/models", timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None, command: str = "grpo-train",

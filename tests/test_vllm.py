@@ -12,12 +12,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 import torch
-from conftest import randomise_lora, read_jsonl, run_cli
+from conftest import randomise_lora, read_jsonl, run_cli, wait_until_served
 from test_engines import chat_prompts
 
 from grpo_cli.config import validate
@@ -175,16 +173,7 @@ def served(tmp_path_factory):
                               env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 420
-        while True:
-            assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "vLLM's server did not come up in 420 s"
-            try:
-                with urllib.request.urlopen(url + "/models", timeout=5) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
+        wait_until_served(url, server, folder / "server.log", 420)
         yield url
     finally:
         server.terminate()

@@ -15,12 +15,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import TINY_TRAINER, VARIED_REWARD, assert_learned, read_jsonl, run_cli
+from conftest import TINY_TRAINER, VARIED_REWARD, assert_learned, read_jsonl, run_cli, wait_until_served
 from test_async_rollouts import alive, signal_at, stopped_after
 
 from grpo_cli.errors import ConfigError
@@ -116,16 +115,7 @@ def lora_server(tmp_path_factory):
                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "vLLM's server did not come up in 300 s"
-            try:
-                with urllib.request.urlopen(url + "/models", timeout=5) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
+        wait_until_served(url, server, folder / "server.log", 300)
         yield url, server
     finally:
         server.terminate()
