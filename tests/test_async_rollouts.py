@@ -1,11 +1,12 @@
 """Generation beside training (issue 52): rollout.max_staleness and rollout.placement=worker. The default path is
 today's, bitwise; a worker run trains with its staleness and sync-gap metrics; a sync that does not happen, a worker
-that dies and SIGTERM each stop in one line (no hang: every wait has a timeout); an interrupted K=1 run resumes
-to the uninterrupted one's adapter, bitwise."""
+that dies and SIGTERM each stop in one line (no hang: every wait has a timeout); a K=1 run stopped by SIGTERM or
+killed by SIGKILL resumes to the uninterrupted one's adapter, bitwise."""
 
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -109,22 +110,36 @@ def signal_at(step: int, to: str, record: Path) -> dict:
     return {"SIGNAL_AT_CALL": str(step + 1), "SIGNAL_TO": to, "SIGNAL_RECORD": str(record)}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_a_worker_run_stopped_by_sigterm_resumes_to_the_uninterrupted_adapter(tmp_path):
-    """K=1 with a worker trains with its metrics; SIGTERM at step 1 stops at a safe point with the worker gone and
-    the checkpoint after step 0; trainer.resume=auto then ends with the uninterrupted run's adapter, bitwise."""
-    straight, stopped, record = tmp_path / "straight", tmp_path / "stopped", tmp_path / "worker.pid"
-    proc = run_cli([*SIGNALLING, f"hydra.run.dir={straight}"], tmp_path, timeout=120)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The K=1 worker run of SIGNALLING uninterrupted; its metrics are those of a K=1 run."""
+    folder = tmp_path_factory.mktemp("straight")
+    proc = run_cli([*SIGNALLING, f"hydra.run.dir={folder / 'run'}"], folder, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_jsonl(straight / "metrics.jsonl")
+    rows = read_jsonl(folder / "run" / "metrics.jsonl")
     assert [r["rollout/version"] for r in rows] == [0, 0, 1, 2]  # step t trains on version max(0, t - 1)'s batch
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
     assert all(0 <= r["sync/logp_gap"] <= 1e-3 for r in rows)
     assert rows[0]["sampler/logp_diff_max"] < 1e-4 < rows[1]["sampler/logp_diff_max"]  # the lag, seen from step 1
     assert rows[0]["sampler/corrected_frac"] == 0 < max(r["sampler/corrected_frac"] for r in rows[1:])
-    assert_learned(straight)
+    assert_learned(folder / "run")
+    return folder / "run"
 
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(pid)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_worker_run_stopped_by_sigterm_resumes_to_the_uninterrupted_adapter(tmp_path, straight):
+    """K=1 with a worker trains with its metrics (the fixture); SIGTERM at step 1 stops at a safe point with the
+    worker gone and the checkpoint after step 0; trainer.resume=auto then ends with the uninterrupted run's adapter,
+    bitwise."""
+    stopped, record = tmp_path / "stopped", tmp_path / "worker.pid"
     proc = run_cli([*SIGNALLING, f"hydra.run.dir={stopped}"], tmp_path, timeout=120,
                    env=signal_at(1, "self", record))
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
@@ -137,6 +152,28 @@ def test_a_worker_run_stopped_by_sigterm_resumes_to_the_uninterrupted_adapter(tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(stopped / "metrics.jsonl")] == [0, 1, 2, 3]
     assert_same_adapter(straight, stopped)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_worker_run_killed_by_sigkill_resumes_to_the_uninterrupted_adapter(tmp_path, straight):
+    """kill -9 of grpo-train during step 2's scoring, a batch of the worker's in flight: no safe point, the worker
+    goes with it (the kernel's parent-death signal), the last checkpoint is the periodic one after 2 steps. The
+    resume regenerates what was in flight from the adapters that checkpoint kept and ends with the uninterrupted
+    run's adapter, bitwise."""
+    killed, record = tmp_path / "killed", tmp_path / "worker.pid"
+    every_step = ["trainer.save_every=1", f"hydra.run.dir={killed}"]
+    proc = run_cli([*SIGNALLING, *every_step], tmp_path, timeout=120, env=signal_at(2, "kill", record))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    worker = int(record.read_text())
+    assert gone_within(worker, 10), f"the rollout worker {worker} outlived grpo-train's kill -9"
+    assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == [0, 1]
+    assert not (killed / "checkpoints" / "step-000003").exists()
+
+    proc = run_cli([*SIGNALLING, *every_step, "trainer.resume=auto"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert_same_adapter(straight, killed)
 
 
 def stopped_after(steps: int, run: Path) -> str:
