@@ -2,7 +2,8 @@
 each policy version. A K=1 run trains against the server grpo-train starts, with its staleness and sync-gap metrics, and
 leaves no server process; a sync that does not happen (the test hook loads the previous adapter under the new name)
 on a server given by rollout.server_url stops in one line and leaves that server running; SIGTERM stops the run and
-its server, and the resumed run ends with the uninterrupted one's adapter; the refusals.
+its server, kill -9 of grpo-train takes its server down too, and either resumed run ends with the uninterrupted one's
+adapter; the refusals.
 Skipped where vllm is not importable (the main venv); `make test-vllm` runs them in .venv-vllm.
 
 The tiny model has one attention head (head_dim 64): vLLM's CPU attention has no kernel for head_dim 16."""
@@ -15,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -174,6 +176,32 @@ def test_sigterm_stops_the_run_and_its_server_and_the_resume_is_the_straight_run
     assert_no_server(server_pid(proc.stderr))
 
     proc = run_cli([*SERVER, f"hydra.run.dir={run}", "trainer.resume=auto"], tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert_same_adapter(straight[0], run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_kill_9_of_grpo_train_takes_its_server_down_and_the_resume_is_the_straight_run(tmp_path, straight):
+    """kill -9 of grpo-train during step 2's scoring, no safe point: the server it started goes too (the kernel's
+    parent-death signal asks it to stop, and it stops its engine); trainer.resume=auto from the periodic checkpoint
+    after 2 steps regenerates the batch that was in flight and ends with the uninterrupted run's adapter, bitwise."""
+    from test_async_rollouts import assert_same_adapter, gone_within
+
+    run, record = tmp_path / "run", tmp_path / "record"
+    every_step = ["trainer.save_every=1", f"hydra.run.dir={run}"]
+    proc = run_cli([*SERVER, *every_step], tmp_path, timeout=280, env=signal_at(2, "kill", record))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    server = server_pid(proc.stderr)
+    assert gone_within(server, 60), f"vLLM's server {server} outlived grpo-train's kill -9"
+    deadline = time.monotonic() + 60
+    while group_members(server) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert_no_server(server)
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1]
+
+    proc = run_cli([*SERVER, *every_step, "trainer.resume=auto"], tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]
     assert_same_adapter(straight[0], run)
