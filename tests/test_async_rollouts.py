@@ -1,7 +1,7 @@
 """Generation beside training (issue 52): rollout.max_staleness and rollout.placement=worker. The default path is
 today's, bitwise; a worker run trains with its staleness and sync-gap metrics; a sync that does not happen, a worker
 that dies and SIGTERM each stop in one line (no hang: every wait has a timeout); a K=1 run stopped by SIGTERM or
-killed by SIGKILL resumes to the uninterrupted one's adapter, bitwise."""
+killed by SIGKILL resumes to the uninterrupted one's adapter, bitwise; placement=server where no vLLM is found."""
 
 from __future__ import annotations
 
@@ -226,3 +226,23 @@ def test_cuda_generation_on_its_own_device_beside_the_trainer(tmp_path):
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["sync/logp_gap"] <= 1e-3 for r in rows)
+
+
+def test_a_server_placement_with_no_vllm_to_start_is_one_line(tmp_path):
+    """Where grpo-train's python finds no vLLM (make test's venv before make setup-vllm), placement=server without a
+    URL stops before the model loads, in one line naming both ways out."""
+    from grpo_cli.rollout.vllm_server import vllm_python
+
+    try:
+        vllm_python()
+    except ConfigError:
+        pass
+    else:
+        pytest.skip("this python finds a vLLM to start; tests/test_vllm_server.py runs the server placement")
+    proc = run_cli([*TINY, "rollout.placement=server", "rollout.max_staleness=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                   tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "grpo-train: rollout.placement=server found no vLLM to start its server with (vllm does not import in "
+        "grpo-train's python, no .venv-vllm beside its venv, no `vllm` on PATH); run `make setup-vllm`, or start "
+        "`vllm serve` yourself and give its URL as rollout.server_url"]
