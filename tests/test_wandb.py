@@ -374,3 +374,26 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, offline_run):
     assert steps == [[0, 1], [2]]
     assert f"wandb sync {run_dir}/wandb/offline-run-*-{run_id}" in second.stdout
     assert offline_run["wandb"]["run"].run_id != run_id  # another run dir, another W&B run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_worker_run_logs_its_staleness_and_sync_gap_to_wandb(tmp_path):
+    """rollout.placement=worker rollout.max_staleness=1 with logger=wandb offline: each step's policy version,
+    staleness and sync gap are in the W&B history, equal to metrics.jsonl's."""
+    from test_async_rollouts import TINY as WORKER_TINY
+    from test_async_rollouts import WORKER
+
+    run_dir = tmp_path / "run"
+    env = clean_env(WANDB_CACHE_DIR=str(tmp_path / "wb_cache"), WANDB_DATA_DIR=str(tmp_path / "wb_data"),
+                    WANDB_CONFIG_DIR=str(tmp_path / "wb_config"))
+    proc = prewarmed.run([script("grpo-train"), *WORKER_TINY, *WORKER, "logger=wandb", "logger.wandb.mode=offline",
+                          f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, history = read_jsonl(run_dir / "metrics.jsonl"), read_offline_run(run_dir)["history"]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert sorted(history) == [r["step"] for r in rows]
+    for row in rows:
+        for key in ("rollout/version", "rollout/staleness", "sync/logp_gap", "sampler/logp_diff_mean"):
+            assert history[row["step"]][key] == pytest.approx(row[key], rel=1e-6, abs=1e-9), (row["step"], key)
