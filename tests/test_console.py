@@ -39,8 +39,17 @@ def test_plain_lines_off_a_terminal():
     assert "reward 0.500 kl 0.0020 clip 0.020 102 tok/s" in steps[2] and "eta 0:00" in steps[2]
     assert "warning: something [odd] happened" in text  # markup-looking text is printed as is
     assert "\x1b[" not in text and "\r" not in text
-    for expected in ("reward, first 10 steps", "reward, last 10 steps", "1:15", "/runs/x/adapter", "wandb sync"):
+    for expected in ("reward, first 3 steps", "reward, last 3 steps", "1:15", "/runs/x/adapter", "wandb sync"):
         assert expected in text
+
+
+def test_the_summary_names_the_steps_its_rewards_average():
+    """A run of fewer than 10 steps averages all of them: its labels say how many, not 10."""
+    assert [ConsoleView.label("first_reward", {"steps": n}) for n in (40, 10, 6, 1)] == [
+        "reward, first 10 steps", "reward, first 10 steps", "reward, first 6 steps", "reward, first 1 step"]
+    assert ConsoleView.label("last_reward", {"steps": 40}) == "reward, last 10 steps"
+    assert ConsoleView.label("final_reward", {"steps": 3}) == "final reward (last 10%)"
+    assert ConsoleView.label("W&B", {"steps": 3}) == "W&B"
 
 
 def test_live_progress_on_a_terminal():

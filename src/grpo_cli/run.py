@@ -31,7 +31,7 @@ from grpo_cli.monitors import Monitors
 from grpo_cli.ranks import is_rank_zero
 from grpo_cli.schema import Config
 from grpo_cli.stopping import StopRequest
-from grpo_cli.tracking import Tracker, open_tracker
+from grpo_cli.tracking import REWARD_WINDOW, Tracker, open_tracker
 
 if TYPE_CHECKING:  # the trainer (transformers, peft) loads only once the dir is claimed and the libraries quieted
     from grpo_cli.models import LoadedModel
@@ -313,8 +313,8 @@ class Run:
         rewards = [row["reward"] for row in read_metrics(self.run_dir / METRICS)]
         summary = {
             "steps": len(rewards),
-            "first_reward": sum(rewards[:10]) / max(1, len(rewards[:10])),
-            "last_reward": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
+            "first_reward": sum(rewards[:REWARD_WINDOW]) / max(1, len(rewards[:REWARD_WINDOW])),
+            "last_reward": sum(rewards[-REWARD_WINDOW:]) / max(1, len(rewards[-REWARD_WINDOW:])),
             "final_reward": final_mean(rewards),
             **({"final_eval_accuracy": final_eval["eval/accuracy"]} if final_eval else {}),
             "time_s": seconds,

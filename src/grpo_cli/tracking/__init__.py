@@ -58,7 +58,7 @@ from grpo_cli.tracking.wandb_sink import (  # importing it registers the wandb l
 )
 
 __all__ = [
-    "LOGGERS", "REDACTED", "WANDB_ID_FILE", "WANDB_MODES", "ConsoleView", "JsonlSink", "MetricSink",
+    "LOGGERS", "REDACTED", "REWARD_WINDOW", "WANDB_ID_FILE", "WANDB_MODES", "ConsoleView", "JsonlSink", "MetricSink",
     "NullSink", "RunInfo", "Tracker", "WandbSink", "_hydra_names", "has_wandb_credentials", "is_secret_key",
     "open_tracker", "redact", "resolve_wandb_mode", "scrub_secrets", "secret_values", "wandb_run_id", "wandb_sink",
 ]
@@ -74,10 +74,11 @@ def _duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+REWARD_WINDOW = 10  # the summary's first and last reward: the mean over this many steps, or all of a shorter run
 SUMMARY_LABELS = {
     "steps": "steps",
-    "first_reward": "reward, first 10 steps",
-    "last_reward": "reward, last 10 steps",
+    "first_reward": "reward, first {window}",
+    "last_reward": "reward, last {window}",
     "final_reward": "final reward (last 10%)",
     "time_s": "total time",
     "adapter": "adapter",
@@ -179,6 +180,13 @@ class ConsoleView(NullSink):
             finally:
                 self.progress = None
 
+    @staticmethod
+    def label(key: str, summary: dict) -> str:
+        """The summary row's name; a run of fewer than REWARD_WINDOW steps says how many its rewards average."""
+        steps = min(REWARD_WINDOW, summary.get("steps", REWARD_WINDOW))
+        window = "1 step" if steps == 1 else f"{steps} steps"
+        return SUMMARY_LABELS[key].format(window=window) if key in SUMMARY_LABELS else key
+
     def close(self, summary: dict) -> None:
         self.end_live()
         table = Table(title="grpo-train", show_header=False)
@@ -191,7 +199,7 @@ class ConsoleView(NullSink):
                 text = f"{value:.4f}"
             else:
                 text = str(value)
-            table.add_row(SUMMARY_LABELS.get(key, key), escape(redact(text)))
+            table.add_row(self.label(key, summary), escape(redact(text)))
         self.console.print(table)
 
 # ---- the fan-out ---------------------------------------------------------------------------------
