@@ -10,8 +10,9 @@ Each run is a real `grpo-train` (a process of its own) with OMP_NUM_THREADS=--th
 them all for generation and training in turns; the K=1 run gives rollout.worker_threads=--worker-threads to the
 worker and the rest to the trainer. Runs alternate sync, K=1, sync, K=1, so that load from other work hits both.
 A run's step time is the median of step_time_s over its steps after the first two (the first starts the worker and
-warms the caches). Per mode it reports that median, the means of gen_time_s and (K=1) rollout/wait_s, the
-generating policy's log-prob gap (sampler/logp_diff_mean) and the mean reward of the last half of the steps; and
+warms the caches). Per mode it reports that median, the means of gen_time_s and (K=1) rollout/wait_s and
+rollout/worker_passes_s (the worker's log-prob passes after generating), the generating policy's log-prob gap
+(sampler/logp_diff_mean, where a sampler correction asks for it) and the mean reward of the last half of the steps; and
 the K=1 / sync ratio of each round and of the pooled medians. The last line printed is one JSON object.
 Run it on idle cores: on a loaded machine the numbers say more about the load than about the placement.
 """
@@ -51,6 +52,7 @@ def run(mode: str, seed: int, args, folder: Path) -> dict:
 
     return {"mode": mode, "seed": seed, "step_s": statistics.median(r["step_time_s"] for r in timed),
             "gen_s": mean("gen_time_s"), "wait_s": mean("rollout/wait_s"), "logp_gap": mean("sampler/logp_diff_mean"),
+            "worker_passes_s": mean("rollout/worker_passes_s"),
             "late_reward": statistics.fmean(r["reward"] for r in rows[len(rows) // 2:])}
 
 

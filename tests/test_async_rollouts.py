@@ -99,6 +99,38 @@ def test_max_staleness_0_is_todays_loop_bitwise_here_and_in_a_worker(compose, tm
     assert read_jsonl(runs[2] / "metrics.jsonl")[1]["rollout/staleness"] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_worker_makes_the_reference_pass_beside_a_trainer_on_the_cpu(compose, tmp_path):
+    """K=1 with a KL term, trainer and worker on the CPU: the worker's batch carries the frozen base's log-probs,
+    equal to the trainer's own reference pass over the same micro-batches (the same weights, code and one thread
+    each: the same operations in the same order), and no sampler log-probs where the loss does not read them."""
+    from grpo_cli.rollout import sampling_seed
+    from grpo_cli.rollout.worker import RolloutWorker, reference_in_the_worker
+
+    trainer = make_trainer(compose, tmp_path, *TINY[3:], *WORKER, "algo.beta=0.04")
+    worker = RolloutWorker(trainer.cfg, trainer.lm, trainer.prompts, lambda step: sampling_seed(0, step, 0), start=0,
+                           stop=lambda: False, plan=trainer.memory)
+    try:
+        generation = worker.generation(0)
+    finally:
+        worker.close()
+    assert generation.rollout.sampler_logprobs is None  # algo.sampler_correction=none: nothing reads them
+    batch = trainer.make_batch(generation, trainer.score(generation))
+    ordered, minis = trainer.mini_batch_layout(batch)
+    own = trainer._no_grad_logprobs(ordered, [rows for mini in minis for rows in mini.micro], adapter=False)
+    real = ordered.mask.bool()
+    assert real.any() and torch.equal(ordered.rollout.ref_logprobs[real], own[real])
+    assert generation.stats["rollout/worker_passes_s"] > 0
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cfg = trainer.cfg
+    assert reference_in_the_worker(cfg, cpu, cpu) and not reference_in_the_worker(cfg, cpu, cuda)
+    for overrides in (["rollout.max_staleness=0"], ["algo.beta=0.0"]):
+        other = make_trainer(compose, tmp_path, *TINY[3:], *WORKER, *overrides).cfg
+        assert not reference_in_the_worker(other, cpu, cpu), overrides
+
+
 # the reward of TINY, and a signal at one step's scoring where SIGNAL_AT_CALL says (tests/varied_reward.py); the
 # sampler correction weighs the lag, with a bound that the lag crosses
 SIGNALLING = [*TINY[:-2], "+reward.functions.varied._target_=varied_reward.by_length_with_a_signal",

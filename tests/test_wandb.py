@@ -395,5 +395,5 @@ def test_a_worker_run_logs_its_staleness_and_sync_gap_to_wandb(tmp_path):
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
     assert sorted(history) == [r["step"] for r in rows]
     for row in rows:
-        for key in ("rollout/version", "rollout/staleness", "sync/logp_gap", "sampler/logp_diff_mean"):
+        for key in ("rollout/version", "rollout/staleness", "sync/logp_gap", "rollout/worker_passes_s"):
             assert history[row["step"]][key] == pytest.approx(row[key], rel=1e-6, abs=1e-9), (row["step"], key)

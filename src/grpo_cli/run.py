@@ -191,7 +191,8 @@ class Run:
         else:
             from grpo_cli.rollout.worker import RolloutWorker
 
-            self.worker = RolloutWorker(*args, start=start, stop=trainer.stop, history=self.resumed_versions)
+            self.worker = RolloutWorker(*args, start=start, stop=trainer.stop, history=self.resumed_versions,
+                                        plan=trainer.memory)
         trainer.generation_source = self.worker.generation
 
     def open_tracker(self, start: int) -> Tracker:

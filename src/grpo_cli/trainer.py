@@ -357,7 +357,11 @@ class GRPOTrainer:
         self.model.train()
         ordered, minis = self.mini_batch_layout(batch)
         parts = [rows for mini in minis for rows in mini.micro]
-        ref = self._no_grad_logprobs(ordered, parts, adapter=False) if self.algo.beta > 0 else None
+        ref = None
+        if self.algo.beta > 0:  # the worker's reference pass, where it made one (its micro-batches, these numerics)
+            ref = ordered.rollout.ref_logprobs
+            if ref is None:
+                ref = self._no_grad_logprobs(ordered, parts, adapter=False)
         old = self._no_grad_logprobs(ordered, parts, adapter=True) if not is_on_policy(self.algo) else None
         totals, first, max_logp, losses, grad_norms = UpdateSums(), None, -math.inf, [], []
         for iteration in range(self.algo.num_iterations):

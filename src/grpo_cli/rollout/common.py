@@ -47,6 +47,9 @@ class Rollout:
     interrupted: bool = False      # the caller's stop() fired during generation: partial, to be discarded
     # [N, T] the engine's own log-prob of each sampled token (vllm)
     sampler_logprobs: torch.Tensor | None = per_token(default=None)
+    # [N, T] the reference policy's (the frozen base's) log-prob of each completion token, where the generator
+    # computed it (rollout.placement=worker beside a trainer on the same CPU: rollout/worker.py); else the trainer does
+    ref_logprobs: torch.Tensor | None = per_token(default=None)
 
     def select_groups(self, groups: list[int]) -> Rollout:
         """The rollout of the given prompt groups, in that order (each with its G rows)."""

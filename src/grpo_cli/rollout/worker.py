@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
+from grpo_cli import memory
 from grpo_cli.errors import RunError, UserError, WorkerError, error_line
 from grpo_cli.rollout.ahead import (
     AheadOfTheUpdate,
@@ -48,6 +49,7 @@ from grpo_cli.rollout.ahead import (
     trainable,
 )
 from grpo_cli.rollout.common import EncodedPrompts, Rollout, sampling_options
+from grpo_cli.rollout.logprobs import completion_logprobs, real_lengths
 from grpo_cli.schema import Config
 
 # A test hook, read by the worker: "1" makes it acknowledge every weight sync without loading the new adapter, to
@@ -62,6 +64,22 @@ def thread_split(worker_threads: int | None, threads: int) -> tuple[int, int]:
     return max(1, threads - worker), worker
 
 
+def reads_sampler_logprobs(cfg: Config) -> bool:
+    """Whether the loss reads the generator's own log-probs of its samples: the sampler correction and the
+    off-policy mask do (and the sampler/* metrics come with them); else the worker does not spend a pass on them."""
+    return cfg.algo.sampler_correction != "none" or cfg.algo.off_policy_mask_threshold is not None
+
+
+def reference_in_the_worker(cfg: Config, trainer_device: torch.device, worker_device: torch.device) -> bool:
+    """Whether the worker makes the reference pass (the frozen base's log-probs, for the KL term) of each batch it
+    generates: with a staleness bound (K >= 1) and a KL term, where trainer and worker split the CPU's cores. It
+    moves about a quarter of the update's work to the side that waits (docs/results.md, "Generation in a worker").
+    Not at K=0 (the trainer waits for each batch: nothing to balance, and the update stays bitwise the local
+    loop's), nor across devices (the reference would come in the worker's numerics)."""
+    return (cfg.rollout.max_staleness >= 1 and cfg.algo.beta > 0
+            and trainer_device.type == "cpu" and worker_device.type == "cpu")
+
+
 class RolloutWorker(AheadOfTheUpdate):
     """The trainer's side of the worker process (AheadOfTheUpdate: the schedule and the sync check): spawns it, moves
     each version's adapter through buffers in shared memory, shuts it down."""
@@ -71,7 +89,7 @@ class RolloutWorker(AheadOfTheUpdate):
 
     def __init__(self, cfg: Config, lm, prompts_of: Callable[[int], tuple[list[dict], EncodedPrompts]],
                  seed_of: Callable[[int], int], *, start: int, stop: Callable[[], bool],
-                 history: Versions | None = None):
+                 history: Versions | None = None, plan: memory.MemoryPlan | None = None):
         super().__init__(cfg, lm, prompts_of, seed_of, start=start, stop=stop, history=history)
         self.buffers = {name: t.detach().to("cpu", copy=True).share_memory_()
                         for name, t in trainable(lm.model).items()}
@@ -79,11 +97,15 @@ class RolloutWorker(AheadOfTheUpdate):
         trainer_threads, worker_threads = thread_split(cfg.rollout.worker_threads, torch.get_num_threads())
         if lm.device.type == "cpu" and device.type == "cpu":  # the cores are shared: split them
             torch.set_num_threads(trainer_threads)
+        # the trainer's micro-batches and LM-head blocks for the reference pass, where the worker makes it
+        reference = ((plan.micro_batch_tokens if plan else None, plan.head_chunk if plan else None)
+                     if reference_in_the_worker(cfg, lm.device, device) else None)
         context = mp.get_context("spawn")
         self.requests, self.results = context.Queue(), context.Queue()
         self.process = context.Process(target=serve, name="grpo-rollout-worker", daemon=True,
                                        args=(dict(cfg.composed), str(device), self.buffers, self.probe,
-                                             self.requests, self.results, worker_threads, os.getpid()))
+                                             self.requests, self.results, worker_threads, os.getpid(),
+                                             reference))
         self.process.start()
         self.begin("loaded its policy")
 
@@ -116,9 +138,11 @@ class RolloutWorker(AheadOfTheUpdate):
 
 # ---- the worker's side ----------------------------------------------------------------------------------
 def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: Rollout, requests, results,
-          threads: int, parent: int) -> None:
+          threads: int, parent: int, reference: tuple[int | None, int | None] | None = None) -> None:
     """The worker process, given the trainer's composed config: load the policy as the trainer does, build the engine
     rollout.engine names, and answer the requests in order until "close" or until the trainer's process is gone.
+    `reference`: (tokens per micro-batch, LM-head block) of the trainer's memory plan where the worker makes the
+    reference pass (`reference_in_the_worker`), else None.
     A terminal's SIGINT and SIGHUP reach the whole process group: they are the trainer's to handle (it shuts the
     worker down)."""
     for signum in (signal.SIGINT, signal.SIGHUP):
@@ -155,7 +179,7 @@ def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: 
                 results.put(("synced", message[1], logp))
             else:
                 _, step, version, prompt_ids, seed = message
-                results.put(("batch", step, version, *generate(cfg, lm, engine, prompt_ids, seed)))
+                results.put(("batch", step, version, *generate(cfg, lm, engine, prompt_ids, seed, reference)))
     except Exception as err:  # noqa: BLE001  every failure goes back to the trainer, which says it in one line
         told = isinstance(err, (UserError, RunError)) and _picklable(err)  # a line for the user already
         results.put(("failed", err if told else WorkerError(f"the rollout worker failed: {error_line(err)}")))
@@ -169,9 +193,11 @@ def end_with_the_trainer() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int) -> tuple[Rollout, dict]:
-    """One step's batch, sampled as GRPOTrainer.generate samples it (the same seed), with the generating
-    policy's log-probs of its tokens as the rollout's sampler_logprobs (algo.sampler_correction weighs the lag)."""
+def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int,
+             reference: tuple[int | None, int | None] | None = None) -> tuple[Rollout, dict]:
+    """One step's batch, sampled as GRPOTrainer.generate samples it (the same seed), with the generating policy's
+    log-probs of its tokens as the rollout's sampler_logprobs where the loss reads them (algo.sampler_correction
+    weighs the lag), and the reference pass's log-probs where `reference` asks for them."""
     roll_cfg = cfg.rollout
     torch.manual_seed(seed)
     t0, compile_before = time.perf_counter(), engine.compile_s
@@ -179,11 +205,30 @@ def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int) ->
                            min_new_tokens=roll_cfg.min_new_tokens, **sampling_options(roll_cfg))
     compile_s = engine.compile_s - compile_before
     gen_time = time.perf_counter() - t0 - compile_s
-    roll.sampler_logprobs = rollout_logprobs(lm.model, roll, roll_cfg.temperature, cfg.trainer.logprob_chunk_size)
+    t1 = time.perf_counter()
+    if reads_sampler_logprobs(cfg):
+        roll.sampler_logprobs = rollout_logprobs(lm.model, roll, roll_cfg.temperature, cfg.trainer.logprob_chunk_size)
+    if reference is not None:
+        roll.ref_logprobs = reference_logprobs(cfg, lm.model, roll, *reference)
+    passes_s = time.perf_counter() - t1
     roll = moved(roll, torch.device("cpu"))  # through the queue's shared memory; the trainer moves it to its device
     tokens = int(roll.loss_mask().sum())
     return roll, {"gen_time_s": gen_time, "gen_tokens_per_s": tokens / max(gen_time, 1e-9),
-                  "gen_compile_s": compile_s, "gen_sync_s": engine.sync_s}
+                  "gen_compile_s": compile_s, "gen_sync_s": engine.sync_s, "rollout/worker_passes_s": passes_s}
+
+
+@torch.no_grad()
+def reference_logprobs(cfg: Config, model, roll: Rollout, micro_batch_tokens: int | None,
+                       head_chunk: int | None) -> torch.Tensor:
+    """The frozen base's log-probs of every completion token of `roll` (the adapter disabled), in the trainer's
+    micro-batches and LM-head blocks: the trainer's own reference pass (GRPOTrainer.update), made here."""
+    rows = slice(0, roll.completion_ids.shape[0])
+    prompts, completions = real_lengths(roll, rows)
+    parts = memory.cut(rows, [p + c for p, c in zip(prompts, completions, strict=True)],
+                       cfg.trainer.micro_batch_size, micro_batch_tokens)
+    chunk = head_chunk or cfg.trainer.logprob_chunk_size
+    with model.disable_adapter():
+        return torch.cat([completion_logprobs(model, roll, part, cfg.rollout.temperature, chunk)[0] for part in parts])
 
 
 def _picklable(err: BaseException) -> bool:
