@@ -30,7 +30,7 @@ def rollout(kind: type, groups: int, width: int, start: int) -> Rollout:
     common = dict(prompt_ids=torch.arange(start, start + groups * 3).view(groups, 3), prompt_mask=torch.ones(groups, 3),
                   completion_ids=ids, completion_mask=torch.ones(n, width, dtype=torch.long),
                   truncated=torch.arange(n) % 2 == 0, texts=[f"t{start + i}" for i in range(n)], group_size=G,
-                  sampler_logprobs=-ids.float() / 1000)
+                  sampler_logprobs=-ids.float() / 1000, ref_logprobs=-ids.float() / 2000)
     if kind is Rollout:
         return Rollout(**common)
     return Episodes(**common, model_mask=(ids % 3 > 0).long(), prompts=[f"p{start + i}" for i in range(n)],

@@ -357,11 +357,8 @@ class GRPOTrainer:
         self.model.train()
         ordered, minis = self.mini_batch_layout(batch)
         parts = [rows for mini in minis for rows in mini.micro]
-        ref = None
-        if self.algo.beta > 0:  # the worker's reference pass, where it made one (its micro-batches, these numerics)
-            ref = ordered.rollout.ref_logprobs
-            if ref is None:
-                ref = self._no_grad_logprobs(ordered, parts, adapter=False)
+        ref = ordered.rollout.ref_logprobs if self.algo.beta > 0 else None  # the rollout worker's pass, if it made one
+        ref = self._no_grad_logprobs(ordered, parts, adapter=False) if self.algo.beta > 0 and ref is None else ref
         old = self._no_grad_logprobs(ordered, parts, adapter=True) if not is_on_policy(self.algo) else None
         totals, first, max_logp, losses, grad_norms = UpdateSums(), None, -math.inf, [], []
         for iteration in range(self.algo.num_iterations):
@@ -427,8 +424,7 @@ class GRPOTrainer:
             "frac_reward_zero_std": algorithm.zero_std_group_fraction(r, G),
             "kl": stats.kl,
             "clip_fraction": stats.clip_fraction,
-            "clip_fraction/low": stats.clip_low,
-            "clip_fraction/high": stats.clip_high,
+            "clip_fraction/low": stats.clip_low, "clip_fraction/high": stats.clip_high,
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
             "entropy": stats.entropy,
