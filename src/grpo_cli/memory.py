@@ -46,8 +46,10 @@ import torch
 from grpo_cli import allocator, prepack
 from grpo_cli.errors import ConfigError, warn
 from grpo_cli.models import enable_activation_checkpointing
+from grpo_cli.rollout.logprobs import real_lengths
 
 if TYPE_CHECKING:
+    from grpo_cli.rollout.common import Rollout
     from grpo_cli.schema import TrainerConfig
 
 GIB = 2**30
@@ -162,6 +164,12 @@ class MemoryPlan:
     estimate_gb: float = 0.0     # the estimated peak of a step
     head_chunk: int | None = None  # positions a LM-head block holds under a budget; None: trainer.logprob_chunk_size
     returns_freed_blocks: bool = False  # under a budget on the CPU: glibc unmaps freed large blocks (apply)
+
+    def micro_batches(self, rollout: Rollout, rows: slice, max_rows: int | None) -> list[slice]:
+        """The micro-batches of `rows` of `rollout`: at most `max_rows` rows (trainer.micro_batch_size) and this
+        plan's tokens (prompt and completion) each."""
+        prompts, completions = real_lengths(rollout, rows)
+        return cut(rows, [p + c for p, c in zip(prompts, completions, strict=True)], max_rows, self.micro_batch_tokens)
 
     def line(self) -> str:
         tokens = f"at most {self.micro_batch_tokens} tokens" if self.micro_batch_tokens else "no token limit"

@@ -45,7 +45,6 @@ from grpo_cli.rollout import (
     sampling_seed,
 )
 from grpo_cli.rollout import rows as row_ops
-from grpo_cli.rollout.logprobs import real_lengths
 from grpo_cli.schema import AlgoConfig, Config
 from grpo_cli.stopping import StopRequest
 
@@ -263,9 +262,7 @@ class GRPOTrainer:
 
     def micro_batches(self, batch: Batch, rows: slice) -> list[slice]:
         """The micro-batches of `rows`: trainer.micro_batch_size rows and the memory plan's tokens at most."""
-        prompts, completions = real_lengths(batch.rollout, rows)
-        tokens = [p + c for p, c in zip(prompts, completions, strict=True)]
-        return memory.cut(rows, tokens, self.tcfg.micro_batch_size, self.memory.micro_batch_tokens)
+        return self.memory.micro_batches(batch.rollout, rows, self.tcfg.micro_batch_size)
 
     def _logprobs(self, batch: Batch, rows: slice, *, grad: bool, with_entropy: bool = False):
         with torch.set_grad_enabled(grad):

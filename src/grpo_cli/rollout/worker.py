@@ -49,7 +49,7 @@ from grpo_cli.rollout.ahead import (
     trainable,
 )
 from grpo_cli.rollout.common import EncodedPrompts, Rollout, sampling_options
-from grpo_cli.rollout.logprobs import completion_logprobs, real_lengths
+from grpo_cli.rollout.logprobs import completion_logprobs
 from grpo_cli.schema import Config
 
 # A test hook, read by the worker: "1" makes it acknowledge every weight sync without loading the new adapter, to
@@ -89,7 +89,7 @@ class RolloutWorker(AheadOfTheUpdate):
 
     def __init__(self, cfg: Config, lm, prompts_of: Callable[[int], tuple[list[dict], EncodedPrompts]],
                  seed_of: Callable[[int], int], *, start: int, stop: Callable[[], bool],
-                 history: Versions | None = None, plan: memory.MemoryPlan | None = None):
+                 plan: memory.MemoryPlan, history: Versions | None = None):
         super().__init__(cfg, lm, prompts_of, seed_of, start=start, stop=stop, history=history)
         self.buffers = {name: t.detach().to("cpu", copy=True).share_memory_()
                         for name, t in trainable(lm.model).items()}
@@ -97,9 +97,9 @@ class RolloutWorker(AheadOfTheUpdate):
         trainer_threads, worker_threads = thread_split(cfg.rollout.worker_threads, torch.get_num_threads())
         if lm.device.type == "cpu" and device.type == "cpu":  # the cores are shared: split them
             torch.set_num_threads(trainer_threads)
-        # the trainer's micro-batches and LM-head blocks for the reference pass, where the worker makes it
-        reference = ((plan.micro_batch_tokens if plan else None, plan.head_chunk if plan else None)
-                     if reference_in_the_worker(cfg, lm.device, device) else None)
+        # the trainer's memory plan (its micro-batches and LM-head blocks) for the reference pass, where the worker
+        # makes it
+        reference = plan if reference_in_the_worker(cfg, lm.device, device) else None
         context = mp.get_context("spawn")
         self.requests, self.results = context.Queue(), context.Queue()
         self.process = context.Process(target=serve, name="grpo-rollout-worker", daemon=True,
@@ -138,11 +138,11 @@ class RolloutWorker(AheadOfTheUpdate):
 
 # ---- the worker's side ----------------------------------------------------------------------------------
 def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: Rollout, requests, results,
-          threads: int, parent: int, reference: tuple[int | None, int | None] | None = None) -> None:
+          threads: int, parent: int, reference: memory.MemoryPlan | None = None) -> None:
     """The worker process, given the trainer's composed config: load the policy as the trainer does, build the engine
     rollout.engine names, and answer the requests in order until "close" or until the trainer's process is gone.
-    `reference`: (tokens per micro-batch, LM-head block) of the trainer's memory plan where the worker makes the
-    reference pass (`reference_in_the_worker`), else None.
+    `reference`: the trainer's memory plan where the worker makes the reference pass (`reference_in_the_worker`),
+    else None.
     A terminal's SIGINT and SIGHUP reach the whole process group: they are the trainer's to handle (it shuts the
     worker down)."""
     for signum in (signal.SIGINT, signal.SIGHUP):
@@ -194,7 +194,7 @@ def end_with_the_trainer() -> None:
 
 
 def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int,
-             reference: tuple[int | None, int | None] | None = None) -> tuple[Rollout, dict]:
+             reference: memory.MemoryPlan | None = None) -> tuple[Rollout, dict]:
     """One step's batch, sampled as GRPOTrainer.generate samples it (the same seed), with the generating policy's
     log-probs of its tokens as the rollout's sampler_logprobs where the loss reads them (algo.sampler_correction
     weighs the lag), and the reference pass's log-probs where `reference` asks for them."""
@@ -209,7 +209,7 @@ def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int,
     if reads_sampler_logprobs(cfg):
         roll.sampler_logprobs = rollout_logprobs(lm.model, roll, roll_cfg.temperature, cfg.trainer.logprob_chunk_size)
     if reference is not None:
-        roll.ref_logprobs = reference_logprobs(cfg, lm.model, roll, *reference)
+        roll.ref_logprobs = reference_logprobs(cfg, lm.model, roll, reference)
     passes_s = time.perf_counter() - t1
     roll = moved(roll, torch.device("cpu"))  # through the queue's shared memory; the trainer moves it to its device
     tokens = int(roll.loss_mask().sum())
@@ -218,15 +218,11 @@ def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int,
 
 
 @torch.no_grad()
-def reference_logprobs(cfg: Config, model, roll: Rollout, micro_batch_tokens: int | None,
-                       head_chunk: int | None) -> torch.Tensor:
+def reference_logprobs(cfg: Config, model, roll: Rollout, plan: memory.MemoryPlan) -> torch.Tensor:
     """The frozen base's log-probs of every completion token of `roll` (the adapter disabled), in the trainer's
     micro-batches and LM-head blocks: the trainer's own reference pass (GRPOTrainer.update), made here."""
-    rows = slice(0, roll.completion_ids.shape[0])
-    prompts, completions = real_lengths(roll, rows)
-    parts = memory.cut(rows, [p + c for p, c in zip(prompts, completions, strict=True)],
-                       cfg.trainer.micro_batch_size, micro_batch_tokens)
-    chunk = head_chunk or cfg.trainer.logprob_chunk_size
+    parts = plan.micro_batches(roll, slice(0, roll.completion_ids.shape[0]), cfg.trainer.micro_batch_size)
+    chunk = plan.head_chunk or cfg.trainer.logprob_chunk_size
     with model.disable_adapter():
         return torch.cat([completion_logprobs(model, roll, part, cfg.rollout.temperature, chunk)[0] for part in parts])
 
