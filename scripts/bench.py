@@ -9,7 +9,7 @@
     python scripts/bench.py --mode compare --engines hf,vllm   # ours with hf, with vllm, TRL (make setup-vllm first)
 
 Both sides get the same base, built the product's way (`model.dtype` or `model.quantization` through
-grpo_cli.models; qwen-shape: random weights in Qwen2.5-0.5B's shape saved to a local dir), and the same prompts.
+grpo_cli.model.loading; qwen-shape: random weights in Qwen2.5-0.5B's shape saved to a local dir), and the same prompts.
 Each measurement is a subprocess of its own (scripts/bench_worker.py), one at a time: a clean peak RSS, a cold
 allocator, and TRL's global state kept out of ours. Compare mode alternates ours, TRL, ours, TRL, so that load
 from other work hits both, and reports per-round ratios and pooled medians. The first step of each subprocess is
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench_worker import PRECISIONS, QUANTIZED
 
-from grpo_cli import allocator
+from grpo_cli.model import allocator
 
 REPO = Path(__file__).resolve().parents[1]
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e, vendor datasheet
@@ -53,7 +53,7 @@ def qwen_shape_dir(folder: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from grpo_cli.models import load_tokenizer
+    from grpo_cli.model.loading import load_tokenizer
     if (folder / "config.json").is_file():
         return folder
     tokenizer = load_tokenizer("embedded:smollm2-135m")
@@ -92,7 +92,7 @@ def spawn(side: str, spec: dict, log_dir: Path, tag: str, timeout: int, python: 
         env.update(OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
     if not env["OMP_WAIT_POLICY"]:  # "": OpenMP's own policy
         del env["OMP_WAIT_POLICY"]
-    # ours runs on the C allocator grpo-train would run it on (grpo_cli/allocator.py: TCMalloc where installed);
+    # ours runs on the C allocator grpo-train would run it on (grpo_cli/model/allocator.py: TCMalloc where installed);
     # TRL on the C library's, as a TRL script does unless its user preloads another
     preload = allocator.libraries_to_preload(list(spec.get("overrides", ()))) if side == "ours" else []
     iomp = Path(python or sys.executable).parent.parent / "lib" / "libiomp5.so"
@@ -224,7 +224,7 @@ def default_precision(device: str) -> str:
     """The bench's name for what model.dtype=auto resolves to on `device`."""
     import torch
 
-    from grpo_cli.precision import resolve_dtype
+    from grpo_cli.model.precision import resolve_dtype
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(resolve_dtype("auto", torch.device(device)), "auto")
 
 
@@ -320,7 +320,7 @@ def memory(args, device: str, log_dir: Path) -> dict:
             continue
         spec = {**base_spec(args, device), "engine": "hf", "precision": precision}
         if precision in QUANTIZED and args.model == "embedded":  # its dequantised cache, made outside the measurement
-            subprocess.run([sys.executable, "-c", "import torch; from grpo_cli.models import load_base_model, "
+            subprocess.run([sys.executable, "-c", "import torch; from grpo_cli.model.loading import load_base_model, "
                             "load_tokenizer as t; n = 'embedded:smollm2-135m'; "
                             f"load_base_model(n, t(n), torch.float32, quantization='{precision}')"],
                            check=True, cwd=REPO)

@@ -40,7 +40,8 @@ def bench_rows(n: int, seed: int = 0) -> list[dict]:
 def compose_cfg(spec: dict):
     from hydra import compose, initialize_config_dir
 
-    from grpo_cli.config import CONF_DIR, register_recipes, validate
+    from grpo_cli.config.compose import CONF_DIR, register_recipes
+    from grpo_cli.run.validate import validate
     T, precision = spec["max_new_tokens"], spec["precision"]
     overrides = [
         "model=" + {"tiny": "tiny"}.get(spec["model"], "smollm2-135m"), "logger=none",
@@ -137,8 +138,8 @@ def worker_ours(spec: dict) -> dict:
     cfg = compose_cfg(spec)
     n_steps = spec.get("warmup", 1) + spec["steps"]
     t_load = time.perf_counter()
-    from grpo_cli.schema import Config
-    from grpo_cli.trainer import GRPOTrainer
+    from grpo_cli.config.schema import Config
+    from grpo_cli.step.trainer import GRPOTrainer
     # no run dir: it only steps
     trainer = GRPOTrainer(Config.of(cfg), rows=bench_rows(spec["prompts"] * n_steps, spec["seed"]))
     lm = trainer.lm
@@ -196,8 +197,8 @@ def worker_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_cli.data import PromptSampler
-    from grpo_cli.models import load_base_model, load_tokenizer, resolve_device
+    from grpo_cli.model.loading import load_base_model, load_tokenizer, resolve_device
+    from grpo_cli.tasks.sources import PromptSampler
     cfg = compose_cfg(spec)
     P, G, T = spec["prompts"], spec["G"], spec["max_new_tokens"]
     n_steps = spec.get("warmup", 1) + spec["steps"]
@@ -281,12 +282,12 @@ def main(side: str, spec_json: str, result: str) -> None:
     try:
         out = worker_ours(spec) if side == "ours" else worker_trl(spec)
     except Exception as error:  # an allocation past the cap is a result ("does not fit"), not a crash of the bench
-        from grpo_cli.memory import is_out_of_memory
+        from grpo_cli.step.memory import is_out_of_memory
         if not is_out_of_memory(error):
             raise
         out = {"side": side, "oom": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}",
                "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
-    from grpo_cli.allocator import in_use
+    from grpo_cli.model.allocator import in_use
     Path(result).write_text(json.dumps({**out, "allocator": in_use(), "spec": spec}))
 
 

@@ -43,7 +43,7 @@ rm -rf "$DEST" .gpu_gguf_a .gpu_gguf_b && mkdir -p "$DEST" .gpu_gguf_a .gpu_gguf
 "$PY" - "$DEST" <<'EOF'
 import hashlib, json, sys
 from pathlib import Path
-from grpo_cli.models import embedded_gguf, load_tokenizer
+from grpo_cli.model.loading import embedded_gguf, load_tokenizer
 
 dest = Path(sys.argv[1])
 folder, file = embedded_gguf("smollm2-135m")

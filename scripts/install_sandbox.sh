@@ -1,5 +1,5 @@
 #!/usr/bin/env sh
-# bubblewrap, the strongest sandbox of the code reward (grpo_cli/sandbox.py), installed where it is missing and the
+# bubblewrap, the strongest sandbox of the code reward (grpo_cli/rewards/sandbox.py), installed where it is missing and the
 # system's package manager may install it (root, or sudo without a password). Never fails: without it the code
 # reward falls back to unshare namespaces, or to rlimits alone with a warning; one line says so.
 command -v bwrap >/dev/null 2>&1 && exit 0

@@ -28,10 +28,10 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from grpo_cli.config import CONF_DIR, composition_checked, register_recipes
+    from grpo_cli.config.compose import CONF_DIR, composition_checked, register_recipes
+    from grpo_cli.config.schema import Config
     from grpo_cli.rollout.ahead import rollout_logprobs
-    from grpo_cli.schema import Config
-    from grpo_cli.trainer import GRPOTrainer
+    from grpo_cli.step.trainer import GRPOTrainer
 
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), composition_checked():

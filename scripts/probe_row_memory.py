@@ -18,7 +18,7 @@ import time
 import torch
 
 from grpo_cli import algorithm
-from grpo_cli.models import attach_lora, enable_activation_checkpointing, load_base_model, load_tokenizer
+from grpo_cli.model.loading import attach_lora, enable_activation_checkpointing, load_base_model, load_tokenizer
 
 
 def peak_mib() -> float:

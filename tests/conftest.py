@@ -14,8 +14,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-# the grpo-train processes the tests start import tests/varied_reward.py (VARIED_REWARD)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+# The tests live in folders named after the packages they cover (tests/rollout/test_worker.py ...); a test module
+# is imported by its file name (pytest's default import mode; every name is unique), so a test may import another's
+# helpers (`from test_episodes import script`), and so may the grpo-train processes the tests start (they import
+# tests/varied_reward.py, tests/scripted_engine.py): every test folder is on sys.path and on their PYTHONPATH.
+TEST_DIRS = [str(Path(__file__).parent)] + sorted(str(d) for d in Path(__file__).parent.iterdir()
+                                                  if d.is_dir() and any(d.glob("test_*.py")))
+sys.path[:0] = [d for d in TEST_DIRS if d not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [*TEST_DIRS, os.environ.get("PYTHONPATH")]))
 # what .ci/run sets, set for a local run too: no hub, W&B offline; the console scripts the tests start get the same
 for key, value in {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
                    "TOKENIZERS_PARALLELISM": "false"}.items():
@@ -177,7 +183,7 @@ def compose():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from grpo_cli.config import CONF_DIR, composition_checked, register_recipes
+    from grpo_cli.config.compose import CONF_DIR, composition_checked, register_recipes
 
     register_recipes()
 
@@ -192,7 +198,7 @@ def compose():
 def config(compose):
     """The typed config (schema.Config) of a composition, as grpo-train hands it to everything below its entry
     point."""
-    from grpo_cli.schema import Config
+    from grpo_cli.config.schema import Config
 
     return lambda overrides: Config.of(compose(overrides))
 
@@ -202,7 +208,7 @@ TINY_TRAINER = ["+recipe=quickstart", "model=tiny", "rollout.max_new_tokens=6", 
 
 def data_config(**keys):
     """A typed data section (schema.DataConfig) of the hf source with `keys`, the rest as data=hf gives them."""
-    from grpo_cli.schema import DataConfig, typed
+    from grpo_cli.config.schema import DataConfig, typed
 
     hf = {"source": "hf", "question_suffix": "", "system_prompt": None, "prompts_per_step": 4, "max_prompt_tokens": 256,
           "overlong": "truncate", "path": None, "eval_path": None}
@@ -212,8 +218,8 @@ def data_config(**keys):
 def make_trainer(compose, tmp_path, *overrides, **collaborators):
     """An in-process GRPOTrainer on the tiny model (6 new tokens, CPU) with extra overrides; `tmp_path` is the
     run dir a test's `fit` gives it."""
-    from grpo_cli.schema import Config
-    from grpo_cli.trainer import GRPOTrainer
+    from grpo_cli.config.schema import Config
+    from grpo_cli.step.trainer import GRPOTrainer
 
     return GRPOTrainer(Config.of(compose([*TINY_TRAINER, *overrides])), **collaborators)
 
@@ -232,7 +238,7 @@ def use_loss(trainer, loss_type: str, micro_batch_size: int | None) -> None:
 
 def fit(trainer, run_dir):
     """The whole run of `trainer` in `run_dir`, as a program runs it (grpo_cli.run.train)."""
-    from grpo_cli.run import train
+    from grpo_cli.run.runner import train
 
     return train(trainer.cfg, run_dir, trainer)
 
@@ -255,7 +261,7 @@ def tiny_lora_policy():
     """The tiny random model (64 wide, 2 layers) on the CPU with a random LoRA adapter on every linear layer."""
     import torch
 
-    from grpo_cli.models import LoadedModel, attach_lora, load_base_model, load_tokenizer
+    from grpo_cli.model.loading import LoadedModel, attach_lora, load_base_model, load_tokenizer
 
     tokenizer = load_tokenizer("tiny-random")
     base = load_base_model("tiny-random", tokenizer, torch.float32, tiny=TINY_LORA_SHAPE)
@@ -270,7 +276,7 @@ def fixed_batch(trainer, rewards, step: int = 0):
     `rewards(completion index, G)` instead of the reward functions: a tiny random model earns no reward."""
     import torch
 
-    from grpo_cli.trainer import Scores
+    from grpo_cli.step.trainer import Scores
 
     generation = trainer.generate(step)
     n = generation.rollout.completion_ids.shape[0]

@@ -17,7 +17,7 @@ a terminal for stdio runs the script with a real exec (subprocess.Popen), as doe
 request unless the worker runs torch with one thread (OMP_NUM_THREADS=1, as `make test`'s workers do): with more,
 torch's import starts threads, and a fork copies only the thread that forks.
 
-The server runs on the C allocator a command gets (grpo_cli/allocator.py: it re-executes itself with TCMalloc
+The server runs on the C allocator a command gets (grpo_cli/model/allocator.py: it re-executes itself with TCMalloc
 preloaded where installed), so its children do; a request that would get another (GRPO_CLI_ALLOCATOR set
 otherwise, or a memory budget on its command line) runs with a real exec.
 
@@ -43,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-from grpo_cli import allocator
+from grpo_cli.model import allocator
 
 # the console scripts of pyproject.toml's [project.scripts], as installed: name -> "module:function"
 ENTRY_POINTS = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")
@@ -52,13 +52,15 @@ ENTRY_POINTS = {e.name: e.value for e in importlib.metadata.entry_points(group="
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
                    "CUDA", "LD_", "XDG_", "HOME", "TMPDIR", "LANG", "LC_", "TOKENIZERS", "TQDM", "NCCL", "RANK",
                    "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "GRPO_CLI_ALLOCATOR")
-# defaults that grpo_cli.cli and torch put in the environment when imported: the server starts without them, so
-# that its imports set them (and its children get them) whether or not this worker has imported those modules yet
+# defaults that grpo_cli.commands.cli and torch put in the environment when imported: the server starts without
+# them, so that its imports set them (and its children get them) whether or not this worker has imported those
+# modules yet
 SET_ON_IMPORT = ("TQDM_DISABLE", "TOKENIZERS_PARALLELISM", "TORCHINDUCTOR_CACHE_DIR")
-PRELOADED = ("grpo_cli.cli", "torch", "transformers", "peft", "safetensors.torch", "hydra.core.utils",
-             "hydra._internal.utils", "transformers.models.llama.modeling_llama", "grpo_cli.config", "grpo_cli.run",
-             "grpo_cli.trainer", "grpo_cli.models", "grpo_cli.rewards", "grpo_cli.evaluate", "grpo_cli.export",
-             "grpo_cli.rollout.hf", "grpo_cli.rollout.compiled", "grpo_cli.optim", "grpo_cli.tracking")
+PRELOADED = ("grpo_cli.commands.cli", "torch", "transformers", "peft", "safetensors.torch", "hydra.core.utils",
+             "hydra._internal.utils", "transformers.models.llama.modeling_llama", "grpo_cli.config.compose",
+             "grpo_cli.run.validate", "grpo_cli.run.runner", "grpo_cli.step.trainer", "grpo_cli.model.loading",
+             "grpo_cli.rewards", "grpo_cli.step.evaluate", "grpo_cli.commands.export", "grpo_cli.rollout.hf",
+             "grpo_cli.rollout.compiled", "grpo_cli.step.optim", "grpo_cli.tracking")
 
 
 # ---- the caller's side (the pytest worker) ----------------------------------------------------------------------
@@ -104,7 +106,7 @@ class Server:
                 time.sleep(0.05)
 
     def set_by_imports(self) -> dict:
-        """What the server's imports added to its environment (grpo_cli.cli and torch set a few defaults)."""
+        """What the server's imports added to its environment (grpo_cli.commands.cli and torch set a few defaults)."""
         if not hasattr(self, "_set_by_imports"):
             self._set_by_imports = json.loads(Path(self.folder, "set_by_imports.json").read_text())
         return self._set_by_imports
@@ -347,7 +349,7 @@ def _compose_once(folder: Path) -> None:
     import contextlib
     import io
 
-    from grpo_cli.cli import train
+    from grpo_cli.commands.cli import train
 
     argv = sys.argv
     sys.argv = ["grpo-train", "+recipe=quickstart", "model=tiny", f"hydra.run.dir={folder}/composed", "--cfg", "job"]

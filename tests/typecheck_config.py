@@ -9,7 +9,7 @@ from typing import Literal
 
 from typing_extensions import assert_type
 
-from grpo_cli.schema import AUTO_OR_BOOL, DTYPE, Config, RewardFunctionConfig, TinyConfig
+from grpo_cli.config.schema import AUTO_OR_BOOL, DTYPE, Config, RewardFunctionConfig, TinyConfig
 
 
 def options_have_their_declared_types(cfg: Config) -> None:

@@ -18,6 +18,8 @@ The menu, one module per family::
 Adding an objective (or an estimator, a loss type) is one function and its registration line, in a module of
 this package or in the user's own (``plugins=[...]``); validation, ``--help`` and the docs tables read the
 registries. Everything public is importable from ``grpo_cli.algorithm`` itself.
+
+May import: config, base.
 """
 
 from grpo_cli.algorithm.advantages import (

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from grpo_cli.registry import Registry
+from grpo_cli.base.registry import Registry
 
 Scale = Literal["group", "batch", "none"]
 _SCALES = ("group", "batch", "none")

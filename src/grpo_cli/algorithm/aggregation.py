@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from grpo_cli.registry import Registry
+from grpo_cli.base.registry import Registry
 
 Accumulate = Literal["rows", "micro_batches", "sum"]
 

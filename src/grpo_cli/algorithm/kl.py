@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_cli.registry import Registry
+from grpo_cli.base.registry import Registry
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

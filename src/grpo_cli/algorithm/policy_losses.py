@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from grpo_cli.registry import Registry
+from grpo_cli.base.registry import Registry
 
 RatioLevel = Literal["token", "sequence"]
 RATIO_LEVELS = ("token", "sequence")

@@ -14,7 +14,7 @@ from grpo_cli.algorithm.loss import LossSettings
 from grpo_cli.algorithm.policy_losses import OBJECTIVES, ObjectiveOptions
 
 if TYPE_CHECKING:
-    from grpo_cli.schema import AlgoConfig
+    from grpo_cli.config.schema import AlgoConfig
 
 
 def loss_settings(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossSettings:

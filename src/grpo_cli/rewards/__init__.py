@@ -22,11 +22,13 @@ list: its outcomes go to samples.jsonl (outcome/NAME) and are counted in the met
 function that scored some completions and could not score the others (a service that refused) raises
 `CompletionsFailed` with the scores it has: on_error=zero keeps them without calling it again.
 
-Each call runs behind the user-code boundary (grpo_cli.user_code: a daemon thread, waited on while polling the
+Each call runs behind the user-code boundary (grpo_cli.base.user_code: a daemon thread, waited on while polling the
 run's stop request) for at most `reward.timeout_s` seconds (null: no limit); a call that runs over is abandoned.
 On a timeout, on_error=raise ends the run in one line; on_error=zero scores that function's completions one at a
 time, each under the same deadline, so that only those that time out or raise get 0 (a function that raises on
 the batch is retried the same way).
+
+May import: tasks, model, config, base.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from grpo_cli import user_code
-from grpo_cli.errors import ConfigError, RewardError
+from grpo_cli.base import user_code
+from grpo_cli.base.errors import ConfigError, RewardError
+from grpo_cli.base.user_code import raised, shown
+from grpo_cli.config.schema import RewardConfig, RewardFunctionConfig
 from grpo_cli.rewards.aggregation import combine
-from grpo_cli.schema import RewardConfig, RewardFunctionConfig
-from grpo_cli.user_code import raised, shown
 
 SCORE_TYPES = "a number per completion (int, float, bool, or a numpy/torch scalar)"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from grpo_cli.errors import RewardError
+from grpo_cli.base.errors import RewardError
 
 AGGREGATIONS = ("sum", "normalize_then_sum")
 STD_EPS = 1e-4  # TRL's constant in normalize_then_sum

@@ -1,4 +1,4 @@
-"""A reward that runs the completion's program against the row's tests, in a sandbox (grpo_cli.sandbox).
+"""A reward that runs the completion's program against the row's tests, in a sandbox (grpo_cli.rewards.sandbox).
 
     reward:
       functions:
@@ -49,10 +49,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_cli.errors import ConfigError, warn
-from grpo_cli.option_table import is_int, is_number
+from grpo_cli.base.errors import ConfigError, warn
+from grpo_cli.config.option_table import is_int, is_number
 from grpo_cli.rewards import Scored
-from grpo_cli.sandbox import (
+from grpo_cli.rewards.sandbox import (
     CHOICES,
     Finished,
     Limits,

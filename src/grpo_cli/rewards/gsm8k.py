@@ -12,17 +12,12 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from grpo_cli.config.prompts import ANSWER_FORMAT_INSTRUCTION, SYSTEM_PROMPTS
 from grpo_cli.rewards.parsing import NUMBER, completion_text, extract_final_answer, gold_answer, parse_number
 
 __all__ = ["ANSWER_FORMAT_INSTRUCTION", "SYSTEM_PROMPT", "correctness", "final_answer", "format"]
 
-ANSWER_FORMAT_INSTRUCTION = (
-    "Think step by step, then give the final answer on its own last line as `#### <number>` "
-    "(just the number, no units)."
-)
-SYSTEM_PROMPT = (
-    f"You are a careful math tutor solving grade-school word problems. {ANSWER_FORMAT_INSTRUCTION}"
-)
+SYSTEM_PROMPT = SYSTEM_PROMPTS["gsm8k"]
 
 # The whole last line: "#### " then one number, optionally with "$", sign, thousands commas, decimals.
 _ANSWER_LINE = re.compile(rf"####[ \t]*(?:\$-?|-?\$?)(?:{NUMBER})")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_cli.errors import ConfigError
+from grpo_cli.base.errors import ConfigError
 
 
 def overlong_score(length: int, max_tokens: int, buffer: int) -> float:
@@ -42,7 +42,7 @@ class OverlongPenalty:
                               "e.g. ${{model.name_or_path}}")
 
     def __init__(self, max_tokens: int, buffer: int, tokenizer: str, name: str = "overlong", device=None, dtype=None):
-        from grpo_cli.models import load_tokenizer
+        from grpo_cli.model.loading import load_tokenizer
 
         self.max_tokens, self.buffer = max_tokens, buffer
         self.tokenizer = load_tokenizer(tokenizer)

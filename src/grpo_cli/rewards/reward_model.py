@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo_cli.errors import ConfigError, ModelLoadError, error_line
+from grpo_cli.base.errors import ConfigError, ModelLoadError, error_line
 
 
 def _is_int(value) -> bool:

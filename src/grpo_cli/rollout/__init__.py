@@ -9,19 +9,20 @@ The trainer and the evaluator see only this. A new engine (vLLM, SGLang) is one 
 subclass registered as `@ENGINES.register("NAME")` (imported here, or named in the config's `plugins`);
 `Engine.from_config` builds it, so nothing else names the engines. Log-probs for the loss are recomputed by
 `completion_logprobs`, never taken from an engine.
+
+May import: tasks, algorithm, model, config, base.
 """
 
 from __future__ import annotations
 
+from grpo_cli.config.schema import RolloutConfig
 from grpo_cli.rollout.common import (
     ENGINES,
-    EncodedPrompts,
     Engine,
     Generation,
     Rollout,
     StopFn,
     completion_masks,
-    encode_prompts,
     eos_ids,
     left_pad,
     positions,
@@ -35,13 +36,12 @@ from grpo_cli.rollout.inference_copy import InferenceCopy
 from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, completion_logprobs
 from grpo_cli.rollout.merged import MergedEngine
 from grpo_cli.rollout.vllm import VLLMEngine  # rollout.engine=vllm; imports vllm only when an engine is built
-from grpo_cli.schema import RolloutConfig
 
 __all__ = [
-    "ENGINES", "CompiledEngine", "EncodedPrompts", "Engine", "Generation", "HFEngine", "InferenceCopy", "MergedEngine",
+    "ENGINES", "CompiledEngine", "Engine", "Generation", "HFEngine", "InferenceCopy", "MergedEngine",
     "Rollout",
     "StopFn", "as_engine",
-    "completion_hidden", "completion_logits", "completion_logprobs", "completion_masks", "encode_prompts",
+    "completion_hidden", "completion_logits", "completion_logprobs", "completion_masks",
     "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill", "sampling_options", "sampling_seed",
     "VLLMEngine",
 ]

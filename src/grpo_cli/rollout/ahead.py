@@ -36,10 +36,11 @@ from collections.abc import Callable
 
 import torch
 
-from grpo_cli.errors import InvariantError, WorkerError
-from grpo_cli.rollout.common import EncodedPrompts, Generation, Rollout, encode_prompts
+from grpo_cli.base.errors import InvariantError, WorkerError
+from grpo_cli.config.schema import Config
+from grpo_cli.rollout.common import Generation, Rollout
 from grpo_cli.rollout.logprobs import completion_logprobs
-from grpo_cli.schema import Config
+from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts
 
 # The largest |generator - trainer| log-prob on the probe that passes. The two copies hold the same fp32 weights and
 # run the same kernels, maybe with other thread counts: a dot product summed in another order differs by ~1e-6
@@ -192,7 +193,7 @@ class AheadOfTheUpdate:
     def _schedule(self) -> None:
         """Request every batch that its version can generate now: step t's by version max(0, t - K); on a stop
         request that came while a sync waited, no more (the run is stopping; its checkpoint keeps the versions)."""
-        from grpo_cli.errors import warn
+        from grpo_cli.base.errors import warn
 
         while self.next_step < self.max_steps and max(0, self.next_step - self.K) <= self.version:
             version = max(0, self.next_step - self.K)

@@ -11,25 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_cli.registry import Registry
+from grpo_cli.base.registry import Registry
+from grpo_cli.config.schema import RolloutConfig
 from grpo_cli.rollout.inference_copy import merge_obstacle
 from grpo_cli.rollout.rows import PAD_TOKEN, per_group, per_row, per_token
 from grpo_cli.rollout.rows import join as join_rows
 from grpo_cli.rollout.rows import select as select_rows
-from grpo_cli.schema import RolloutConfig
 
 StopFn = Callable[[], bool]
 # rollout.engine: name -> an Engine class (anything with `from_config(cfg_rollout, lm, max_prompt_tokens)`)
 ENGINES = Registry("rollout engine", key="rollout.engine")
-
-
-@dataclass
-class EncodedPrompts:
-    ids: list[list[int]]
-    texts: list[str]
-    kept: list[int]          # indices of the rows that survived `overlong=drop`
-    truncated: int
-    dropped: int
 
 
 @dataclass
@@ -107,24 +98,6 @@ def sampling_seed(seed: int, step: int, rank: int, draw: int = 0) -> int:
     """The seed a step's sampling starts from: (trainer.seed, step, rank, draw) alone decide it, so that resume is
     exact and a rollout worker samples what the training process would."""
     return seed * 100_003 + step * 1_009 + rank + draw * DRAW_SEED
-
-
-def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int, overlong: str = "truncate") -> EncodedPrompts:
-    """Chat-template each row's messages; prompts longer than max_prompt_tokens lose their left end
-    (`truncate`) or are dropped (`drop`)."""
-    ids, texts, kept, truncated, dropped = [], [], [], 0, 0
-    for i, row in enumerate(rows):
-        text = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
-        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(tokens) > max_prompt_tokens:
-            if overlong == "drop":
-                dropped += 1
-                continue
-            tokens, truncated = tokens[-max_prompt_tokens:], truncated + 1
-        ids.append(tokens)
-        texts.append(text)
-        kept.append(i)
-    return EncodedPrompts(ids, texts, kept, truncated, dropped)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from grpo_cli.errors import error_line, warn
+from grpo_cli.base.errors import error_line, warn
+from grpo_cli.config.schema import RolloutConfig
 from grpo_cli.rollout.common import (
     ENGINES,
     Engine,
@@ -35,7 +36,6 @@ from grpo_cli.rollout.common import (
     stop_criteria,
 )
 from grpo_cli.rollout.inference_copy import FollowsThePolicy
-from grpo_cli.schema import RolloutConfig
 
 log = logging.getLogger(__name__)
 WARMUP_TOKENS = 4   # decode steps of the timed first call: compile, CUDA-graph warm-up, record, replay

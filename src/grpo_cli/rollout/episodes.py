@@ -21,7 +21,7 @@ the model an error message and counts as a failed call; it never ends the run. A
 per episode (states never mix), `reset(**row) -> str | None` (the row's columns, the prompt as `prompt`) whose
 string is appended to the last user message (with no messages it is the prompt), public methods as tools, and an
 optional `get_reward()`, a reward function of the caller's (rewards.environment_reward). Tools, the environment's
-constructor and reset run behind the user-code boundary (grpo_cli.user_code): a stop request abandons them and
+constructor and reset run behind the user-code boundary (grpo_cli.base.user_code): a stop request abandons them and
 raises Interrupted; a tool or environment that exits, or an environment that raises or returns what it must not,
 ends the run with a UserCodeError naming it.
 
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo_cli.errors import ConfigError, Interrupted, UserCodeError
+from grpo_cli.base.errors import ConfigError, Interrupted, UserCodeError
 from grpo_cli.rollout.common import Engine, Rollout, StopFn, eos_ids, left_pad
 from grpo_cli.rollout.rows import per_row, per_token
 from grpo_cli.rollout.tools import (
@@ -59,7 +59,7 @@ from grpo_cli.rollout.tools import (
 )
 
 if TYPE_CHECKING:
-    from grpo_cli.schema import Config
+    from grpo_cli.config.schema import Config
 
 
 @dataclass
@@ -366,8 +366,8 @@ def check_before_model_load(cfg: Config) -> None:
     """What an episode run would meet only once the model has loaded: a bad tool or environment class
     (EpisodeRunner.from_config), a chat template that cannot show the tools as rollout.tool_format asks, and an
     environment that cannot be built or reset on the run's first row (UserCodeError, here a ConfigError)."""
-    from grpo_cli.data import PromptSampler, load_rows
-    from grpo_cli.models import load_tokenizer
+    from grpo_cli.model.loading import load_tokenizer
+    from grpo_cli.tasks.sources import PromptSampler, load_rows
 
     runner = EpisodeRunner.from_config(cfg)
     if runner is None:

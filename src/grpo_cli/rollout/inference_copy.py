@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from grpo_cli.errors import ModelLoadError
-from grpo_cli.prepack import PackedLinear
+from grpo_cli.base.errors import ModelLoadError
+from grpo_cli.model.prepack import PackedLinear
 
 
 def merge_obstacle(peft_model) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from grpo_cli import algorithm
-from grpo_cli.prepack import PackedLinear
+from grpo_cli.model.prepack import PackedLinear
 from grpo_cli.rollout.common import Rollout, cache_kwarg, hf_model, output_cache, positions, prefill
 
 

@@ -34,16 +34,17 @@ from pathlib import Path
 
 import torch
 
-from grpo_cli.errors import RunError, UserError, WorkerError, error_line
+from grpo_cli.base.errors import RunError, UserError, WorkerError, error_line
+from grpo_cli.config.schema import Config
 from grpo_cli.rollout.ahead import HALF_SYNC_TOLERANCE, SYNC_TOLERANCE, AheadOfTheUpdate, Versions
-from grpo_cli.rollout.common import EncodedPrompts, eos_ids, sampling_options
+from grpo_cli.rollout.common import eos_ids, sampling_options
 from grpo_cli.rollout.vllm import DTYPES, SEED_RANGE, lora_rank, sampled_rollout, save_checkpoint
 from grpo_cli.rollout.vllm_server import ServerAPI, VLLMServer, wait_until_up
 from grpo_cli.rollout.worker import thread_split
-from grpo_cli.schema import Config
+from grpo_cli.tasks.prompts import EncodedPrompts
 
 # A test hook, read by the client thread: "1" makes each sync after the first load the previous version's adapter
-# under the new version's name, a sync that does not happen (tests/test_vllm_server.py). Nothing else sets it.
+# under the new version's name, a sync that does not happen (tests/rollout/test_vllm_server.py). Nothing else sets it.
 SKIP_SYNC_TEST_HOOK = "GRPO_CLI_TEST_SERVER_SKIPS_SYNC"
 SERVER_LOG = "vllm-server.log"  # in the run dir: what the server grpo-train started printed
 START_DEADLINE_S = 900  # a server of a 7B model on a slow disk takes minutes; one of a running server: 60 s

@@ -23,9 +23,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from grpo_cli import user_code
-from grpo_cli.errors import ConfigError, UserCodeError, error_line, warn
-from grpo_cli.user_code import raised
+from grpo_cli.base import user_code
+from grpo_cli.base.errors import ConfigError, UserCodeError, error_line, warn
+from grpo_cli.base.user_code import raised
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 HERMES_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -178,7 +178,7 @@ def argument_problem(tool: Tool, arguments: dict) -> str | None:
 
 def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float | None = None, stop=None,
               max_chars: int | None = None) -> ToolResult:
-    """Run one call behind the user-code boundary (grpo_cli.user_code.call) under `timeout_s` (None: no limit).
+    """Run one call behind the user-code boundary (grpo_cli.base.user_code.call) under `timeout_s` (None: no limit).
     A malformed call, an unknown tool, arguments that do not fit, an Exception or a deadline passed is a failed
     call whose content is the error the model reads (TRL's contract); a call past its deadline is abandoned, as a
     reward is. A tool that exits instead (SystemExit, a KeyboardInterrupt of its own) is a bug no message to the

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from grpo_cli.errors import ConfigError, ModelLoadError, error_line
+from grpo_cli.base.errors import ConfigError, ModelLoadError, error_line
+from grpo_cli.config.schema import RolloutConfig
 from grpo_cli.rollout.common import ENGINES, Engine, Rollout, StopFn, eos_ids, finish_rollout, left_pad
-from grpo_cli.schema import RolloutConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SEED_RANGE = 2**31 - 1

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo_cli.errors import ConfigError, WorkerError, program
+from grpo_cli.base.errors import ConfigError, WorkerError, program
 
 BASE_NAME = "grpo-base"  # the name our server serves the base under; requests name an adapter instead
 STOP_WAIT_S = 3  # after SIGTERM the server has this long to close its open requests before SIGINT

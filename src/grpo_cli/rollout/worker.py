@@ -35,12 +35,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.multiprocessing as mp
 
-from grpo_cli import memory
-from grpo_cli.errors import RunError, UserError, WorkerError, error_line
+from grpo_cli.base.errors import RunError, UserError, WorkerError, error_line
+from grpo_cli.config.schema import Config
 from grpo_cli.rollout.ahead import (
     AheadOfTheUpdate,
     Versions,
@@ -48,13 +49,23 @@ from grpo_cli.rollout.ahead import (
     rollout_logprobs,
     trainable,
 )
-from grpo_cli.rollout.common import EncodedPrompts, Rollout, sampling_options
+from grpo_cli.rollout.common import Rollout, sampling_options
 from grpo_cli.rollout.logprobs import completion_logprobs
-from grpo_cli.schema import Config
+from grpo_cli.tasks.prompts import EncodedPrompts
 
 # A test hook, read by the worker: "1" makes it acknowledge every weight sync without loading the new adapter, to
-# show that the sync check stops the run (tests/test_async_rollouts.py). Nothing else sets it.
+# show that the sync check stops the run (tests/rollout/test_async_rollouts.py). Nothing else sets it.
 SKIP_SYNC_TEST_HOOK = "GRPO_CLI_TEST_WORKER_SKIPS_SYNC"
+
+
+class ReferencePlan(Protocol):
+    """What the worker's reference pass takes of the trainer's memory plan (step/memory.py's MemoryPlan, given to
+    the worker): its micro-batches and LM-head blocks, so that the pass is the trainer's own, bit for bit."""
+
+    head_chunk: int | None
+
+    def micro_batches(self, rollout: Rollout, rows: slice, max_rows: int | None) -> list[slice]: ...
+
 
 
 def thread_split(worker_threads: int | None, threads: int) -> tuple[int, int]:
@@ -89,7 +100,7 @@ class RolloutWorker(AheadOfTheUpdate):
 
     def __init__(self, cfg: Config, lm, prompts_of: Callable[[int], tuple[list[dict], EncodedPrompts]],
                  seed_of: Callable[[int], int], *, start: int, stop: Callable[[], bool],
-                 plan: memory.MemoryPlan, history: Versions | None = None):
+                 plan: ReferencePlan, history: Versions | None = None):
         super().__init__(cfg, lm, prompts_of, seed_of, start=start, stop=stop, history=history)
         self.buffers = {name: t.detach().to("cpu", copy=True).share_memory_()
                         for name, t in trainable(lm.model).items()}
@@ -138,7 +149,7 @@ class RolloutWorker(AheadOfTheUpdate):
 
 # ---- the worker's side ----------------------------------------------------------------------------------
 def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: Rollout, requests, results,
-          threads: int, parent: int, reference: memory.MemoryPlan | None = None) -> None:
+          threads: int, parent: int, reference: ReferencePlan | None = None) -> None:
     """The worker process, given the trainer's composed config: load the policy as the trainer does, build the engine
     rollout.engine names, and answer the requests in order until "close" or until the trainer's process is gone.
     `reference`: the trainer's memory plan where the worker makes the reference pass (`reference_in_the_worker`),
@@ -151,7 +162,7 @@ def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: 
     try:
         from omegaconf import OmegaConf
 
-        from grpo_cli.models import load_policy
+        from grpo_cli.model.loading import load_policy
         from grpo_cli.rollout import make_engine
 
         cfg = Config.of(OmegaConf.create(composed))  # the trainer's config (its typed form does not pickle)
@@ -194,7 +205,7 @@ def end_with_the_trainer() -> None:
 
 
 def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int,
-             reference: memory.MemoryPlan | None = None) -> tuple[Rollout, dict]:
+             reference: ReferencePlan | None = None) -> tuple[Rollout, dict]:
     """One step's batch, sampled as GRPOTrainer.generate samples it (the same seed), with the generating policy's
     log-probs of its tokens as the rollout's sampler_logprobs where the loss reads them (algo.sampler_correction
     weighs the lag), and the reference pass's log-probs where `reference` asks for them."""
@@ -218,7 +229,7 @@ def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int,
 
 
 @torch.no_grad()
-def reference_logprobs(cfg: Config, model, roll: Rollout, plan: memory.MemoryPlan) -> torch.Tensor:
+def reference_logprobs(cfg: Config, model, roll: Rollout, plan: ReferencePlan) -> torch.Tensor:
     """The frozen base's log-probs of every completion token of `roll` (the adapter disabled), in the trainer's
     micro-batches and LM-head blocks: the trainer's own reference pass (GRPOTrainer.update), made here."""
     parts = plan.micro_batches(roll, slice(0, roll.completion_ids.shape[0]), cfg.trainer.micro_batch_size)

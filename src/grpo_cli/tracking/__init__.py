@@ -14,6 +14,8 @@ registered as `@LOGGERS.register("NAME")`, plus conf/logger/NAME.yaml.
 The package: sinks.py holds the protocol, LOGGERS and the record files (what a logger builds on), wandb_sink.py
 the W&B logger; here the console view, the fan-out (`Tracker`) and `open_tracker`. Every public name of both is
 re-exported here: callers (and users' loggers) import from `grpo_cli.tracking` alone.
+
+May import: config, base.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeE
 from rich.table import Table
 from rich.text import Text
 
-from grpo_cli.errors import send_warnings_to, warn, warnings_listener
-from grpo_cli.schema import LoggerConfig
+from grpo_cli.base.errors import send_warnings_to, warn, warnings_listener
+from grpo_cli.config.schema import LoggerConfig
 from grpo_cli.tracking.sinks import (
     LOGGERS,
     REDACTED,

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from grpo_cli.metrics import METRICS, SAMPLES
-from grpo_cli.registry import Registry
+from grpo_cli.base.metrics import METRICS, SAMPLES
+from grpo_cli.base.registry import Registry
 
 SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd")  # anywhere in a key
 # ...and keys that end in one of these words: hf_token, access_token, token; not max_new_tokens or tokenizer

@@ -12,9 +12,9 @@ import string
 from pathlib import Path
 from urllib.parse import urlparse
 
-from grpo_cli.errors import error_line, warn
-from grpo_cli.overrides import override_key
-from grpo_cli.schema import LoggerConfig, WandbConfig
+from grpo_cli.base.errors import error_line, warn
+from grpo_cli.config import override_key
+from grpo_cli.config.schema import LoggerConfig, WandbConfig
 from grpo_cli.tracking.sinks import LOGGERS, NullSink, RunInfo, redact, scrub_secrets
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -51,7 +51,7 @@ def has_wandb_credentials() -> bool:
 def resolve_wandb_mode(mode: str | None) -> tuple[str, str | None]:
     """(mode to start W&B in, a warning or None). `auto` honours WANDB_MODE when it is set, else goes online
     only with credentials; `online` without credentials would prompt or fail, so it is offline with a warning."""
-    mode = str(mode or "auto").lower()  # one of WANDB_MODES: config.validate checked it
+    mode = str(mode or "auto").lower()  # one of WANDB_MODES: run.validate checked it
     if mode == "auto":
         env = os.environ.get("WANDB_MODE", "").lower()
         env = {"dryrun": "offline", "run": "online"}.get(env, env)

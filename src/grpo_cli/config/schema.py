@@ -1,0 +1,585 @@
+"""Every config option, declared once: a field of the frozen dataclass of its section, with its type, its
+default and a line of help (`option(help, default, check)`).
+
+The sections of the root config (algo, rollout, env, trainer, eval, sweep) take their defaults from here; the
+config groups (model, data, optimizer, logger, reward) take their values from the option picked
+(`conf/GROUP/OPTION.yaml`), and a key only some options of a group have takes its default here when absent.
+`TABLE.schema_node()`, stored in Hydra's ConfigStore as `grpo_schema` (conf/config.yaml composes it first), is
+the typed node every value is composed into: a value of the wrong type fails the composition, in the option's
+one line (`composition_problem`). Validation (`check_options`), the option list of `grpo-train --help`
+(`options_help`) and the docs' configuration table (`options_markdown`) are read from the same fields; the
+entry points turn the composed config into a `Config` (`Config.of`), and everything below them reads that.
+
+Choices that plug-ins extend (objectives, advantage estimators, KL estimators, engines, ...) are `str` fields
+whose rule reads their registry when a value is checked; a fixed set of choices is a `Literal`. Rules that
+relate several keys live in config.py, and those the step asks in config_rules.py. This module imports nothing
+heavy and lists no engine, optimizer, logger or loss type itself.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeAlias
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from grpo_cli.config.option_table import (
+    ABSENT,
+    ANY_TEXT,
+    AUTO_OR_BOOLEAN,
+    MAPPING,
+    TEXT,
+    TEXT_LIST,
+    Option,
+    OptionTable,
+    Rule,
+    extras,
+    fail,
+    integer,
+    is_int,
+    is_number,
+    number,
+    one_of,
+    option,
+    raw_value,
+    section,
+    shown,
+    typed,
+)
+
+__all__ = [
+    "ABSENT", "OPTIONS", "TABLE", "AlgoConfig", "Config", "DataConfig", "EnvConfig", "EvalConfig", "LoggerConfig",
+    "LoraConfig", "ModelConfig", "Option", "OptimizerConfig", "RewardConfig", "RewardFunctionConfig",
+    "RolloutConfig", "Rule", "SweepConfig", "TinyConfig", "TrainerConfig", "WandbConfig", "check_options",
+    "composition_problem", "declares", "default_of", "fail", "markdown_rows", "no_such_option", "options_help",
+    "options_markdown", "raw_value", "registry_names", "root_defaults", "schema_node", "shown", "typed",
+]
+
+
+def registry_names(module: str, attribute: str, *, auto: bool = False) -> Callable[[], tuple]:
+    """The names registered in `module.attribute` (a Registry or any dict/sequence of names), read when asked."""
+    def names() -> tuple:
+        found = tuple(str(n) for n in getattr(importlib.import_module(module), attribute))
+        return ("auto", *(n for n in found if n != "auto")) if auto else found
+
+    return names
+
+
+def registered(module: str, attribute: str, *, auto: bool = False) -> Rule:
+    """One of the names a plug-in registry holds when the value is checked."""
+    return one_of(names=registry_names(module, attribute, auto=auto))
+
+
+def _is_device(value) -> bool:
+    return isinstance(value, str) and bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", value))
+
+
+def _cuda_visible(value) -> bool:
+    if not str(value).startswith("cuda"):
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _existing_path(value) -> bool:
+    return Path(str(value)).expanduser().exists()
+
+
+def _data_path(value) -> bool:
+    path = Path(str(value)).expanduser()
+    return path.exists() or (glob.has_magic(str(value)) and bool(glob.glob(str(path))))
+
+
+def _adapter_dir(value) -> bool:
+    return (Path(str(value)).expanduser() / "adapter_config.json").is_file()
+
+
+def _non_empty_texts(value) -> bool:
+    return isinstance(value, ListConfig) and all(isinstance(t, str) and t for t in value)
+
+
+def _target_modules(value) -> bool:
+    return (isinstance(value, str) and bool(value)) or (isinstance(value, ListConfig) and len(value) > 0
+                                                        and _non_empty_texts(value))
+
+
+def _betas(value) -> bool:
+    return isinstance(value, ListConfig) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)
+
+
+def _dotted_paths(value) -> bool:
+    return isinstance(value, ListConfig) and all(isinstance(t, str) and "." in t for t in value)
+
+
+UNIT_OPEN = number(0, 1, low_open=True, high_open=True)
+POSITIVE = number(0, low_open=True)
+STOP_STRINGS = Rule(_non_empty_texts, "a list of non-empty strings",
+                    failure="needs a list of non-empty strings, e.g. 'rollout.stop=[\"</answer>\"]' (quoted for "
+                            "the shell)")
+DEVICE = (Rule(_is_device, "auto, cpu, cuda or cuda:N", verb="use"),
+          Rule(_cuda_visible, "", failure="no CUDA device is visible here; use trainer.device=auto or cpu"))
+RESUME = Rule(lambda v: v == "auto" or _existing_path(v), "auto or a checkpoint / run dir",
+              failure="no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
+DATA_PATH = Rule(_data_path, "an existing file, glob or dir",
+                 failure="no such file, glob match or dir; give a .jsonl, .json, .parquet, .csv or .arrow file, a "
+                         "glob of them, or a save_to_disk dir")
+ADAPTER = Rule(_adapter_dir, "a run's adapter/ dir",
+               failure="holds no adapter_config.json; point it at a run's adapter/ folder")
+TARGET_MODULES = Rule(_target_modules, "all-linear or [names]",
+                      failure="give all-linear or a list of module names, e.g. [q_proj, v_proj]")
+BETAS = Rule(_betas, "[beta1, beta2] in [0, 1)", failure="needs [beta1, beta2], each in [0, 1)")
+DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
+                   failure="give the dotted path of a callable, e.g. pkg.module.fn")
+DOTTED_PATHS = Rule(_dotted_paths, "a list of pkg.module.fn",
+                    failure="needs a list of dotted paths of callables, e.g. "
+                            "'rollout.tools=[grpo_cli.tasks.calculator.calculator]'")
+HTTP_URL = Rule(lambda v: isinstance(v, str) and v.startswith(("http://", "https://")) and len(v) > 8,
+                "an http(s):// URL", failure="needs an http(s):// base URL, e.g. http://127.0.0.1:8000/v1")
+AUTO_OR_COUNT = Rule(lambda v: v == "auto" or (is_int(v) and v >= 1), "auto or an integer >= 1", verb="use")
+MODEL_NAME = Rule(TEXT.test, "hub id, dir, embedded:NAME, tiny-random",
+                  failure="give a hub id, a local directory, embedded:NAME or tiny-random")
+MODULE_NAMES = Rule(TEXT_LIST.test, TEXT_LIST.allowed,
+                    failure="give a list of module names, e.g. plugins=[my_pkg.my_engine]")
+ONE_SEED = Rule(lambda v: v == 1, "1",
+                failure="averaging one trial over several seeds is not supported (hydra-optuna-sweeper runs exactly "
+                        "one job per trial); use 1 and sweep trainer.seed=0,1,2 with the basic sweeper, whose "
+                        "summary groups the seeds of a setting")
+LOSS_TYPE = registered("grpo_cli.algorithm", "LOSS_TYPES")
+DTYPE: TypeAlias = Literal["auto", "float32", "bfloat16", "float16"]
+AUTO_OR_BOOL: TypeAlias = Literal["auto"] | bool
+
+
+# ---- the root sections -------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig:
+    """algo: the GRPO objective, the objective and aggregation menu (docs/algorithm.md, sections 1, 3 and 4)
+    and the sampler correction (TRL's vllm_importance_sampling_*; docs/usage.md "vLLM")."""
+
+    num_generations: int = option("G: completions per prompt (the group)", 8, integer(2))
+    beta: float = option("KL coefficient; 0 skips the reference pass", 0.04, number(0))
+    clip_eps: float = option("eps_low of the clipped ratio", 0.2, UNIT_OPEN, row="clip")
+    clip_eps_high: float | None = option("eps_high; null = clip_eps", None, UNIT_OPEN, row="clip")
+    adv_eps: float = option("stability constant in the advantage denominator (1e-4 is usual)", 1.0e-4, UNIT_OPEN)
+    scale_rewards: Literal["group", "batch", "none"] = option(
+        "advantages divided by the reward std of the group, the batch, or not (Dr. GRPO)", "group")
+    loss_type: str = option("how token losses add up (see Loss types); TRL's name, kept as an alias of "
+                            "algo.aggregation", "grpo", LOSS_TYPE)
+    aggregation: str = option("how token losses add up: the same choices as algo.loss_type, which it overrides "
+                              "when not grpo", "grpo", LOSS_TYPE)
+    objective: str = option("the per-token policy loss: grpo (clipped surrogate), cispo, sapo, luspo, vespo",
+                            "grpo", registered("grpo_cli.algorithm", "OBJECTIVES"))
+    advantage: str = option("advantage estimator: grpo (group z-scores), rloo, reinforce_plus_plus_baseline, opo, "
+                            "grpo_passk", "grpo", registered("grpo_cli.algorithm", "ADVANTAGES"))
+    delta: float | None = option("two-sided clipping: the ratio capped at delta (INTELLECT-2; > 1 + "
+                                 "clip_eps_high); null = off", None, number(1, low_open=True))
+    cispo_max_ratio: float = option("cispo: cap of the detached ratio (TRL's epsilon_high for cispo)", 5.0,
+                                    POSITIVE)
+    sapo_temperature_pos: float = option("sapo: gate temperature where A > 0", 1.0, POSITIVE, row="sapo")
+    sapo_temperature_neg: float = option("sapo: gate temperature where A <= 0", 1.05, POSITIVE, row="sapo")
+    vespo_k_pos: float = option("vespo: gamma shape k where A >= 0", 2.0, number(0), row="vespo")
+    vespo_lambda_pos: float = option("vespo: gamma rate lambda where A >= 0", 3.0, number(0), row="vespo")
+    vespo_k_neg: float = option("vespo: gamma shape k where A < 0", 3.0, number(0), row="vespo")
+    vespo_lambda_neg: float = option("vespo: gamma rate lambda where A < 0", 2.0, number(0), row="vespo")
+    kl_estimator: str = option("per-token KL estimate in the beta term; k3 is TRL's and the contract's, "
+                               "unclamped (verl's k3 is its clamped low_var_kl)", "k3",
+                               registered("grpo_cli.algorithm", "KL_ESTIMATORS"))
+    use_bias_correction_kl: bool = option("multiply the KL term by the importance ratio (TRL's default is true; "
+                                          "ours false: plain k3)", False)
+    off_policy_mask_threshold: float | None = option(
+        "drop a sequence with A < 0 whose mean sampler - logp exceeds this (sampler: the engine's log-probs where "
+        "it gives them, else old; DeepSeek-V3.2, TRL); null = off", None, number(0))
+    top_entropy_quantile: float = option("policy loss on the highest-entropy share of each micro-batch's tokens "
+                                         "only; 1 = all", 1.0, number(0, 1, low_open=True))
+    entropy_coef: float = option("entropy bonus: loss - coef * token-mean entropy; the start value when "
+                                 "entropy_target is set", 0.0, number(0), row="entropy")
+    entropy_target: float | None = option("adaptive entropy bonus: coef rises by entropy_coef_delta per update "
+                                          "while entropy <= target, falls otherwise; null = fixed coef", None,
+                                          number(0), row="entropy")
+    entropy_coef_delta: float = option("step of the adaptive entropy coefficient (within [0, 1])", 0.005,
+                                       POSITIVE, row="entropy")
+    filter_groups: bool = option("dynamic sampling (DAPO): drop groups whose rewards all agree and draw more "
+                                 "prompts until data.prompts_per_step groups have signal", False, row="filter")
+    filter_max_draws: int = option("generation rounds per step at most with filter_groups; at the bound the step "
+                                   "trains on the groups it has", 4, integer(1), row="filter")
+    ratio_level: Literal["token", "sequence"] = option("importance ratio per token, or per sequence (GSPO)",
+                                                       "token")
+    mini_batches: int = option("optimizer updates per rollout batch, on whole groups; 1 (and num_iterations 1) "
+                               "= on-policy, clipping never acts", 1, integer(1), row="updates")
+    num_iterations: int = option("mu: passes over the mini-batches of one rollout batch", 1, integer(1),
+                                 row="updates")
+    mask_truncated: bool = option("leave completions that hit max_new_tokens without EOS out of the loss", False)
+    check: bool = option("live invariant checks (cheap)", True)
+    sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        option("weigh each token's policy term by exp(trainer - sampler log-prob), per token or summed per "
+               "sequence, truncated to or masked outside the clip bounds (rollout.engine=vllm or "
+               "rollout.placement=worker or server)", "none"))
+    sampler_clip_min: float | None = option("lower bound of the sampler weight; null = none", None, number(0),
+                                            row="sampler clip")
+    sampler_clip_max: float | None = option("upper bound of the sampler weight; null = none", 3.0, number(0),
+                                            row="sampler clip")
+
+    @property
+    def eps_high(self) -> float:
+        """The upper clip bound: clip_eps_high, or clip_eps where it is null."""
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    @property
+    def effective_aggregation(self) -> str:
+        """The loss type in use: algo.aggregation, or its alias algo.loss_type (TRL's name) while aggregation is
+        left at the default."""
+        return self.aggregation if self.aggregation != "grpo" else self.loss_type
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """rollout: sampling the completions, the sampling options TRL users expect (docs/usage.md "Sampling and the
+    loss": what each does to the loss's log-probs), tools (docs/usage.md "Tools and environments") and the vllm
+    engine (docs/usage.md "vLLM")."""
+
+    max_new_tokens: int = option("tokens per completion at most", 64, integer(1))
+    min_new_tokens: int = option("tokens before EOS may end a completion (<= max_new_tokens)", 0, integer(0))
+    temperature: float = option("sampling temperature", 1.0, POSITIVE)
+    top_p: float = option("nucleus sampling mass; 1 = off (the loss's log-probs stay the full softmax)", 1.0,
+                          number(0, 1, low_open=True))
+    top_k: int | None = option("sample among the k likeliest tokens only; 0/null = off (the loss's log-probs stay "
+                               "the full softmax)", 0, integer(0), row="truncation")
+    min_p: float | None = option("drop tokens below min_p x the likeliest one's probability; 0/null = off (the "
+                                 "loss's log-probs stay the full softmax)", 0.0, number(0, 1), row="truncation")
+    repetition_penalty: float = option("penalise tokens already in the prompt or completion (a logit l becomes l/p "
+                                       "if l > 0, l*p if not); 1 = off (the loss's log-probs stay unpenalised)",
+                                       1.0, POSITIVE, row="truncation")
+    stop: tuple[str, ...] = option("a completion ends at the first of these strings, which stays in it (and in "
+                                   "the loss); \\n and \\t read as newline and tab", (), STOP_STRINGS)
+    engine: str = option("auto = compiled on CUDA, merged on the CPU, hf for a quantized base", "auto",
+                         registered("grpo_cli.rollout", "ENGINES", auto=True))
+    compile: AUTO_OR_BOOL = option("compiled engine: compile the decode step; auto = on CUDA, warn and go on if it "
+                                   "fails; true = anywhere, fail if it fails", "auto", AUTO_OR_BOOLEAN)
+    tools: tuple[str, ...] = option("tools the model may call: dotted paths of functions with type hints and a "
+                                    "Google-style docstring, e.g. [grpo_cli.tasks.calculator.calculator]; [] and no "
+                                    "env = single-turn", (), DOTTED_PATHS, row="tools")
+    max_tool_calls: int = option("tool calls an episode may run; a further call ends it", 4, integer(0),
+                                 row="tools")
+    tool_timeout_s: float | None = option("seconds a tool call may take; over it the model reads an error (null = "
+                                          "no limit)", 10.0, POSITIVE, row="tools")
+    tool_output_max_chars: int | None = option("characters of a tool's result the model reads; a longer one is "
+                                               "cut, with a note (episodes/tool_outputs_cut counts them); null = "
+                                               "no limit", 10000, integer(1), row="tools")
+    tool_format: Literal["auto", "native", "hermes"] = option(
+        "auto = the chat template's tool support where it has one, else hermes: the tools in the system turn, "
+        "calls as <tool_call>{json}</tool_call>", "auto", row="tools")
+    call_opener: str = option("text prefilled at the start of the first assistant turn (in the prompt, not "
+                              "trained), e.g. the opening of a call for a small model that never starts one alone",
+                              "", ANY_TEXT, row="tools")
+    vllm_dtype: DTYPE = option("vllm engine (and the server placement=server starts): the dtype it samples in; "
+                               "auto = model.dtype", "auto", row="vllm")
+    vllm_max_model_len: int | None = option("vllm engine: longest prompt + completion it serves; null = the "
+                                            "model's context", None, integer(1), row="vllm")
+    vllm_gpu_memory_utilization: float = option("vllm engine on CUDA: the share of GPU memory it takes beside the "
+                                                "trainer (weights and KV cache)", 0.3, number(0, 1, low_open=True),
+                                                row="vllm memory")
+    vllm_kv_cache_gib: float = option("vllm engine on the CPU: KV cache size in GiB", 1.0, POSITIVE,
+                                      row="vllm memory")
+    vllm_sync: Literal["merged", "lora"] = option("vllm engine: the policy after each update as merged weights "
+                                                  "reloaded in place, or as a LoRA request", "merged")
+    placement: Literal["local", "worker", "server"] = option(
+        "where generation runs: local = in the training process, taking turns with training; worker = a process of "
+        "its own (docs/usage.md \"Generation in a worker process\"); server = vLLM's OpenAI-compatible server, the "
+        "adapter loaded by name at each version (docs/usage.md \"Generation on vLLM's server\")", "local",
+        row="worker")
+    max_staleness: int = option("K: batches are generated up to K policy versions ahead of the update that uses "
+                                "them (needs placement=worker or server); 0 = on-policy", 0, integer(0), row="worker")
+    server_url: str | None = option("placement=server: the base URL (http://HOST:PORT/v1) of a running vLLM server "
+                                    "of the base model, started with --enable-lora and "
+                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; null = grpo-train starts `vllm serve` "
+                                    "and stops it at the end", None, HTTP_URL, row="worker")
+    worker_threads: int | None = option("placement=worker on the CPU: the worker's torch threads, the trainer "
+                                        "keeps the rest; null = half of the trainer's (at least 1 each)", None,
+                                        integer(1), row="worker")
+    worker_device: str = option("placement=worker: the device the worker generates on, e.g. cuda:1 beside a trainer "
+                                "on cuda:0 (one device: the engine runs on one); auto = the trainer's", "auto", DEVICE,
+                                row="worker")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """env: the environment of multi-turn episodes (docs/usage.md "Tools and environments")."""
+
+    _target_: str | None = option("an environment class (TRL's environment_factory): one per episode, "
+                                  "reset(**row) returns a string or None, public methods are tools, optional "
+                                  "get_reward(); null = none", None, DOTTED_PATH)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """trainer: the loop, memory, checkpoints."""
+
+    max_steps: int = option("training steps (rollout batches)", 50, integer(1))
+    seed: int = option("seed of sampling, data order and LoRA init", 0, integer(0))
+    device: str = option("auto = the first CUDA device, else the CPU", "auto", DEVICE)
+    micro_batch_size: int | None = option("completions per forward/backward; null = a whole mini-batch", None,
+                                          integer(1))
+    micro_batch_tokens: Literal["auto"] | int | None = option(
+        "tokens (prompt + completion) per forward/backward at most; a longer row goes alone; auto = what "
+        "memory_budget_gb fits, else 2048 on the CPU and none on CUDA; null = none", "auto", AUTO_OR_COUNT,
+        row="memory")
+    memory_budget_gb: float | None = option("memory a step must fit in (GiB): the tokens per micro-batch, "
+                                            "activation checkpointing, the LM head's blocks and (CPU) glibc "
+                                            "returning freed blocks follow, said in one line at start; null = "
+                                            "none", None, POSITIVE, row="memory")
+    max_grad_norm: float = option("gradient clipping norm", 1.0, POSITIVE)
+    logprob_chunk_size: int | None = option("token rows per log-softmax chunk (bounds memory); null = one pass",
+                                            256, integer(1))
+    gradient_checkpointing: bool = option("recompute activations in the backward (less memory, ~1/3 more "
+                                          "compute)", False)
+    save_every: int = option("checkpoint every K steps; 0 = only the final adapter", 0, integer(0),
+                             row="checkpoints")
+    keep_last: int = option("checkpoints kept", 2, integer(1), row="checkpoints")
+    resume: str | None = option("auto (with hydra.run.dir=RUN_DIR) or a checkpoint / run dir path; a used run dir "
+                                "takes only auto or its own", None, RESUME)
+    overwrite: bool = option("start over in a run dir that holds a run (deletes its records and checkpoints "
+                             "first)", False)
+    resume_allow_changes: tuple[str, ...] = option("keys (or sections) a resume may change on purpose, e.g. "
+                                                   "[trainer.max_steps,optimizer.lr]", (), TEXT_LIST)
+    max_skipped: int = option("stop after this many non-finite updates in a row", 3, integer(1))
+    log_samples_every: int = option("write sample completions every K steps; 0 = never", 10, integer(0))
+    nproc: int = option("processes; > 1 relaunches under torchrun", 1, integer(1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """eval: held-out accuracy (grpo-eval, and during training)."""
+
+    every: int = option("evaluate every K training steps; 0 = never (needs reward.accuracy)", 0, integer(0))
+    num_prompts: int = option("held-out prompts per evaluation", 50, integer(1), row="held-out")
+    samples: int = option("k: pass@k and majority@k when > 1", 1, integer(1), row="held-out")
+    temperature: float = option("sampling temperature when samples > 1", 0.8, POSITIVE, row="held-out")
+    max_new_tokens: int = option("tokens per completion at most", "${rollout.max_new_tokens}", integer(1),
+                                 row="held-out")
+    adapter: str | None = option("grpo-eval: a trained adapter dir; null = the base model", None, ADAPTER)
+    final: AUTO_OR_BOOL = option("greedy eval on the fixed held-out prompts after the last step "
+                                 "(final_eval.json); auto = in a sweep when the data has a held-out split",
+                                 "auto", AUTO_OR_BOOLEAN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepConfig:
+    """sweep: how a multirun's summary ranks its cells (sweep_cells.csv), and averaging an Optuna trial over
+    seeds."""
+
+    metric: str = option("the summary column cells are ranked by (higher is better); auto = final_eval_accuracy "
+                         "where every job has it, else mean_reward", "auto",
+                         registered("grpo_cli.sweep.summary", "RANK_METRICS", auto=True))
+    seeds: int = option("seeds per Optuna trial (only 1 for now)", 1, ONE_SEED)
+
+
+# ---- the config groups ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """model.lora: the adapter trained."""
+
+    r: int = option("LoRA rank", check=integer(1))
+    alpha: float = option("LoRA scale is alpha / r (2 x r is usual)", check=POSITIVE)
+    dropout: float = option("LoRA dropout", check=number(0, 1, high_open=True))
+    target_modules: str | tuple[str, ...] = option("modules that get adapters", check=TARGET_MODULES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyConfig:
+    """model.tiny: the sizes of the tiny random model (model.name_or_path=tiny-random)."""
+
+    hidden_size: int = option("tiny-random: width (a multiple of num_heads)", 64, integer(1))
+    num_layers: int = option("tiny-random: layers", 2, integer(1))
+    num_heads: int = option("tiny-random: attention heads", 4, integer(1))
+    max_position_embeddings: int = option("tiny-random: context length", 1024, integer(1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """model=NAME: the base model and its adapter."""
+
+    name_or_path: str = option("hub id, local dir, embedded:NAME or tiny-random", check=MODEL_NAME)
+    trust_remote_code: bool = option("run a hub model's own code")
+    lora: LoraConfig
+    tiny: TinyConfig | None = option("tiny-random's sizes", None, optional=True)
+    quantization: Literal["nf4", "fp4", "int8"] | None = option(
+        "QLoRA: load the frozen base in 4 bits (nf4, fp4) or 8 bits (int8) through bitsandbytes; null = "
+        "unquantized", None, optional=True)
+    dtype: DTYPE = option("precision of the frozen base and its generation (LoRA weights, optimizer state, "
+                          "log-softmax and loss stay float32); auto = bfloat16 on CUDA, float32 on the CPU")
+    prepack: AUTO_OR_BOOL = option("the frozen linear layers multiply through oneDNN-prepacked weights (faster on "
+                                   "the CPU; one more copy of those weights, two while training); auto = on the "
+                                   "CPU, unquantized", "auto", AUTO_OR_BOOLEAN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """data=NAME: where the prompts come from and how they are cut."""
+
+    source: str = option("where prompts come from (hf: a hub id or local files through `datasets`; jsonl: the "
+                         "same reader, named for a .jsonl data.path)",
+                         check=registered("grpo_cli.tasks.sources", "SOURCES"))
+    task: str | None = option("reasoning_gym: the generator", None, TEXT, optional=True, null=False,
+                              row="reasoning_gym")
+    task_args: Mapping[str, Any] = option("reasoning_gym: the generator's arguments", {}, MAPPING, optional=True,
+                                          free=True, row="reasoning_gym")
+    low: int | None = option("sums: smallest term", None, integer(), optional=True, null=False, row="generated")
+    high: int | None = option("sums: largest term (>= low)", None, integer(), optional=True, null=False,
+                              row="generated")
+    operation: Literal["+", "*"] = option("sums: + (a + b), or * (a * b: the calculator recipe)", "+",
+                                          optional=True, row="generated")
+    size: int | None = option("generated training prompts", None, integer(1), optional=True, null=False,
+                              row="generated")
+    eval_size: int | None = option("generated held-out prompts", None, integer(1), optional=True, null=False,
+                                   row="generated")
+    question_suffix: str = option("appended to each question", check=ANY_TEXT)
+    system_prompt: str | None = option("system turn; null = the model's own default", check=ANY_TEXT)
+    prompts_per_step: int = option("prompts per step (each sampled G times)", check=integer(1))
+    max_prompt_tokens: int = option("longest prompt in tokens", check=integer(1))
+    overlong: Literal["truncate", "drop"] = option("a longer prompt: cut from the left, or dropped")
+    path: str | None = option("training rows: .jsonl/.json/.parquet/.csv/.arrow file or glob, or a save_to_disk "
+                              "dir; null = the source's own", check=DATA_PATH)
+    eval_path: str | None = option("held-out rows, as data.path; null = the source's own", check=DATA_PATH)
+    name: str | None = option("hf: a hub dataset id (data.path wins when both are set)", None, TEXT,
+                              optional=True, row="hub")
+    config: str | None = option("hf: the hub dataset's config (subset)", None, TEXT, optional=True, row="hub")
+    split: str = option("hf: the training split of data.name or of a saved DatasetDict", "train", TEXT,
+                        optional=True, row="hub")
+    eval_split: str | None = option("hf: the held-out split of data.name or of a saved DatasetDict (or use "
+                                    "data.eval_path)", None, TEXT, optional=True, row="hub")
+    prompt_column: str = option("hf, jsonl: the column of prompts (text or chat messages); prompt falls back to "
+                                "messages", "prompt", TEXT, optional=True, row="columns")
+    answer_column: str | None = option("hf, jsonl: a column that reaches rewards as answer; null = every column "
+                                       "under its own name", None, TEXT, optional=True, row="columns")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """optimizer=NAME: the common keys, and the keys its builder (optim.OPTIMIZERS) reads beyond them."""
+
+    OPEN: ClassVar[str] = "the common keys below and exactly the keys its builder (optim.OPTIMIZERS) reads"
+
+    name: str = option("the torch optimizer", check=registered("grpo_cli.step.optim", "OPTIMIZERS"))
+    lr: float = option("learning rate (after warmup)", check=POSITIVE)
+    weight_decay: float = option("decoupled weight decay", check=number(0))
+    warmup_steps: int = option("linear warmup, in training steps", check=integer(0))
+    schedule: Literal["constant", "linear", "cosine"] = option("learning rate after warmup")
+    betas: tuple[float, float] | None = option("adamw: moment decay rates", None, BETAS, optional=True, null=False,
+                                               row="own")
+    momentum: float | None = option("sgd: momentum", None, number(0, 1, high_open=True), optional=True,
+                                    null=False, row="own")
+    nesterov: bool | None = option("sgd: Nesterov momentum (needs momentum > 0)", None, optional=True, null=False,
+                                   row="own")
+    plugin_keys: Mapping[str, Any] = extras()  # the keys a plug-in optimizer's builder reads
+
+    def builder_keys(self) -> dict[str, Any]:
+        """The keys its config gives beyond the common ones (an optimizer's own: betas, momentum, a plug-in's)."""
+        own = {"betas": self.betas, "momentum": self.momentum, "nesterov": self.nesterov}
+        return {**{k: v for k, v in own.items() if v is not None}, **self.plugin_keys}
+
+    def value(self, key: str) -> Any:
+        """The value of a key its builder reads, common or its own."""
+        own = self.builder_keys()
+        return own[key] if key in own else getattr(self, key)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """logger.wandb: the W&B run (logger=wandb)."""
+
+    mode: str = option("auto = online with credentials, else offline", "auto",
+                       registered("grpo_cli.tracking", "WANDB_MODES"))
+    project: str = option("W&B project", "grpo-cli", TEXT)
+    entity: str | None = option("W&B entity; null = yours", None, TEXT)
+    name: str | None = option("run name; null = the overrides", None, TEXT)
+    group: str | None = option("null = the recipe (and sweep dir)", None, TEXT)
+    tags: tuple[str, ...] = option("W&B tags", (), TEXT_LIST)
+    init_timeout: float = option("seconds to reach the server, then offline", 60.0, POSITIVE)
+    finish_timeout: float = option("seconds to upload at the end", 300.0, POSITIVE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggerConfig:
+    """logger=NAME: where metrics go besides metrics.jsonl and the console."""
+
+    backend: str = option("where metrics go besides metrics.jsonl and the console",
+                          check=registered("grpo_cli.tracking", "LOGGERS"))
+    wandb: WandbConfig | None = option("the W&B run's settings", None, optional=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardFunctionConfig:
+    """reward.functions.NAME: one reward function, its weight, and its own options (the function's keyword
+    arguments, or its class's constructor arguments)."""
+
+    _target_: str = option("dotted path of the function or class", check=DOTTED_PATH)
+    weight: float = option("its weight in the summed reward (1 when left out)", 1.0, number(), optional=True)
+    options: Mapping[str, Any] = extras()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """reward=NAME: the reward functions and what a failing one does."""
+
+    on_error: Literal["raise", "zero"] = option("a reward that raises: stop, or score 0 and count it")
+    aggregation: Literal["sum", "normalize_then_sum"] = option(
+        "the rewards' weighted sum, or each reward z-scored within its group first (GDPO); sum when left out "
+        "(+reward.aggregation=... to set it)", "sum", optional=True)
+    timeout_s: float | None = option("seconds a reward call may take; over it is an error per on_error; null = no "
+                                     "limit", check=POSITIVE)
+    accuracy: str | None = option("the 0/1 function of reward.functions that judges correctness", check=TEXT)
+    functions: Mapping[str, RewardFunctionConfig] | None = option(
+        "NAME: {_target_, weight, options...} per reward function; null = only the environment's get_reward()",
+        check=MAPPING, free=True)
+
+
+# ---- the root config -------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole config, typed: what everything below the entry points reads (`Config.of` a composed one)."""
+
+    plugins: tuple[str, ...] = option("your modules to import first: what they register becomes a choice", (),
+                                      MODULE_NAMES)
+    algo: AlgoConfig = section(AlgoConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    env: EnvConfig = section(EnvConfig)
+    trainer: TrainerConfig = section(TrainerConfig)
+    eval: EvalConfig = section(EvalConfig)
+    sweep: SweepConfig = section(SweepConfig)
+    model: ModelConfig = section()
+    data: DataConfig = section()
+    optimizer: OptimizerConfig = section()
+    logger: LoggerConfig = section()
+    reward: RewardConfig = section()
+    # the composed config as plain values (Hydra's part left out): what a run's records pin and log (the
+    # checkpoint fingerprint, the W&B config), in the shape the run dir's .hydra/config.yaml has
+    composed: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, cfg: DictConfig | Config) -> Config:
+        """The typed config of a composed (and validated) one; a Config as it is."""
+        if isinstance(cfg, Config):
+            return cfg
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        composed = {str(k): v for k, v in resolved.items() if k != "hydra"}
+        return replace(typed(cls, composed), composed=composed)
+
+
+# The machinery, bound to the fields above: these names are what the rest of grpo_cli calls.
+TABLE = OptionTable(Config)
+OPTIONS: tuple[Option, ...] = TABLE.options
+default_of = TABLE.default_of
+root_defaults = TABLE.root_defaults
+schema_node = TABLE.schema_node
+composition_problem = TABLE.composition_problem
+check_options = TABLE.check
+declares = TABLE.declares
+no_such_option = TABLE.no_such_option
+options_help = TABLE.help
+markdown_rows = TABLE.markdown_rows
+options_markdown = TABLE.markdown
