@@ -109,7 +109,7 @@ FLOORS = {
     "code_tasks": STEP,
     "": GROUND, "config_rules": GROUND, "schema": GROUND, "option_table": GROUND, "metrics": GROUND,
     "registry": GROUND, "errors": GROUND, "console": GROUND, "overrides": GROUND, "ranks": GROUND,
-    "user_code": GROUND, "allocator": GROUND,
+    "user_code": GROUND, "allocator": GROUND, "redaction": GROUND,
 }
 
 

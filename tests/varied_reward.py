@@ -37,3 +37,13 @@ def _spawned_by(proc, parent: int) -> bool:
     except OSError:
         return False
     return int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmdline
+
+
+def by_length_with_credentials(prompts, completions, api_key=None, hf_token=None, **_):
+    """`by_length`, for the secrets test (tests/test_secrets.py): it gets its credentials resolved, as given, and
+    fails the run when it does not ($EXPECTED_API_KEY, $EXPECTED_HF_TOKEN)."""
+    import os
+
+    if (api_key, hf_token) != (os.environ.get("EXPECTED_API_KEY"), os.environ.get("EXPECTED_HF_TOKEN")):
+        raise ValueError("the reward did not get its credentials as given")
+    return by_length(prompts, completions)

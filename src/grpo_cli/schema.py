@@ -51,6 +51,7 @@ from grpo_cli.option_table import (
     shown,
     typed,
 )
+from grpo_cli.redaction import find_secrets, remember
 
 __all__ = [
     "ABSENT", "OPTIONS", "TABLE", "AlgoConfig", "Config", "DataConfig", "EnvConfig", "EvalConfig", "LoggerConfig",
@@ -558,6 +559,9 @@ class Config:
     # the composed config as plain values (Hydra's part left out): what a run's records pin and log (the
     # checkpoint fingerprint, the W&B config), in the shape the run dir's .hydra/config.yaml has
     composed: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # `composed` with each secret (grpo_cli.redaction) as written (the interpolation) or hashed: what records keep
+    recorded: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    secret_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)  # the dotted keys of the secrets
 
     @classmethod
     def of(cls, cfg: DictConfig | Config) -> Config:
@@ -566,7 +570,10 @@ class Config:
             return cfg
         resolved = OmegaConf.to_container(cfg, resolve=True)
         composed = {str(k): v for k, v in resolved.items() if k != "hydra"}
-        return replace(typed(cls, composed), composed=composed)
+        secrets = find_secrets(cfg)
+        remember(secrets.values)  # never printed from now on
+        return replace(typed(cls, composed), composed=composed, recorded=secrets.recorded(composed),
+                       secret_keys=tuple(secrets.recorded_as))
 
 
 # The machinery, bound to the fields above: these names are what the rest of grpo_cli calls.
