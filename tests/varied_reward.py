@@ -11,7 +11,8 @@ def by_length(prompts, completions, **_):
 def by_length_with_a_signal(prompts, completions, **_):
     """`by_length`, and at its call number $SIGNAL_AT_CALL (the step's scoring: one call a step) a signal, for the
     rollout-worker tests: SIGNAL_TO=worker SIGKILLs the rollout worker (the grpo-train process's child that
-    multiprocessing spawned), SIGNAL_TO=self SIGTERMs grpo-train, SIGNAL_TO=kill SIGKILLs it; the worker's pid is
+    multiprocessing spawned), SIGNAL_TO=stop_worker SIGSTOPs it, SIGNAL_TO=self SIGTERMs grpo-train, SIGNAL_TO=kill
+    SIGKILLs it; the worker's pid is
     written to $SIGNAL_RECORD first. Without SIGNAL_AT_CALL it is `by_length`."""
     import os
     import signal
@@ -24,6 +25,8 @@ def by_length_with_a_signal(prompts, completions, **_):
         Path(os.environ["SIGNAL_RECORD"]).write_text(" ".join(map(str, workers)))
         if os.environ["SIGNAL_TO"] == "worker":
             os.kill(workers[0], signal.SIGKILL)
+        elif os.environ["SIGNAL_TO"] == "stop_worker":  # a worker that makes no progress any more
+            os.kill(workers[0], signal.SIGSTOP)
         elif os.environ["SIGNAL_TO"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         else:

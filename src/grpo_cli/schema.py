@@ -305,6 +305,10 @@ class RolloutConfig:
     worker_device: str = option("placement=worker: the device the worker generates on, e.g. cuda:1 beside a trainer "
                                 "on cuda:0 (one device: the engine runs on one); auto = the trainer's", "auto", DEVICE,
                                 row="worker")
+    generator_timeout_s: float | None = option("placement=worker or server: seconds the trainer waits for the "
+                                               "generator's next message once it is ready (a batch, a sync); past it "
+                                               "the run stops in one line with its checkpoint; null = no limit",
+                                               1800.0, POSITIVE, row="worker")
 
 
 @dataclass(frozen=True, kw_only=True)
