@@ -20,8 +20,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 
+from grpo_cli.config_rules import beyond_the_machine, is_on_policy
 from grpo_cli.config_rules import check_context_length as check_context_length  # re-exported: a config rule
-from grpo_cli.config_rules import is_on_policy
 from grpo_cli.errors import ConfigError
 from grpo_cli.overrides import override_key
 from grpo_cli.schema import (
@@ -234,7 +234,7 @@ def ranks(config: Config) -> int:
 
 def check_precision(config: Config) -> list[str]:
     """model.dtype runs on trainer.device (ConfigError in one line if not), known before any weights load; a
-    warning where it runs but slowly."""
+    warning where it runs but slowly; what asks for more than the machine or the run holds (beyond_the_machine)."""
     from grpo_cli.precision import device_of, resolve_dtype, slow_dtype_warning
 
     device = device_of(config.trainer.device)
@@ -245,7 +245,7 @@ def check_precision(config: Config) -> list[str]:
         if not wanted(True, device, dtype, config.model.quantization):
             fail("model.prepack", True, f"needs the CPU, an unquantized base and oneDNN's packed linear for {dtype} "
                                         "in this torch build; use model.prepack=auto")
-    return [w for w in (slow_dtype_warning(dtype, device),) if w]
+    return [w for w in (slow_dtype_warning(dtype, device),) if w] + beyond_the_machine(config, device)
 
 
 def _validate_vllm(config: Config) -> None:

@@ -286,7 +286,13 @@ class RewardSet:
                     scores[i], errors = 0.0, errors + 1
             per_fn[rf.name] = scores
         weights = {rf.name: rf.weight for rf in self.functions}
-        return Scoring(combine(weights, per_fn, self.aggregation, group_size), per_fn, errors, outcomes)
+        totals = combine(weights, per_fn, self.aggregation, group_size)
+        bad = next((i for i, total in enumerate(totals) if not math.isfinite(total)), None)
+        if bad is not None:  # finite scores whose weighted sum overflows: the advantages would be NaN
+            terms = ", ".join(f"{rf.name} {per_fn[rf.name][bad]} x weight {rf.weight:g}" for rf in self.functions)
+            raise RewardError(f"the total reward of completion {bad} is {totals[bad]} ({terms}, reward.aggregation="
+                              f"{self.aggregation}); rewards must sum to a finite number: lower the weights")
+        return Scoring(totals, per_fn, errors, outcomes)
 
     def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
         if isinstance(failure, user_code.TimedOut):
