@@ -453,20 +453,9 @@ def check_engine_installed(config: Config) -> None:
 def _check_reward_options(prefix: str, target, spec: RewardFunctionConfig) -> None:
     """Keys of a reward entry besides _target_ and weight are the target's own options (a function's keyword
     arguments, a class's constructor arguments): each must be one it takes, and pass its own check_options."""
-    import inspect
+    from grpo_cli.rewards import check_option_names
 
-    try:
-        params = inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        params = {}
-    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    free = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    reserved = ("prompts", "completions", "messages", *(("name", "device", "dtype") if inspect.isclass(target) else ()))
-    for key, value in spec.options.items():
-        if key in reserved or not (free or key in named):
-            takes = [n for n in named if n not in reserved]
-            fail(f"{prefix}.{key}", value, f"{target.__module__}.{target.__qualname__} takes no option {key}; "
-                                            f"its options: {', '.join(takes) or 'none'}")
+    check_option_names(prefix, target, dict(spec.options))  # the closest name offered; **kwargs' under .kwargs
     check = getattr(target, "check_options", None)
     if callable(check):
         check(prefix, dict(spec.options))
