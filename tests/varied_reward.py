@@ -11,7 +11,8 @@ def by_length(prompts, completions, **_):
 def by_length_with_a_signal(prompts, completions, **_):
     """`by_length`, and at its call number $SIGNAL_AT_CALL (the step's scoring: one call a step) a signal, for the
     rollout-worker tests: SIGNAL_TO=worker SIGKILLs the rollout worker (the grpo-train process's child that
-    multiprocessing spawned), SIGNAL_TO=self SIGTERMs grpo-train, SIGNAL_TO=kill SIGKILLs it; the worker's pid is
+    multiprocessing spawned), SIGNAL_TO=stop_worker SIGSTOPs it, SIGNAL_TO=self SIGTERMs grpo-train, SIGNAL_TO=kill
+    SIGKILLs it; the worker's pid is
     written to $SIGNAL_RECORD first. Without SIGNAL_AT_CALL it is `by_length`."""
     import os
     import signal
@@ -24,6 +25,8 @@ def by_length_with_a_signal(prompts, completions, **_):
         Path(os.environ["SIGNAL_RECORD"]).write_text(" ".join(map(str, workers)))
         if os.environ["SIGNAL_TO"] == "worker":
             os.kill(workers[0], signal.SIGKILL)
+        elif os.environ["SIGNAL_TO"] == "stop_worker":  # a worker that makes no progress any more
+            os.kill(workers[0], signal.SIGSTOP)
         elif os.environ["SIGNAL_TO"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         else:
@@ -37,3 +40,13 @@ def _spawned_by(proc, parent: int) -> bool:
     except OSError:
         return False
     return int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmdline
+
+
+def by_length_with_credentials(prompts, completions, api_key=None, hf_token=None, **_):
+    """`by_length`, for the secrets test (tests/test_secrets.py): it gets its credentials resolved, as given, and
+    fails the run when it does not ($EXPECTED_API_KEY, $EXPECTED_HF_TOKEN)."""
+    import os
+
+    if (api_key, hf_token) != (os.environ.get("EXPECTED_API_KEY"), os.environ.get("EXPECTED_HF_TOKEN")):
+        raise ValueError("the reward did not get its credentials as given")
+    return by_length(prompts, completions)

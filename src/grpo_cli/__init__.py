@@ -26,3 +26,6 @@ def _first_time_only(record: logging.LogRecord) -> bool:
 # here, once: every entry point and every program that imports grpo_cli gets it, however many runs it makes
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernels_note)
 logging.getLogger("bitsandbytes.autograd._functions").addFilter(_first_time_only)
+# urllib3 logs each retry of a remote reward's request ("Retrying (Retry(total=1, ...)) after connection broken by
+# ...") around the run's lines: the request's end is said once, in its own line (rewards.remote.Service)
+logging.getLogger("urllib3").setLevel(logging.ERROR)

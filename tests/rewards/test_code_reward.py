@@ -223,7 +223,8 @@ def test_killing_the_parent_or_another_process_scores_0_and_kills_nothing(kind):
         kills = f"import os\nos.kill(os.getppid(), 9)\nos.kill({victim.pid}, 9)\nos.kill({os.getpid()}, 9)\n"
         scored = run([fenced(kills + SOLUTION)], sandbox=kind)
         assert list(scored) == [0.0], scored.outcomes
-        assert scored.outcomes[0].startswith(("crashed: ProcessLookupError", "crashed: PermissionError"))
+        # its parent is the harness's judge, in the sandbox with it: killing it leaves no verdict (crashed)
+        assert scored.outcomes[0].startswith("crashed: "), scored.outcomes
         assert victim.poll() is None
     finally:
         victim.kill()
@@ -274,8 +275,15 @@ def test_where_no_namespace_works_auto_warns_in_one_line_and_a_named_sandbox_is_
     if "--disable-userns" in proc.stderr:
         pytest.skip("this bubblewrap has no --disable-userns")
     warning = proc.stderr.strip().splitlines()
+    if os.geteuid() == 0 and "could signal the trainer" in proc.stderr:  # root that cannot switch to nobody there
+        assert warning[-1].startswith("grpo_cli.base.errors.ConfigError: reward.functions.tests.sandbox=auto cannot "
+                                      "be set up: no sandbox works here ("), proc.stderr
+        assert "rlimits: run as root, its programs could signal the trainer" in warning[-1]
+        assert "name sandbox=rlimits to accept that" in warning[-1]
+        return
     no_namespaces = "warning: reward.functions.tests: neither bubblewrap nor unshare namespaces work here"
     assert len(warning) == 1 and no_namespaces in warning[0] and "rlimits alone" in warning[0], proc.stderr
+    assert "(the trainer included)" in warning[0] or "cannot signal the trainer" in warning[0]
     assert proc.stdout.startswith("reward.functions.tests.sandbox=bwrap cannot be set up: the bwrap sandbox does not "
                                   "work here ("), proc.stdout
     assert "allow user namespaces" in proc.stdout and proc.stdout.count("\n") == 1

@@ -20,9 +20,13 @@ SUMMARY = {"steps": 3, "first_reward": 0.0, "last_reward": 0.5, "final_reward": 
            "adapter": "/runs/x/adapter"}
 
 
-def _view(terminal: bool) -> tuple[ConsoleView, io.StringIO]:
+# a capable terminal, whatever TERM and NO_COLOR the suite runs under (TERM=dumb in CI systems and editors' shells)
+TERMINAL = {"TERM": "xterm-256color"}
+
+
+def _view(terminal: bool, environ: dict | None = None) -> tuple[ConsoleView, io.StringIO]:
     out = io.StringIO()
-    return ConsoleView(3, 0, Console(file=out, force_terminal=terminal, width=120)), out
+    return ConsoleView(3, 0, Console(file=out, force_terminal=terminal, width=120, _environ=environ or TERMINAL)), out
 
 
 def test_plain_lines_off_a_terminal():
@@ -52,6 +56,15 @@ def test_the_summary_names_the_steps_its_rewards_average():
     assert ConsoleView.label("W&B", {"steps": 3}) == "W&B"
 
 
+def test_a_dumb_terminal_gets_plain_lines():
+    """TERM=dumb cannot redraw in place: the plain lines of a pipe, not a bar drawn over and over."""
+    view, out = _view(terminal=True, environ={"TERM": "dumb"})
+    assert not view.live
+    view.log(ROWS[0])
+    view.close(SUMMARY)
+    assert out.getvalue().startswith("step 0 done (1/3)") and "\r" not in out.getvalue()
+
+
 def test_live_progress_on_a_terminal():
     view, out = _view(terminal=True)
     assert view.live
@@ -70,7 +83,8 @@ def test_an_eta_shows_while_steps_take_longer_than_30_s(terminal):
     speed from the last 30 s only and showed `-:--:--` the whole run."""
     now = [1000.0]
     out = io.StringIO()
-    view = ConsoleView(3, 0, Console(file=out, force_terminal=terminal, width=120), clock=lambda: now[0])
+    view = ConsoleView(3, 0, Console(file=out, force_terminal=terminal, width=120, _environ=TERMINAL),
+                       clock=lambda: now[0])
     now[0] += 40
     view.log(ROWS[0])
     if terminal:

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
+from grpo_cli.base.redaction import redact
+
 
 class UserError(Exception):
     """Base: bad input from the user (exit code 2)."""
@@ -130,7 +132,7 @@ def program() -> str:
 
 def exit_with(err: UserError | RunError) -> NoReturn:
     """`PROG: message` on stderr, then exit 2 (bad input) or 1 (a failed run); never a traceback."""
-    print(f"{program()}: {err}", file=sys.stderr, flush=True)
+    print(f"{program()}: {redact(str(err))}", file=sys.stderr, flush=True)  # a refusal names a secret's key only
     raise SystemExit(err.exit_code)
 
 
@@ -152,7 +154,7 @@ def one_line(prog: str, *, in_sweep: bool = False) -> Iterator[None]:
                            "and run the same command again" + (", with trainer.resume=auto to go on from the newest "
                                                                "checkpoint" if prog == "grpo-train" else ""))
         if in_sweep:
-            raise RuntimeError(f"{prog}: {err}") from None
+            raise RuntimeError(redact(f"{prog}: {err}")) from None
         exit_with(err)
     finally:
         send_warnings_to(None)  # a run that raised left its Tracker open: the next job's warnings are not its
@@ -166,6 +168,7 @@ _shown: set[str] = set()
 def warn(text: str) -> None:
     """Every warning of the package goes here, and each text is shown once: to the sinks of the run being logged
     (its console shows it among the steps) while a tracking.Tracker is open, else `PROG: warning: text` on stderr."""
+    text = redact(text)
     if text in _shown:
         return
     _shown.add(text)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from grpo_cli.base.errors import ConfigError, Interrupted, one_line, warn
 from grpo_cli.base.ranks import is_rank_zero
+from grpo_cli.base.redaction import redact
 from grpo_cli.base.registry import import_plugins
 from grpo_cli.base.stopping import exits_at_once
 from grpo_cli.config import override_key
@@ -152,8 +153,8 @@ def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
     if is_rank_zero():
         again = ("run the same command again" if stop.checkpoint_dir is None else
                  f"resume with: {_resume_command(prog, run_dir)}")
-        print(f"{prog}: stopped by {signal.Signals(stop.signum).name}{_stop_state(stop)}; {again}", file=sys.stderr,
-              flush=True)
+        line = f"{prog}: stopped by {signal.Signals(stop.signum).name}{_stop_state(stop)}; {again}"
+        print(redact(line), file=sys.stderr, flush=True)  # a key typed on the command line is not printed
     sys.exit(128 + stop.signum)
 
 
@@ -238,6 +239,10 @@ def _claimed(config: Config, run_dir: Path, plan, warnings: list[str]):
 
     with _restoring_hydra():
         run = Run(config, run_dir, decision=None if plan is None else plan.decision)
+    if is_rank_zero():
+        from grpo_cli.run.rundir import redact_hydra_records
+
+        redact_hydra_records(run_dir)
     _quiet_libraries()  # heavy imports only after the config is known good
     warnings = [*warnings, *run.warnings]
     if not _is_multirun():  # a sweep says it once for all its jobs (sweep.SweepSummary)

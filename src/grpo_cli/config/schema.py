@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal, TypeAlias
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from grpo_cli.base.redaction import find_secrets, remember
 from grpo_cli.config.option_table import (
     ABSENT,
     ANY_TEXT,
@@ -304,6 +305,10 @@ class RolloutConfig:
     worker_device: str = option("placement=worker: the device the worker generates on, e.g. cuda:1 beside a trainer "
                                 "on cuda:0 (one device: the engine runs on one); auto = the trainer's", "auto", DEVICE,
                                 row="worker")
+    generator_timeout_s: float | None = option("placement=worker or server: seconds the trainer waits for the "
+                                               "generator's next message once it is ready (a batch, a sync); past it "
+                                               "the run stops in one line with its checkpoint; null = no limit",
+                                               1800.0, POSITIVE, row="worker")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -559,6 +564,9 @@ class Config:
     # the composed config as plain values (Hydra's part left out): what a run's records pin and log (the
     # checkpoint fingerprint, the W&B config), in the shape the run dir's .hydra/config.yaml has
     composed: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # `composed` with each secret (grpo_cli.base.redaction) as written (the interpolation) or hashed: what records keep
+    recorded: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    secret_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)  # the dotted keys of the secrets
 
     @classmethod
     def of(cls, cfg: DictConfig | Config) -> Config:
@@ -567,7 +575,10 @@ class Config:
             return cfg
         resolved = OmegaConf.to_container(cfg, resolve=True)
         composed = {str(k): v for k, v in resolved.items() if k != "hydra"}
-        return replace(typed(cls, composed), composed=composed)
+        secrets = find_secrets(cfg)
+        remember(secrets.values)  # never printed from now on
+        return replace(typed(cls, composed), composed=composed, recorded=secrets.recorded(composed),
+                       secret_keys=tuple(secrets.recorded_as))
 
 
 # The machinery, bound to the fields above: these names are what the rest of grpo_cli calls.

@@ -38,6 +38,7 @@ import importlib
 import inspect
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from grpo_cli.base import user_code
@@ -288,7 +289,13 @@ class RewardSet:
                     scores[i], errors = 0.0, errors + 1
             per_fn[rf.name] = scores
         weights = {rf.name: rf.weight for rf in self.functions}
-        return Scoring(combine(weights, per_fn, self.aggregation, group_size), per_fn, errors, outcomes)
+        totals = combine(weights, per_fn, self.aggregation, group_size)
+        bad = next((i for i, total in enumerate(totals) if not math.isfinite(total)), None)
+        if bad is not None:  # finite scores whose weighted sum overflows: the advantages would be NaN
+            terms = ", ".join(f"{rf.name} {per_fn[rf.name][bad]} x weight {rf.weight:g}" for rf in self.functions)
+            raise RewardError(f"the total reward of completion {bad} is {totals[bad]} ({terms}, reward.aggregation="
+                              f"{self.aggregation}); rewards must sum to a finite number: lower the weights")
+        return Scoring(totals, per_fn, errors, outcomes)
 
     def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
         if isinstance(failure, user_code.TimedOut):
@@ -335,11 +342,51 @@ def resolve_callable(dotted: str):
     return fn
 
 
+FREE_OPTIONS = "kwargs"  # an entry's mapping of options for the function's **kwargs, said as such
+
+
+def check_option_names(prefix: str, target, options: dict) -> None:
+    """Each option of a reward entry must be a parameter the target names (a function's keyword, a class's
+    constructor argument), the closest one offered; options meant for the target's **kwargs go under
+    `PREFIX.kwargs`, which only a target that takes **kwargs accepts: a typo is never passed on silently."""
+    import difflib
+
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        params = {}
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    free = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    reserved = ("prompts", "completions", "messages", *(("name", "device", "dtype") if inspect.isclass(target) else ()))
+    takes = [n for n in named if n not in reserved]
+    who = f"{target.__module__}.{target.__qualname__}"
+    for key, value in options.items():
+        if key == FREE_OPTIONS and free and FREE_OPTIONS not in named and isinstance(value, Mapping):
+            continue
+        if key in reserved or key not in named:
+            close = difflib.get_close_matches(str(key), takes, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; its options: {', '.join(takes) or 'none'}"
+            extra = (f" (it takes **kwargs: give what is meant for them under {prefix}.{FREE_OPTIONS}.{key})"
+                     if free and key not in reserved else "")
+            raise ConfigError(f"{prefix}.{key}={value} is invalid: {who} takes no option {key}{extra}{hint}")
+
+
+def _with_free_options(target, options: dict) -> dict:
+    """The options as keyword arguments: those under `kwargs` (for the target's **kwargs) among the others."""
+    free = options.pop(FREE_OPTIONS, None) if isinstance(options.get(FREE_OPTIONS), Mapping) else None
+    named = inspect.signature(target).parameters.get(FREE_OPTIONS)
+    if free is not None and (named is None or named.kind is named.VAR_KEYWORD):  # not a parameter named kwargs
+        options.update(free)
+    elif free is not None:
+        options[FREE_OPTIONS] = free
+    return options
+
+
 def build_reward(name: str, spec: RewardFunctionConfig, **context):
     """The callable for one entry: the function with its options bound, or the class built with its options
     (plus `name`, `device`, `dtype` when its constructor takes them)."""
     target = resolve_callable(spec._target_)
-    options = dict(spec.options)
+    options = _with_free_options(target, dict(spec.options))
     if not inspect.isclass(target):
         return functools.partial(target, **options) if options else target
     accepted = inspect.signature(target).parameters

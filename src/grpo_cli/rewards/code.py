@@ -30,9 +30,12 @@ outcome/NAME and counted in the metrics as outcomes/NAME/KIND:
     crashed: why      the program raised before its tests, was killed (memory, a signal), or printed too much   0
     refused: why      no code to run in the completion                    0
 
-A program and its tests share one interpreter: a program written to find its harness's secret could fake a pass
-(the sandbox still keeps it from everything outside). Results are cached per (program, tests, limits), so a second
-entry of the same reward (all_or_nothing for reward.accuracy) does not run the program again.
+A program and its tests share one interpreter, but not the harness's verdict: the tests run in a process that cannot
+write the sandbox's stdout, where a parent process that runs no code of the completion reports them, and a test
+that must fail is slipped in among them (a program that rewrites exec, json, os.write, builtins or sys, or prints a
+forged verdict, scores 0: `crashed: the program tampered with its tests`). A program that reads its tests and fakes
+each answer (an object equal to everything, say) is not caught. Results are cached per (program, tests, limits),
+so a second entry of the same reward (all_or_nothing for reward.accuracy) does not run the program again.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from grpo_cli.rewards.sandbox import (
     Limits,
     Sandbox,
     SandboxError,
+    contained,
     resolve,
     setup_fix,
     weaker_than_wanted,
@@ -120,38 +124,108 @@ def split_tests(tests: str, entry_point: str | None = None) -> tuple[tuple[str, 
     return tuple(steps)
 
 
-# Runs in the sandbox: reads the job, marks its start, runs the preamble and the program, then each step; writes its
-# result as one line after the nonce (only the first process writes: a forked child exits silently).
+# Runs in the sandbox, as two processes. The judge (this script's process) reads the job, hides its /proc entry
+# (not dumpable), writes "started", slips a canary (a test that must fail) in among the tests, and forks the runner,
+# which never sees the sandbox's stdout: its stdout and stderr both go to stderr. The runner binds the harness's own
+# functions before any code of the job runs (a program that replaces exec, json, os.write or builtins changes what
+# the tests see, not what the harness reports), runs the preamble and the program, then each step, and writes one
+# byte per step to a pipe of its own (P/F a test passed/failed, S/X a set-up ran/raised), or C and why the program
+# raised, then E. The judge alone writes the verdict, after the nonce, on stdout; a canary that "passed", bytes out
+# of order or a count that does not match the steps is a program that tampered with its tests.
 _HARNESS = r"""
-import json, os, sys
-def _run():
-    job = json.loads(sys.stdin.read())
-    nonce, me, out = job["nonce"], os.getpid(), os.dup(1)
-    def report(result):
-        if os.getpid() == me:
-            os.write(out, ("\n" + nonce + " " + json.dumps(result) + "\n").encode())
-        os._exit(0)
+import json, os, random, sys
+def _runner(job, steps, result):
+    _exec, _compile, _write, _exit, _str, _type, _Base = exec, compile, os.write, os._exit, str, type, BaseException
     def why(err):
-        text = " ".join(str(err).split())
-        return (type(err).__name__ + (": " + text if text else ""))[:120]
-    os.write(out, ("\n" + nonce + " started\n").encode())
+        try:
+            text = " ".join(_str(err).split())
+            return (_type(err).__name__ + (": " + text if text else ""))[:120]
+        except _Base:
+            return "an exception that cannot be shown"
     space = {"__name__": "solution", "__builtins__": __builtins__}
     for name in ("preamble", "program"):
         try:
-            exec(compile(job[name], name + ".py", "exec"), space)
-        except BaseException as err:
-            report({"crashed": why(err)})
-    passed = 0
-    for kind, code in job["steps"]:
+            _exec(_compile(job[name], name + ".py", "exec"), space)
+        except _Base as err:
+            _write(result, b"C" + why(err).encode("utf-8", "replace") + b"\n")
+            _exit(0)
+    for kind, code in steps:
         try:
-            exec(compile(code, "tests.py", "exec"), space)
-        except BaseException:
+            _exec(_compile(code, "tests.py", "exec"), space)
+        except _Base:
             if kind == "setup":
+                _write(result, b"X")
                 break
+            _write(result, b"F")
         else:
-            passed += kind == "test"
-    report({"passed": passed})
-_run()
+            _write(result, b"S" if kind == "setup" else b"P")
+    _write(result, b"E")
+    _exit(0)
+def _verdict(data, steps, canary):
+    if data[:1] == b"C":
+        return {"crashed": data[1:].split(b"\n")[0].decode("utf-8", "replace")}
+    if not data.endswith(b"E") or len(data) - 1 > len(steps):
+        return None
+    passed = 0
+    for i, mark in enumerate(data[:-1]):
+        kind = steps[i][0]
+        if chr(mark) not in ("PF" if kind == "test" else "SX") or (mark == ord("X") and i != len(data) - 2):
+            return {"tampered": "its verdicts do not match its tests"}
+        if i == canary and mark == ord("P"):
+            return {"tampered": "a test that must fail passed"}
+        passed += mark == ord("P") and i != canary
+    if len(data) - 1 < len(steps) and data[-2:-1] != b"X":
+        return {"tampered": "its verdicts do not match its tests"}
+    return {"passed": passed}
+def _judge():
+    job = json.loads(sys.stdin.read())
+    nonce, out = job["nonce"], os.dup(1)
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: /proc/<judge>/fd is closed to the runner
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: what the runner leaves is the judge's
+    except Exception:
+        pass
+    os.write(out, ("\n" + nonce + " started\n").encode())
+    steps = [tuple(step) for step in job["steps"]]
+    canary = random.randrange(len(steps) + 1)
+    steps.insert(canary, ("test", "assert %r == %r" % (os.urandom(4).hex(), os.urandom(4).hex())))
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        os.close(out)
+        os.dup2(2, 1)
+        _runner(job, steps, write_end)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    if job["isolated"]:  # alone in its pid namespace: every process the runner left is ended and reaped first
+        try:
+            os.kill(-1, 9)
+        except OSError:
+            pass
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+    os.set_blocking(read_end, False)
+    data = b""
+    while True:
+        try:
+            chunk = os.read(read_end, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    result = _verdict(data, steps, canary)
+    if result is None:
+        result = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
+                  else {"exit": os.WEXITSTATUS(status)})
+    os.write(out, ("\n" + nonce + " " + json.dumps(result) + "\n").encode())
+    os._exit(0)
+_judge()
 """
 
 
@@ -192,12 +266,16 @@ def outcome_of(done: Finished, nonce: str, tests: int) -> Outcome:
         raise SandboxError(f"the sandboxed interpreter did not start (exit code {done.returncode}: "
                            f"{_last_line(done.stderr) or 'no message'}); check memory_mb and the sandbox")
     results = [json.loads(line) for line in lines if line != "started"]
-    if results:
-        result = results[-1]
-        if "crashed" in result:
-            return Outcome("crashed", why=result["crashed"])
+    result = results[-1] if results else {}
+    if "crashed" in result:
+        return Outcome("crashed", why=result["crashed"])
+    if "tampered" in result:
+        return Outcome("crashed", why=f"the program tampered with its tests ({result['tampered']})")
+    if "passed" in result:
         return Outcome("passed" if result["passed"] == tests else "failed", result["passed"], tests)
     code = done.returncode  # killed by signal S: -S run directly, 128 + S through bwrap's or sh's exit status
+    if "signal" in result or "exit" in result:  # the judge saw the runner end before its tests did
+        code = -result["signal"] if "signal" in result else result["exit"]
     signum = -code if code < 0 else code - 128 if code > 128 else None
     if signum == signal.SIGXCPU:  # over the CPU seconds
         return Outcome("timeout")
@@ -207,8 +285,8 @@ def outcome_of(done: Finished, nonce: str, tests: int) -> Outcome:
 
 @functools.lru_cache(maxsize=4096)
 def run_tests(program: str, tests: str, entry_point: str | None, preamble: str, limits: Limits,
-              kind: str) -> Outcome:
-    """The outcome of `program` against `tests` in a `kind` sandbox (cached: the same inputs give the same outcome)."""
+              box: Sandbox) -> Outcome:
+    """The outcome of `program` against `tests` in the sandbox `box` (cached: the same inputs give the same outcome)."""
     steps = split_tests(tests, entry_point)
     if not program.strip():
         return Outcome("refused", why="no code")
@@ -219,8 +297,9 @@ def run_tests(program: str, tests: str, entry_point: str | None, preamble: str, 
     except (ValueError, RecursionError, MemoryError) as err:  # null bytes, nesting too deep for the parser
         return Outcome("crashed", why=f"{type(err).__name__}: cannot be parsed")
     nonce = secrets.token_hex(16)
-    job = json.dumps({"nonce": nonce, "preamble": preamble, "program": program, "steps": steps}).encode()
-    done = Sandbox(kind).run(_HARNESS, job, limits)
+    job = json.dumps({"nonce": nonce, "preamble": preamble, "program": program, "steps": steps,
+                      "isolated": box.kind != "rlimits"}).encode()
+    done = box.run(_HARNESS, job, limits)
     return outcome_of(done, nonce, sum(kind == "test" for kind, _ in steps))
 
 
@@ -239,12 +318,12 @@ def passes_tests(prompts: Sequence[Any], completions: Sequence[Any], tests: Sequ
     n = len(completions)
     entry_point = list(entry_point) if entry_point is not None else [None] * n
     preamble = list(preamble) if preamble is not None else [None] * n
-    kind = resolve(sandbox).kind
+    box = resolve(sandbox)
     limits = _limits(timeout_s, memory_mb, max_processes, max_output_bytes)
 
     def one(i: int) -> Outcome:
         entry = entry_point[i] or None
-        return run_tests(program_of(completions[i], entry), str(tests[i]), entry, preamble[i] or "", limits, kind)
+        return run_tests(program_of(completions[i], entry), str(tests[i]), entry, preamble[i] or "", limits, box)
 
     with ThreadPoolExecutor(max_workers=max(1, workers or os.cpu_count() or 1)) as pool:
         outcomes = list(pool.map(one, range(n)))
@@ -275,13 +354,15 @@ def check_options(prefix: str, options: dict[str, Any]) -> None:
             raise ConfigError(f"{prefix}.{key}={value} is invalid: needs {needs}")
     choice = options.get("sandbox", "auto")
     try:
-        kind = resolve(choice).kind
+        box = resolve(choice)
     except SandboxError as err:
         raise ConfigError(f"{prefix}.sandbox={choice} cannot be set up: {err}; {setup_fix()}"
                           + (", or use sandbox=auto" if choice != "auto" else "")) from None
-    if kind == "rlimits" and choice == "auto":
+    if box.kind == "rlimits" and choice == "auto":
         warn(f"{prefix}: neither bubblewrap nor unshare namespaces work here ({weaker_than_wanted()}), so programs "
-             f"run under rlimits alone: they can read and write your files and reach the network; {setup_fix()}")
+             f"run under rlimits alone: {contained()}; {setup_fix()}")
+    elif box.kind == "rlimits":
+        warn(f"{prefix}.sandbox=rlimits: {contained()}")
 
 
 passes_tests.check_options = check_options

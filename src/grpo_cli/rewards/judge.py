@@ -34,7 +34,7 @@ from typing import Any
 
 from grpo_cli.base.errors import ConfigError
 from grpo_cli.config.option_table import is_number
-from grpo_cli.rewards.remote import Service, ServiceError, check_service_options, score_each
+from grpo_cli.rewards.remote import Service, ServiceError, check_answers, check_service_options, score_each
 
 TEMPLATE = ("Here is a question and an answer to it.\n\nQuestion: {question}\n\nAnswer: {completion}\n\n"
             "How good is the answer? Reply with one line, `Score: N`, with N from 0 (wrong or useless) to 10 "
@@ -73,8 +73,15 @@ class Judge:
     """`Judge(url=..., model=...)(prompts, completions, messages=..., **row) -> list[float]`, one chat request per
     completion, each score / max_score."""
 
+    @classmethod
+    def check_options(cls, prefix: str, options: dict[str, Any]) -> None:
+        """The options, then that the endpoint answers (before the model loads)."""
+        cls.check_values(prefix, options)
+        headers = {"Authorization": f"Bearer {options['api_key']}"} if options.get("api_key") else None
+        check_answers(prefix, options["url"], options.get("timeout_s", 30.0), headers)
+
     @staticmethod
-    def check_options(prefix: str, options: dict[str, Any]) -> None:
+    def check_values(prefix: str, options: dict[str, Any]) -> None:
         def valid_template(value) -> bool:
             try:
                 return isinstance(value, str) and bool(value.strip()) and all(
@@ -96,7 +103,7 @@ class Judge:
     def __init__(self, url: str, model: str, template: str | None = None, max_score: float = 10.0,
                  temperature: float = 0.0, max_tokens: int = 32, api_key: str | None = None, timeout_s: float = 30.0,
                  retries: int = 2, backoff_s: float = 0.5, concurrency: int = 8, *, name: str = "judge"):
-        self.check_options(f"reward.functions.{name}", {
+        self.check_values(f"reward.functions.{name}", {
             "url": url, "model": model, "template": template, "max_score": max_score, "temperature": temperature,
             "max_tokens": max_tokens, "api_key": api_key, "timeout_s": timeout_s, "retries": retries,
             "backoff_s": backoff_s, "concurrency": concurrency})

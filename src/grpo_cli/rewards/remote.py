@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 from typing import Any
 
 from grpo_cli.base.errors import ConfigError
@@ -115,6 +116,21 @@ def check_service_options(prefix: str, options: dict[str, Any], extra: dict[str,
             raise ConfigError(f"{prefix}.{key}={options[key]} is invalid: needs {needs}")
 
 
+def check_answers(prefix: str, url: str, timeout_s: float, headers: dict[str, str] | None = None) -> None:
+    """ConfigError, one line, when nothing answers at `url` within `timeout_s` (one GET, no retry; any HTTP status is
+    an answer): a service that is down or hangs is found before the model loads, not at the first step."""
+    import urllib3
+
+    pool = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s))
+    try:
+        pool.request("GET", url, headers=headers or {}, preload_content=True)
+    except urllib3.exceptions.HTTPError as err:
+        raise ConfigError(f"{prefix}.url={url} does not answer ({_reason(err)} within {prefix}.timeout_s={timeout_s:g} "
+                          "s, checked before the model loads); start the service or fix the url") from None
+    finally:
+        pool.clear()
+
+
 def score_of(answer: Any) -> float:
     """The score in a verifier's answer: a JSON number, or a number under "score"; ServiceError otherwise."""
     score = _number(answer.get("score") if isinstance(answer, dict) else answer)
@@ -126,14 +142,33 @@ def score_of(answer: Any) -> float:
 
 def score_each(items: list, score, concurrency: int) -> list[float]:
     """`score(item)` for each item, `concurrency` at a time; CompletionsFailed when some raised ServiceError."""
-    def attempt(item):
-        try:
-            return score(item), None
-        except ServiceError as err:
-            return None, err
+    results: list[tuple] = [(None, None)] * len(items)
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(len(items)):
+        todo.put(i)
 
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(attempt, items))
+    def work():
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[i] = score(items[i]), None
+            except BaseException as err:  # noqa: BLE001  handed to the caller below
+                results[i] = None, err
+
+    # daemon threads, not a ThreadPoolExecutor (whose threads the interpreter joins at exit): a request that hangs
+    # never holds up the end of a stopped or finished run
+    threads = [threading.Thread(target=work, name="remote-reward", daemon=True)
+               for _ in range(min(concurrency, len(items)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    other = next((err for _, err in results if err is not None and not isinstance(err, ServiceError)), None)
+    if other is not None:
+        raise other
     failed = [i for i, (_, err) in enumerate(results) if err is not None]
     if failed:
         raise CompletionsFailed(str(results[failed[0]][1]), [s for s, _ in results], failed)
@@ -145,13 +180,15 @@ class RemoteVerifier:
 
     @staticmethod
     def check_options(prefix: str, options: dict[str, Any]) -> None:
+        """The options, then that the service answers (before the model loads)."""
         check_service_options(prefix, options, {})
+        check_answers(prefix, options["url"], options.get("timeout_s", 10.0), options.get("headers"))
 
     def __init__(self, url: str, timeout_s: float = 10.0, retries: int = 2, backoff_s: float = 0.5,
                  concurrency: int = 8, headers: dict[str, str] | None = None, *, name: str = "verifier"):
-        self.check_options(f"reward.functions.{name}", {"url": url, "timeout_s": timeout_s, "retries": retries,
+        check_service_options(f"reward.functions.{name}", {"url": url, "timeout_s": timeout_s, "retries": retries,
                                                          "backoff_s": backoff_s, "concurrency": concurrency,
-                                                         "headers": headers or {}})
+                                                         "headers": headers or {}}, {})
         self.service = Service(url, timeout_s, retries, backoff_s, concurrency, headers)
         self.concurrency = concurrency
 

@@ -10,9 +10,11 @@ The kinds, strongest first (`auto` takes the first that works):
              /sandbox, the only writable place; no network at all (the host's loopback included); no capability.
     unshare  the same namespaces through util-linux's `unshare`, and the same file system, which a short sh script
              builds (mount, pivot_root) before it drops every capability (setpriv).
-    rlimits  no namespaces: the resource limits only, in a fresh temporary directory. The program can read and
-             write what its user can, reach the network, and (as root) start any number of processes; resolve()
-             names it only when nothing stronger works, and the caller says so in a warning.
+    rlimits  no namespaces: the resource limits only, in a fresh temporary directory, in a session of its own. The
+             program can read what its user can, reach the network and start any number of processes; run as
+             root it runs as nobody (uid 65534), so it cannot signal the trainer nor write root's files; run as
+             another user it is that user, who can signal the trainer and write its files. resolve() names it only
+             when nothing stronger works, and the caller says so in a warning (`contained`).
 
 Run as root, the namespaced kinds switch the program to uid and gid 65534 (nobody): mapped to root, it would own
 root's files and be exempt from the process limit. Every kind: the program runs as `python -I -S` (the interpreter
@@ -169,6 +171,7 @@ def _environment(home: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class Sandbox:
     kind: str
+    as_nobody: bool = False  # rlimits run by root: the program as NOBODY (`rlimits_as_nobody`)
 
     def run(self, source: str, stdin: bytes, limits: Limits) -> Finished:
         """`source` run by a fresh interpreter in the sandbox, `stdin` its input; OSError when the sandbox's own
@@ -184,8 +187,12 @@ class Sandbox:
             else:
                 argv, cwd, env = [python, "-I", "-S", "-c", code], scratch, _environment(scratch)
             argv[0] = shutil.which(argv[0], path=TOOL_PATH) or argv[0]
+            as_nobody = {}
+            if self.kind == "rlimits" and self.as_nobody:  # another uid: it cannot signal the trainer
+                os.chmod(scratch, 0o777)
+                as_nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    cwd=cwd, env=env, start_new_session=True)
+                                    cwd=cwd, env=env, start_new_session=True, **as_nobody)
             try:
                 return _communicate(proc, stdin, limits)
             finally:
@@ -278,21 +285,41 @@ def probe(kind: str) -> str | None:
     return lines[-1].removeprefix(f"{kind}: ")[:160]  # bwrap's and unshare's own messages name them
 
 
+@functools.cache
+def rlimits_as_nobody() -> str | None:
+    """Run as root, whether the rlimits kind can run its programs as NOBODY (None), else why not: then a program
+    there runs as root and could signal the trainer, and auto does not pick that kind (it must be named)."""
+    if not _root():
+        return "not run as root"
+    try:
+        done = Sandbox("rlimits", as_nobody=True).run(PROBE, b"", Limits(timeout_s=30))
+    except (OSError, subprocess.SubprocessError) as err:
+        return " ".join(str(err).split())[:160]
+    if done.stdout == b"sandbox ok" and done.returncode == 0:
+        return None
+    lines = [line.strip() for line in done.stderr.decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:160] if lines else f"exit code {done.returncode}"
+
+
 def resolve(choice: str = "auto") -> Sandbox:
     """The sandbox `choice` names (one of CHOICES), or for auto the strongest kind that works here; SandboxError
-    (one line, with why) when the kind named, or for auto every kind, does not work."""
+    (one line, with why) when the kind named, or for auto every kind, does not work. Run as root, rlimits runs its
+    programs as NOBODY where it can; where it cannot, only a sandbox named rlimits runs them (as root)."""
     if choice not in CHOICES:
         raise SandboxError(f"no sandbox {choice!r}: use one of {', '.join(CHOICES)}")
     if choice != "auto":
         why = probe(choice)
         if why is not None:
             raise SandboxError(f"the {choice} sandbox does not work here ({why})")
-        return Sandbox(choice)
+        return Sandbox(choice, as_nobody=choice == "rlimits" and _root() and rlimits_as_nobody() is None)
     reasons = []
     for kind in KINDS:
         why = probe(kind)
+        if why is None and kind == "rlimits" and _root() and rlimits_as_nobody() is not None:
+            why = (f"run as root, its programs could signal the trainer: they cannot run as nobody here "
+                   f"({rlimits_as_nobody()}); name sandbox=rlimits to accept that")
         if why is None:
-            return Sandbox(kind)
+            return Sandbox(kind, as_nobody=kind == "rlimits" and _root())
         reasons.append(f"{kind}: {why}")
     raise SandboxError(f"no sandbox works here ({'; '.join(reasons)})")
 
@@ -302,6 +329,17 @@ def setup_fix() -> str:
     if shutil.which("bwrap", path=TOOL_PATH) is None:
         return "install bubblewrap (apt-get install bubblewrap)"
     return "allow user namespaces here (sysctl user.max_user_namespaces > 0; a container may forbid them)"
+
+
+def contained() -> str:
+    """What the rlimits kind contains and what not, for the warning that auto fell back to it (or that it was named)."""
+    limits = "time, memory, file size and output are bounded"
+    if _root() and rlimits_as_nobody() is None:
+        return (f"{limits}, and programs run as nobody (they cannot signal the trainer nor write root's files), but "
+                "they can read what nobody may read, reach the network and start any number of processes")
+    user = "root" if _root() else "your user"
+    return (f"{limits}, but programs run as {user}: they can read and write your files, signal your processes "
+            "(the trainer included), reach the network and start any number of processes")
 
 
 def weaker_than_wanted() -> str:

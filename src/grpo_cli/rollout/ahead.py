@@ -132,7 +132,7 @@ class AheadOfTheUpdate:
     def begin(self, what: str) -> None:
         """Wait for the generator's "ready" (`what` it did by then, for the line of one that ended first), then
         send the first syncs and batches."""
-        if self._wait(lambda message: message[0] == "ready", what):
+        if self._wait(lambda message: message[0] == "ready", what, timed=False):  # loading may take long
             self._schedule()
 
     # ---- the trainer's calls --------------------------------------------------------------------
@@ -229,9 +229,12 @@ class AheadOfTheUpdate:
         return rollout_logprobs(self.lm.model, self.probe, temperature, self.cfg.trainer.logprob_chunk_size)
 
     # ---- the results ----------------------------------------------------------------------------
-    def _wait(self, done: Callable, what: str) -> bool:
+    def _wait(self, done: Callable, what: str, timed: bool = True) -> bool:
         """Take the generator's messages until `done(message)` holds after one; False when a stop request came
-        first. A generator that ended is one line (WorkerError), never a hang."""
+        first. A generator that ended, or sent nothing for rollout.generator_timeout_s (a stopped process, a server
+        that hangs), is one line (WorkerError), never a hang."""
+        limit = self.cfg.rollout.generator_timeout_s if timed else None
+        deadline = None if limit is None else time.monotonic() + limit
         while True:
             try:
                 message = self.results.get(timeout=POLL_S)
@@ -239,12 +242,17 @@ class AheadOfTheUpdate:
                 if self.stop():
                     return False
                 self._check_alive(what)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise WorkerError(f"{self.who} sent nothing for {limit:g} s (rollout.generator_timeout_s="
+                                      f"{limit:g}) before it {what}: it is stopped or hangs; raise "
+                                      "rollout.generator_timeout_s if its batches take longer") from None
                 continue
             except (OSError, EOFError):  # a message whose shared-memory tensors the worker took along as it died
                 self._settle()
                 self._check_alive(what)
                 raise
             self._take(message)
+            deadline = None if limit is None else time.monotonic() + limit  # progress: the clock starts again
             if done(message):
                 return True
 

@@ -178,7 +178,7 @@ def fingerprint(config: Config) -> dict:
 
     out: dict = {"world_size": ranks(config)}
     for key in FINGERPRINT_KEYS:
-        flatten(key, _composed_value(dict(config.composed), key), out)
+        flatten(key, _composed_value(dict(config.recorded or config.composed), key), out)  # secrets as written
     return {k: v for k, v in out.items() if fingerprinted(k)}
 
 
@@ -233,10 +233,32 @@ def check_fingerprint(config: Config, found: Path) -> None:
 
 
 def describe_changes(keys: list[str], saved: dict, current: dict) -> str:
-    return ", ".join(f"{k} {_shown(saved.get(k, '<unset>'))} -> {_shown(current.get(k, '<unset>'))}" for k in keys)
+    """`key old -> new` for each key; a secret's key alone (`key (a secret: its value is not shown)`)."""
+    return ", ".join(f"{k} (a secret: its value is not shown)" if _secret(k, saved, current) else
+                     f"{k} {_shown(saved.get(k, '<unset>'))} -> {_shown(current.get(k, '<unset>'))}" for k in keys)
+
+
+def _secret(key: str, saved: dict, current: dict) -> bool:
+    """Whether a fingerprinted key holds a credential (grpo_cli.base.redaction): by its name, or recorded as written
+    (an environment interpolation) or hashed."""
+    from grpo_cli.base.redaction import is_recorded_secret, is_secret_key
+
+    return (any(is_secret_key(part) for part in key.split("."))
+            or any(is_recorded_secret(side.get(key)) for side in (saved, current)))
 
 
 # ---- records ------------------------------------------------------------------------------------
+def redact_hydra_records(run_dir: Path) -> None:
+    """Hydra wrote the command line's overrides and the config as given into RUN_DIR/.hydra/: a credential typed
+    there in clear (grpo_cli.base.redaction) is blanked out of them."""
+    from grpo_cli.base.redaction import redact
+
+    for path in sorted((run_dir / ".hydra").glob("*.yaml")):
+        text = path.read_text(encoding="utf-8")
+        if redact(text) != text:
+            replace_text(path, redact(text))
+
+
 def replace_text(path: Path, text: str) -> None:
     """Write `path` whole or not at all: a temporary file beside it (named for this process), then a rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

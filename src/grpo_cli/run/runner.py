@@ -200,7 +200,8 @@ class Run:
         """Rank 0 logs (metrics.jsonl, the logger's sink, the console); the other ranks' tracker has no sinks."""
         if not self.main:
             return Tracker([])
-        return open_tracker(self.run_dir, self.cfg.logger, dict(self.cfg.composed), self.tcfg.max_steps, start,
+        config = dict(self.cfg.recorded or self.cfg.composed)  # secrets as written (grpo_cli.base.redaction)
+        return open_tracker(self.run_dir, self.cfg.logger, config, self.tcfg.max_steps, start,
                             resume=self.claim.decision.checkpoint is not None)
 
     # ---- what a step leaves behind --------------------------------------------------------------

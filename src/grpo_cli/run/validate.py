@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from grpo_cli.config import override_key
 from grpo_cli.config.compose import check_interpolations
-from grpo_cli.config.rules import is_on_policy
+from grpo_cli.config.rules import beyond_the_machine, is_on_policy
 from grpo_cli.config.schema import (
     Config,
     RewardFunctionConfig,
@@ -31,7 +31,7 @@ def ranks(config: Config) -> int:
 
 def check_precision(config: Config) -> list[str]:
     """model.dtype runs on trainer.device (ConfigError in one line if not), known before any weights load; a
-    warning where it runs but slowly."""
+    warning where it runs but slowly; what asks for more than the machine or the run holds (beyond_the_machine)."""
     from grpo_cli.model.precision import device_of, resolve_dtype, slow_dtype_warning
 
     device = device_of(config.trainer.device)
@@ -42,7 +42,7 @@ def check_precision(config: Config) -> list[str]:
         if not wanted(True, device, dtype, config.model.quantization):
             fail("model.prepack", True, f"needs the CPU, an unquantized base and oneDNN's packed linear for {dtype} "
                                         "in this torch build; use model.prepack=auto")
-    return [w for w in (slow_dtype_warning(dtype, device),) if w]
+    return [w for w in (slow_dtype_warning(dtype, device),) if w] + beyond_the_machine(config, device)
 
 
 def _validate_vllm(config: Config) -> None:
@@ -250,20 +250,9 @@ def check_engine_installed(config: Config) -> None:
 def _check_reward_options(prefix: str, target, spec: RewardFunctionConfig) -> None:
     """Keys of a reward entry besides _target_ and weight are the target's own options (a function's keyword
     arguments, a class's constructor arguments): each must be one it takes, and pass its own check_options."""
-    import inspect
+    from grpo_cli.rewards import check_option_names
 
-    try:
-        params = inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        params = {}
-    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    free = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    reserved = ("prompts", "completions", "messages", *(("name", "device", "dtype") if inspect.isclass(target) else ()))
-    for key, value in spec.options.items():
-        if key in reserved or not (free or key in named):
-            takes = [n for n in named if n not in reserved]
-            fail(f"{prefix}.{key}", value, f"{target.__module__}.{target.__qualname__} takes no option {key}; "
-                                            f"its options: {', '.join(takes) or 'none'}")
+    check_option_names(prefix, target, dict(spec.options))  # the closest name offered; **kwargs' under .kwargs
     check = getattr(target, "check_options", None)
     if callable(check):
         check(prefix, dict(spec.options))

@@ -117,7 +117,8 @@ class ConsoleView(NullSink):
     def __init__(self, total_steps: int, start_step: int, console: Console | None = None,
                  clock: Callable[[], float] = time.time):
         self.console = console or _default_console()
-        self.live = self.console.is_terminal
+        # a dumb terminal (TERM=dumb: editors' shells, some CI) cannot redraw in place: plain lines there too
+        self.live = self.console.is_terminal and not self.console.is_dumb_terminal
         self.total, self.start_step = total_steps, start_step
         self.clock = clock
         self.start = clock()

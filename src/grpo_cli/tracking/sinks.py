@@ -11,39 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from grpo_cli.base.metrics import METRICS, SAMPLES
+from grpo_cli.base.redaction import REDACTED, is_secret_key, redact, secret_values  # noqa: F401  re-exported
 from grpo_cli.base.registry import Registry
-
-SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd")  # anywhere in a key
-# ...and keys that end in one of these words: hf_token, access_token, token; not max_new_tokens or tokenizer
-SECRET_SUFFIX = re.compile(r"(^|[^a-z0-9])(token|access_?key|private_?key|credentials?)$")
-SECRET_ENV = ("WANDB_API_KEY",)
-REDACTED = "<redacted>"
 
 
 # ---- secrets -------------------------------------------------------------------------------------
-def secret_values() -> list[str]:
-    """The credential values of this process's environment (never printed, never written)."""
-    return [v for v in (os.environ.get(k, "") for k in SECRET_ENV) if len(v) >= 8]
-
-
-def redact(text: str, values: list[str] | None = None) -> str:
-    for value in secret_values() if values is None else values:
-        text = text.replace(value, REDACTED)
-    return text
-
-
-def is_secret_key(key) -> bool:
-    key = str(key).lower()
-    return any(m in key for m in SECRET_MARKERS) or bool(SECRET_SUFFIX.search(key))
-
-
 def scrub_secrets(obj, values: list[str] | None = None):
     """Drop any config entry whose key looks like a credential, at any depth, and blank out any string that
     contains a credential value from the environment (e.g. an override that pasted WANDB_API_KEY)."""

@@ -9,6 +9,7 @@ import os
 import re
 import secrets
 import string
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -189,7 +190,12 @@ class WandbSink(NullSink):
     def _init(self, mode: str):
         settings = self.wandb.Settings(silent=True, console="off", init_timeout=self.init_timeout,
                                        finish_timeout=self.finish_timeout)
-        return self.wandb.init(mode=mode, settings=settings, **self.kwargs)
+        argv = sys.argv
+        sys.argv = [redact(arg) for arg in argv]  # W&B records the command line: a key typed there is blanked out
+        try:
+            return self.wandb.init(mode=mode, settings=settings, **self.kwargs)
+        finally:
+            sys.argv = argv
 
     def sync_dir(self) -> str:
         sync_dir = getattr(self.run.settings, "sync_dir", None)
