@@ -24,16 +24,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_cli import code_tasks
-from grpo_cli.errors import DataError, error_line
+from grpo_cli.errors import ConfigError, DataError, error_line
 from grpo_cli.registry import Registry
 
 if TYPE_CHECKING:
     from grpo_cli.schema import Config, DataConfig
 
 
+def with_suffix(question: str, suffix: str) -> str:
+    """The question with data.question_suffix added once: a question that already ends with it (rows written with
+    the suffix, read with the config that adds it) keeps it as it is."""
+    return question if not suffix or question.rstrip().endswith(suffix.strip()) else question + suffix
+
+
 def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return messages + [{"role": "user", "content": question + (suffix or "")}]
+    return messages + [{"role": "user", "content": with_suffix(question, suffix or "")}]
 
 
 def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
@@ -106,7 +112,7 @@ def _chat(where: str, key: str, messages, system_prompt, suffix: str) -> list[di
         messages.insert(0, {"role": "system", "content": system_prompt})
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if suffix and users and isinstance(messages[users[-1]]["content"], str):
-        messages[users[-1]]["content"] += suffix
+        messages[users[-1]]["content"] = with_suffix(messages[users[-1]]["content"], suffix)
     return messages
 
 
@@ -305,8 +311,11 @@ def _table_rows(cfg_data: DataConfig, split: str) -> list[dict]:
 # ---- the sources ---------------------------------------------------------------------------------
 class Source:
     """Where prompts come from, named by `data.source`: `rows` gives the rows of a split (train or test),
-    `has_held_out` says whether the data config gives a test split. A new source is one module with a subclass
-    registered as `@SOURCES.register("NAME")` (imported here, or named in the config's `plugins`)."""
+    `has_held_out` says whether the data config gives a test split; `reads_files`: it reads data.path and
+    data.eval_path (a source that does not has them refused, never ignored). A new source is one module with a
+    subclass registered as `@SOURCES.register("NAME")` (imported here, or named in the config's `plugins`)."""
+
+    reads_files = False
 
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         raise NotImplementedError
@@ -374,6 +383,8 @@ class HumanEval(Source):
 class Tables(Source):
     """Rows of a table: a hub dataset or local files (hf), a jsonl file (jsonl, the same reader)."""
 
+    reads_files = True
+
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         return _table_rows(cfg_data, split)
 
@@ -416,6 +427,22 @@ class PromptSampler:
 
 
 # ---- checks before the model loads -------------------------------------------------------------------
+def check_files_are_read(cfg_data: DataConfig) -> None:
+    """A data file given in the config is read or refused in one line, never ignored: data.path and data.eval_path
+    with a source that generates its prompts (the quickstart's sums) name the options that read them; a source that
+    reads files without one is told where its rows are."""
+    source = source_of(cfg_data)
+    for key in ("path", "eval_path"):
+        value = getattr(cfg_data, key)
+        if value is not None and not source.reads_files:
+            raise ConfigError(f"data.{key}={value} is invalid: data.source={cfg_data.source} generates its prompts and "
+                              f"reads no file; add data=jsonl to train on a .jsonl file (data=hf for .parquet, .csv, "
+                              f".json, .arrow or a hub dataset)")
+    if source.reads_files and cfg_data.path is None and cfg_data.name is None:
+        raise ConfigError(f"data.path=null is invalid: data.source={cfg_data.source} reads its rows from a file; give "
+                          f"data.path=FILE ({LOCAL_FORMS})" + (" or data.name=HUB_ID" if cfg_data.source == "hf" else ""))
+
+
 def check_before_model_load(cfg: Config) -> None:
     """What the data config asks for that would fail only once the model has loaded (or never be noticed): a held-out
     split that does not exist, even when nothing evaluates, and data.overlong=drop that drops every prompt."""
