@@ -67,3 +67,105 @@ def test_the_question_suffix_is_added_once(config, tmp_path):
     assert cfg.data.question_suffix == suffix
     assert [r["messages"][-1]["content"] for r in load_rows(cfg.data)] == [
         "What is 2 + 2?" + suffix, "What is 3 + 4?" + suffix, "What is 5 + 1?" + suffix]
+
+
+# ---- only your rewards -----------------------------------------------------------------------------------------
+MINE = "def mine(completions, **kwargs):\n    return [float(len(c) < 20) for c in completions]\n"
+
+
+def test_reward_only_replaces_a_recipes_functions(config, compose, tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(MINE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = ["+recipe=quickstart", "reward.only=[my_rewards.mine]"]
+    validate(compose(overrides))
+    reward = config(overrides).reward
+    assert list(reward.functions) == ["mine"]
+    assert reward.functions["mine"]._target_ == "my_rewards.mine" and reward.functions["mine"].weight == 1.0
+    assert reward.accuracy is None  # the recipe's `correct` is gone, and nothing judges eval/accuracy
+    kept = config(["+recipe=quickstart", "reward.only=[correct,my_rewards.mine]"]).reward
+    assert list(kept.functions) == ["correct", "mine"] and kept.accuracy == "correct"
+
+
+@pytest.mark.parametrize("only,says", [
+    ("[nothing]", r"nothing is neither an entry of reward.functions \(correct, bare\) nor a dotted path"),
+    ("[a.mine,b.mine]", "names two functions mine"),
+])
+def test_reward_only_that_cannot_be_placed_is_one_line(config, only, says):
+    with pytest.raises(ConfigError, match=r"^reward.only=\[.*\] is invalid: " + says):
+        config(["+recipe=quickstart", f"reward.only={only}"])
+
+
+@pytest.mark.slow
+def test_reward_only_trains_with_your_function_alone(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(MINE)
+    run = tmp_path / "run"
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "reward.only=[my_rewards.mine]", "trainer.max_steps=1",
+                    "data.prompts_per_step=2", "algo.num_generations=2", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert sorted(k for k in row if k.startswith("reward/")) == ["reward/mine"]
+
+
+def test_adding_a_function_by_a_mapping_says_how_instead_of_naming_the_option_in_use(tmp_path):
+    """It said `reward.functions is a key of reward=arithmetic, code, gsm8k, not of the reward option in use`, naming
+    the very option in use (arithmetic)."""
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "reward.functions={mine:{_target_: my_rewards.mine}}",
+                    f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert "\n" not in line and "not of the reward option in use" not in line
+    assert line.startswith("grpo-train: reward.functions={...} is merged into the reward.functions the config has, "
+                           "which has no mine")
+    assert "+reward.functions.mine.KEY=VALUE" in line and "reward.only=[my_module.mine]" in line
+
+
+# ---- the reward-dominance alarm -----------------------------------------------------------------------------------
+def monitor_rows(steps: int, **means) -> list[dict]:
+    """Metric rows whose reward/NAME means follow `means` (a function of the step each)."""
+    return [{"step": s, "frac_reward_zero_std": 0.0, "truncated_frac": 0.0, "completion_len": 8.0, "kl": 0.0,
+             **{f"reward/{name}": f(s) for name, f in means.items()}} for s in range(steps)]
+
+
+def alarms(monitors, rows) -> list[str]:
+    return [line for r in rows for line in monitors.observe(r)]
+
+
+def test_the_dominance_alarm_leaves_the_task_reward_alone(config):
+    """The README's brevity example: correct (weight 1, reward.accuracy) at 0.94-0.98, brevity (weight 0.1) next to
+    nothing; correct carries the sum because it is the task, which the alarm called a hack."""
+    from grpo_cli.monitors import Monitors
+
+    reward = config(["+recipe=quickstart", "+reward.functions.brevity._target_=my_rewards.brevity",
+                     "+reward.functions.brevity.weight=0.1"]).reward
+    assert reward.carrying_the_task() == {"correct"}
+    rows = monitor_rows(14, correct=lambda s: 0.94 + 0.01 * (s % 5), brevity=lambda s: 0.2 + 0.01 * (s % 3))
+    weights = {name: spec.weight for name, spec in reward.functions.items()}
+    assert alarms(Monitors(weights, reward.carrying_the_task()), rows) == []
+    # a reward that is not the task and carries the sum still is an alarm
+    hacked = monitor_rows(14, correct=lambda s: 0.01, brevity=lambda s: 0.5 + 0.01 * (s % 3))
+    said = alarms(Monitors({"correct": 1.0, "brevity": 1.0}, reward.carrying_the_task()), hacked)
+    assert len(said) == 1 and "reward/brevity" in said[0] and "may be learning brevity alone" in said[0]
+
+
+def test_a_reward_the_user_marks_as_the_task_is_left_alone_too(config):
+    from grpo_cli.monitors import Monitors
+
+    reward = config(["+recipe=quickstart", "reward.accuracy=null", "reward.task_rewards=[correct]"]).reward
+    rows = monitor_rows(14, correct=lambda s: 0.9 + 0.01 * (s % 5), bare=lambda s: 0.01)
+    assert alarms(Monitors({"correct": 1.0, "bare": 1.0}, reward.carrying_the_task()), rows) == []
+    with pytest.raises(ConfigError, match=r"^reward.task_rewards=\[corect\] is invalid: corect is not a reward "):
+        config(["+recipe=quickstart", "reward.task_rewards=[corect]"])
+
+
+def test_a_constant_reward_that_carries_the_sum_is_not_called_learning():
+    """A format reward that every completion earns (1.0 every step) carries the sum: it teaches nothing (equal scores,
+    no advantage), and the alarm said `the policy may be learning format alone`."""
+    from grpo_cli.monitors import Monitors
+
+    rows = monitor_rows(12, correct=lambda s: 0.02 * (s % 3), format=lambda s: 1.0)
+    said = alarms(Monitors({"correct": 1.0, "format": 1.0}, {"correct"}), rows)
+    assert len(said) == 1
+    assert "learning" not in said[0]
+    assert said[0].startswith("monitor/top_reward_share = ")
+    assert "its mean has not moved in those steps, so it gives every completion the same score and teaches nothing" \
+           in said[0]

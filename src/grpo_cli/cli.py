@@ -69,7 +69,7 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
         raise
     except Exception as err:  # Hydra raises several types; all are a bad override here
         first = " ".join(str(err).split()).split(" Config search path")[0]
-        first = unknown_key_hint(first) or first
+        first = _merged_entry_hint(err) or unknown_key_hint(first) or first
         raise ConfigError(f"{first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` "
                           "for the keys") from None
     if multirun:
@@ -79,6 +79,26 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+def _merged_entry_hint(err: BaseException) -> str | None:
+    """`'reward.functions={mine: {...}}'`: Hydra merges a mapping into the one the config has and refuses an entry
+    that one lacks; say that, and how to add the entry or (reward.functions) to use only yours, rather than that the
+    key belongs to another option of its group."""
+    from omegaconf.errors import ConfigKeyError
+
+    cause, message = err.__cause__, " ".join(str(err).split())
+    if not isinstance(cause, ConfigKeyError) or not cause.full_key or not message.startswith("Could not override '"):
+        return None
+    key = message.split("'")[1]
+    if not str(cause.full_key).startswith(key + "."):
+        return None
+    entry = str(cause.full_key)[len(key) + 1:].split(".")[0]
+    hint = (f"{key}={{...}} is merged into the {key} the config has, which has no {entry}: an override changes "
+            f"entries, it does not add them; add one with +{key}.{entry}.KEY=VALUE")
+    if key == "reward.functions":
+        hint += f", or train with only your functions: reward.only=[my_module.{entry}]"
+    return hint
 
 
 def _unswept(overrides: list[str]) -> list[str]:

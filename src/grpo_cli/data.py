@@ -439,8 +439,9 @@ def check_files_are_read(cfg_data: DataConfig) -> None:
                               f"reads no file; add data=jsonl to train on a .jsonl file (data=hf for .parquet, .csv, "
                               f".json, .arrow or a hub dataset)")
     if source.reads_files and cfg_data.path is None and cfg_data.name is None:
+        hub = " or data.name=HUB_ID" if cfg_data.source == "hf" else ""
         raise ConfigError(f"data.path=null is invalid: data.source={cfg_data.source} reads its rows from a file; give "
-                          f"data.path=FILE ({LOCAL_FORMS})" + (" or data.name=HUB_ID" if cfg_data.source == "hf" else ""))
+                          f"data.path=FILE ({LOCAL_FORMS}){hub}")
 
 
 def check_before_model_load(cfg: Config) -> None:

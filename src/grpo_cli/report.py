@@ -114,6 +114,13 @@ def reward_weights(run: Path) -> dict[str, float]:
             if isinstance(spec, dict) or spec is None}
 
 
+def rewards_carrying_the_task(run: Path) -> set[str]:
+    """reward.accuracy and reward.task_rewards of the run's resolved config: the dominance alarm leaves them out."""
+    f = run / ".hydra" / "config.yaml"
+    reward = ((yaml.safe_load(f.read_text()) or {}).get("reward") or {}) if f.exists() else {}
+    return {str(n) for n in [reward.get("accuracy"), *(reward.get("task_rewards") or [])] if n is not None}
+
+
 def monitor_panel(png: Path, rows: list[dict], said: list[tuple[int, str]]) -> None:
     """The reward-hacking monitors over the steps, each with its alarm threshold, and a line where an alarm fired."""
     fig = Figure(figsize=(10, 6), layout="constrained")
@@ -137,7 +144,7 @@ def monitor_panel(png: Path, rows: list[dict], said: list[tuple[int, str]]) -> N
 
 def monitor_section(run: Path, rows: list[dict], out: Path) -> list[str]:
     """The page's monitors: the panel and the alarms the run raised (computed again from its rows)."""
-    seen, said = monitors.Monitors(reward_weights(run)).replay(rows)
+    seen, said = monitors.Monitors(reward_weights(run), rewards_carrying_the_task(run)).replay(rows)
     monitor_panel(out / "monitors.png", seen, said)
     alarms = "".join(f"<li>step {step}: {html.escape(line)}</li>" for step, line in said)
     return ["<h2>Reward-hacking monitors</h2>", f"<ul class='alarms'>{alarms}</ul>" if said else "<p>No alarm.</p>",

@@ -54,7 +54,8 @@ class Run:
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
         self.worker: AheadOfTheUpdate | None = None  # rollout.placement=worker or server: what generates
         self.resumed_versions: Versions | None = None  # the earlier policy versions its in-flight batches need
-        self.monitors = Monitors({name: spec.weight for name, spec in (self.cfg.reward.functions or {}).items()})
+        self.monitors = Monitors({name: spec.weight for name, spec in (self.cfg.reward.functions or {}).items()},
+                                 self.cfg.reward.carrying_the_task())
 
     def __enter__(self) -> Run:
         return self

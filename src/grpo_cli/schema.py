@@ -535,6 +535,42 @@ class RewardConfig:
     functions: Mapping[str, RewardFunctionConfig] | None = option(
         "NAME: {_target_, weight, options...} per reward function; null = only the environment's get_reward()",
         check=MAPPING, free=True)
+    only: tuple[str, ...] = option("use only these reward functions (TRL's reward_funcs): dotted paths of yours, "
+                                   "weight 1 each, named after the function, or names of reward.functions entries "
+                                   "to keep; [] = all of reward.functions", (), TEXT_LIST)
+    task_rewards: tuple[str, ...] = option("entries of reward.functions that carry the task besides reward.accuracy: "
+                                           "the reward-dominance alarm does not fire on them", (), TEXT_LIST)
+
+    def chosen(self) -> RewardConfig:
+        """The functions in use: reward.only's, in its order, in place of reward.functions (reward.accuracy kept
+        where it names one of them, else null); as it is without reward.only. A name reward.only cannot place, two
+        of its functions with one name, or a reward.task_rewards name that is none of them is a ConfigError."""
+        reward = self._only_applied()
+        functions = reward.functions or {}
+        for name in self.task_rewards:
+            if name not in functions:
+                fail("reward.task_rewards", f"[{','.join(self.task_rewards)}]",
+                     f"{name} is not a reward function in use ({', '.join(functions) or 'none'})")
+        return reward
+
+    def _only_applied(self) -> RewardConfig:
+        if not self.only:
+            return self
+        functions, chosen = self.functions or {}, {}
+        for item in self.only:
+            name = item if item in functions else item.rpartition(".")[2]
+            if item not in functions and "." not in item:
+                fail("reward.only", f"[{','.join(self.only)}]", f"{item} is neither an entry of reward.functions "
+                     f"({', '.join(functions) or 'none'}) nor a dotted path of a function (my_rewards.fn)")
+            if name in chosen:
+                fail("reward.only", f"[{','.join(self.only)}]", f"names two functions {name}; give each another "
+                     f"name with +reward.functions.NAME._target_={item}")
+            chosen[name] = functions[item] if item in functions else RewardFunctionConfig(_target_=item)
+        return replace(self, functions=chosen, accuracy=self.accuracy if self.accuracy in chosen else None)
+
+    def carrying_the_task(self) -> frozenset[str]:
+        """The reward functions that carry the task: reward.accuracy's and reward.task_rewards."""
+        return frozenset((*(() if self.accuracy is None else (self.accuracy,)), *self.task_rewards))
 
 
 # ---- the root config -------------------------------------------------------------------------------------
@@ -566,7 +602,8 @@ class Config:
             return cfg
         resolved = OmegaConf.to_container(cfg, resolve=True)
         composed = {str(k): v for k, v in resolved.items() if k != "hydra"}
-        return replace(typed(cls, composed), composed=composed)
+        config = typed(cls, composed)
+        return replace(config, reward=config.reward.chosen(), composed=composed)
 
 
 # The machinery, bound to the fields above: these names are what the rest of grpo_cli calls.
