@@ -169,3 +169,52 @@ def test_a_constant_reward_that_carries_the_sum_is_not_called_learning():
     assert said[0].startswith("monitor/top_reward_share = ")
     assert "its mean has not moved in those steps, so it gives every completion the same score and teaches nothing" \
            in said[0]
+
+
+# ---- messages that say what they are ------------------------------------------------------------------------------
+def test_cells_that_are_all_tied_are_tied_and_none_is_best():
+    """A sweep whose cells do not differ (the same mean, or Welch's p >= 0.05 for each) marked the first one best."""
+    from grpo_cli.sweep_stats import ALL_TIED, BEST, TIED, WORSE, cell_table
+
+    def job(beta, seed, value):
+        return {"algo.beta": beta, "trainer.seed": seed, "final_reward": value, "status": "ok"}
+
+    keys = ["algo.beta", "trainer.seed"]
+    equal = [job(0.0, 0, 0.5), job(0.04, 0, 0.5)]  # one seed each, the same value
+    assert [c["label"] for c in cell_table(equal, keys, ["final_reward"], "final_reward")] == [ALL_TIED, ALL_TIED]
+    noisy = [job(b, s, v) for b, vs in {0.0: [0.61, 0.70, 0.66], 0.04: [0.60, 0.71, 0.64]}.items()
+             for s, v in enumerate(vs)]
+    table = cell_table(noisy, keys, ["final_reward"], "final_reward")
+    assert [c["label"] for c in table] == [ALL_TIED, ALL_TIED] and table[1]["p_vs_best"] > 0.05
+    # one that differs: the first is best again, and ties with it say so
+    worse = noisy + [job(0.1, s, v) for s, v in enumerate([0.20, 0.22, 0.21])]
+    labels = [c["label"] for c in cell_table(worse, keys, ["final_reward"], "final_reward")]
+    assert labels == [BEST, TIED, WORSE]
+
+
+def test_the_memory_budgets_plan_is_information_not_a_warning(tmp_path):
+    """`grpo-train: warning: trainer.memory_budget_gb=...: micro-batches of ...` said what the budget chose."""
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "trainer.device=cpu", "trainer.memory_budget_gb=4",
+                    "trainer.max_steps=1", "data.prompts_per_step=2", "algo.num_generations=2",
+                    f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = [line for line in (proc.stdout + proc.stderr).splitlines() if "trainer.memory_budget_gb=4:" in line]
+    assert len(plan) == 1 and plan[0].startswith("grpo-train: trainer.memory_budget_gb=4: micro-batches of"), plan
+    assert "warning" not in plan[0]
+
+
+def test_the_sandbox_in_use_is_named_once_at_start_up(compose, capsys):
+    """The code recipe's two entries (tests, passed) each set the sandbox up; none said which level runs programs."""
+    from grpo_cli.errors import send_warnings_to
+    from grpo_cli.sandbox import resolve
+
+    send_warnings_to(None)  # a fresh start: each text said once from here
+    validate(compose(["+recipe=code", "model=tiny"]))
+    err = capsys.readouterr().err.splitlines()
+    kind = resolve("auto").kind
+    named = [line for line in err if "sandbox" in line]
+    assert len(named) == 1, err
+    if kind != "rlimits":  # the weakest level is a warning of its own
+        prog, text = named[0].split(": ", 1)  # PROG: the program's name (pytest's here)
+        assert text.startswith(f"the code reward's programs run in the {kind} sandbox (sandbox=auto): "), named
+        assert "warning" not in named[0]

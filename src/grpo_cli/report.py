@@ -25,7 +25,7 @@ from grpo_cli.console import print_table
 from grpo_cli.errors import ReportError, one_line, warn
 from grpo_cli.metrics import ADAPTER_DIR, SAMPLES, final_mean, read_metrics
 from grpo_cli.schema import default_of
-from grpo_cli.sweep_stats import BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
+from grpo_cli.sweep_stats import ALL_TIED, BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
 from grpo_cli.sweep_summary import CELLS_CSV, SUMMARY_CSV, Summary, find_job_dirs, summarise, write_summary
 
 RUN_PLOTS = {  # file stem -> (metric key, y label)
@@ -158,7 +158,8 @@ def _sort_key(v: str) -> tuple[int, float, str]:
         return (1, 0.0, v)
 
 
-CELL_STYLE = {BEST: ("bold green", "best", "★ "), TIED: ("yellow", "tied", "≈ "), WORSE: ("red", "worse", "")}
+CELL_STYLE = {BEST: ("bold green", "best", "★ "), TIED: ("yellow", "tied", "≈ "), ALL_TIED: ("yellow", "tied", "≈ "),
+              WORSE: ("red", "worse", "")}
 
 
 def half_width(cell: dict, metric: str) -> float | None:
@@ -214,7 +215,8 @@ def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
                 if cell is None or cell[f"{rank_by}_mean"] is None:
                     continue
                 best = cell["label"] == BEST
-                label = {BEST: "best\n", TIED: "tied with best\n", WORSE: "worse\n"}.get(cell["label"], "")
+                label = {BEST: "best\n", TIED: "tied with best\n", ALL_TIED: "tied\n", WORSE: "worse\n"}.get(
+                    cell["label"], "")
                 ax.text(j, i, label + _estimate(cell, rank_by).replace(" ± ", "\n± "),
                         ha="center", va="center", color="w", fontweight="bold" if best else "normal")
                 if best:

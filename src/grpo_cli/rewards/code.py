@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_cli.errors import ConfigError, warn
+from grpo_cli.errors import ConfigError, inform, warn
 from grpo_cli.option_table import is_int, is_number
 from grpo_cli.rewards import Scored
 from grpo_cli.sandbox import (
@@ -282,6 +282,17 @@ def check_options(prefix: str, options: dict[str, Any]) -> None:
     if kind == "rlimits" and choice == "auto":
         warn(f"{prefix}: neither bubblewrap nor unshare namespaces work here ({weaker_than_wanted()}), so programs "
              f"run under rlimits alone: they can read and write your files and reach the network; {setup_fix()}")
+    else:  # said once for every entry of the reward (and every job of a sweep): the level in use, at start-up
+        inform(f"the code reward's programs run in the {kind} sandbox (sandbox={choice}): {CONTAINED[kind]}")
+
+
+CONTAINED = {  # what each level holds the program to (grpo_cli/sandbox.py says how)
+    "bwrap": "bubblewrap namespaces, no network, a read-only system and one small writable dir, limits on memory, "
+             "CPU time and processes",
+    "unshare": "unshare namespaces, no network, a read-only system and one small writable dir, limits on memory, "
+               "CPU time and processes",
+    "rlimits": "resource limits alone: the programs can read and write your files and reach the network",
+}
 
 
 passes_tests.check_options = check_options

@@ -213,7 +213,7 @@ class Tracker:
         self.say = say or (lambda text: None)  # a line for the user (the console), not a record
         # a run that ends otherwise than by close (a stop, an error) calls it before the line that says why
         self.end_live = end_live or (lambda: None)
-        send_warnings_to(self._show_warning)
+        send_warnings_to(self._show_warning, say=say)
 
     def log(self, row: dict) -> None:
         for sink in self.sinks:
