@@ -218,3 +218,16 @@ def test_the_sandbox_in_use_is_named_once_at_start_up(compose, capsys):
         prog, text = named[0].split(": ", 1)  # PROG: the program's name (pytest's here)
         assert text.startswith(f"the code reward's programs run in the {kind} sandbox (sandbox=auto): "), named
         assert "warning" not in named[0]
+
+
+def test_a_recipe_kept_in_the_repositorys_recipes_folder_lands_outside_the_package(tmp_path):
+    """The top-level `recipes/` was a symlink into src/grpo_cli/recipes: a user's recipe written there became a
+    packaged one. It is a folder of its own, found from the repository's root like any working directory's."""
+    from conftest import REPO
+
+    from grpo_cli.config import RECIPES_DIR, available_recipes
+
+    assert not (REPO / "recipes").is_symlink()
+    assert (REPO / "recipes").resolve() != RECIPES_DIR.resolve()
+    assert not (REPO / "recipes").resolve().is_relative_to((REPO / "src").resolve())
+    assert {"quickstart", "code", "gsm8k"} <= set(available_recipes())  # the packaged ones, from anywhere
