@@ -231,3 +231,31 @@ def test_a_recipe_kept_in_the_repositorys_recipes_folder_lands_outside_the_packa
     assert (REPO / "recipes").resolve() != RECIPES_DIR.resolve()
     assert not (REPO / "recipes").resolve().is_relative_to((REPO / "src").resolve())
     assert {"quickstart", "code", "gsm8k"} <= set(available_recipes())  # the packaged ones, from anywhere
+
+
+def group_options_markdown() -> str:
+    """docs/options.md's list of the config groups: each group of conf/ with every option it has, conf/config.yaml's
+    default first."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from grpo_cli.config import CONF_DIR
+
+    defaults = [d for d in OmegaConf.load(CONF_DIR / "config.yaml").defaults if isinstance(d, DictConfig)]
+    lines = []
+    for group, default in ((str(g), str(o)) for d in defaults for g, o in d.items() if (CONF_DIR / str(g)).is_dir()):
+        others = sorted({f.stem for f in (CONF_DIR / group).glob("*.yaml")} - {default})
+        lines.append(f"- `{group}`: `{default}` (default), " + ", ".join(f"`{o}`" for o in others))
+    return "\n".join(lines)
+
+
+def test_the_docs_list_every_option_of_every_config_group():
+    """docs/options.md's hand-written list lacked code_tasks, humaneval and reward=code."""
+    from conftest import REPO
+
+    page = (REPO / "docs" / "options.md").read_text()
+    block = page.split("<!-- groups:start -->\n")[1].split("\n<!-- groups:end -->")[0]
+    assert block == group_options_markdown(), (
+        "docs/options.md's list of config groups is out of date; put this between its <!-- groups:start --> and "
+        "<!-- groups:end --> lines:\n" + group_options_markdown())
+    for option in ("`code_tasks`", "`humaneval`", "`jsonl`", "`code`"):
+        assert option in block
