@@ -31,7 +31,7 @@ from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.evaluate import final_eval_on
 from grpo_cli.models import LoadedModel, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
-from grpo_cli.rewards import Outcomes, RewardSet
+from grpo_cli.rewards import Outcomes, RewardSet, TrainerState
 from grpo_cli.rewards.aggregation import present_mean
 from grpo_cli.rollout import (
     EncodedPrompts,
@@ -393,6 +393,8 @@ class GRPOTrainer:
         """One GRPO update; None when a stop request came before the update began (the step is discarded,
         nothing of it has touched the weights, the optimiser or the logs)."""
         t0 = time.perf_counter()
+        self.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.tcfg.max_steps,
+                                                  epoch=step * self.cfg.data.prompts_per_step / len(self.sampler.rows))
         if self.algo.filter_groups:
             batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
         else:

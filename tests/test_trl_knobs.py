@@ -1,0 +1,57 @@
+"""What a TRL user reaches for (issue 61): rewards given the trainer's state, training by epochs, peft's DoRA,
+rsLoRA and modules_to_save, the chat template's kwargs, a TensorBoard logger."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import read_jsonl, run_cli
+
+from grpo_cli.rewards import RewardFunction, RewardSet, TrainerState
+
+
+# ---- trainer_state ---------------------------------------------------------------------------------------------
+def test_a_reward_that_names_trainer_state_or_takes_kwargs_gets_it_and_others_do_not():
+    seen = {}
+
+    def named(completions, trainer_state, **kwargs):
+        seen["named"] = trainer_state
+        return [0.0] * len(completions)
+
+    def free(completions, **kwargs):
+        seen["free"] = kwargs.get("trainer_state")
+        return [0.0] * len(completions)
+
+    def plain(prompts, completions):  # would fail with an unexpected keyword
+        return [0.0] * len(completions)
+
+    rewards = RewardSet([RewardFunction(f.__name__, f, 1.0) for f in (named, free, plain)])
+    rewards.trainer_state = TrainerState(global_step=3, max_steps=10, epoch=0.75)
+    rewards.score_all(["p", "p"], ["a", "b"], {})
+    assert seen["named"] == seen["free"] == TrainerState(global_step=3, max_steps=10, epoch=0.75)
+    assert (seen["named"].global_step, seen["named"].max_steps, seen["named"].epoch) == (3, 10, 0.75)
+
+
+PROGRESS = """
+def progress(completions, trainer_state, **kwargs):
+    return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
+
+def epoch(completions, **kwargs):
+    return [kwargs["trainer_state"].epoch] * len(completions)
+"""
+
+
+@pytest.mark.slow
+def test_rewards_see_the_step_and_the_epoch_during_training(tmp_path):
+    (tmp_path / "shaping.py").write_text(PROGRESS)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)})
+                                                 + "\n" for i in range(4)))
+    run = tmp_path / "run"
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "data=jsonl", "data.path=rows.jsonl", "data.prompts_per_step=2",
+                    "algo.num_generations=2", "rollout.max_new_tokens=2", "trainer.max_steps=3",
+                    "reward.only=[shaping.progress,shaping.epoch]", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["reward/progress"] for r in rows] == pytest.approx([0.0, 1 / 3, 2 / 3])
+    assert [r["reward/epoch"] for r in rows] == pytest.approx([0.0, 0.5, 1.0])  # 2 of 4 prompts a step
