@@ -43,15 +43,31 @@ def epoch(completions, **kwargs):
 
 
 @pytest.mark.slow
-def test_rewards_see_the_step_and_the_epoch_during_training(tmp_path):
+def test_rewards_see_the_step_and_the_epoch_during_training_by_epochs(tmp_path):
+    """trainer.epochs=1.5 over 4 prompts, 2 a step: 3 steps; each reward sees the step and the epoch it is in."""
     (tmp_path / "shaping.py").write_text(PROGRESS)
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)})
                                                  + "\n" for i in range(4)))
     run = tmp_path / "run"
     proc = run_cli(["+recipe=quickstart", "model=tiny", "data=jsonl", "data.path=rows.jsonl", "data.prompts_per_step=2",
-                    "algo.num_generations=2", "rollout.max_new_tokens=2", "trainer.max_steps=3",
+                    "algo.num_generations=2", "rollout.max_new_tokens=2", "trainer.epochs=1.5",
                     "reward.only=[shaping.progress,shaping.epoch]", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "trainer.epochs=1.5: 3 steps of 2 prompts over the 4 training prompts (trainer.max_steps=3)" in proc.stderr
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["reward/progress"] for r in rows] == pytest.approx([0.0, 1 / 3, 2 / 3])
     assert [r["reward/epoch"] for r in rows] == pytest.approx([0.0, 0.5, 1.0])  # 2 of 4 prompts a step
+
+
+# ---- trainer.epochs -------------------------------------------------------------------------------------------
+def test_epochs_set_max_steps_from_the_training_prompts(config, tmp_path):
+    from grpo_cli.data import steps_from_epochs
+
+    rows = [json.dumps({"prompt": f"q{i}", "answer": "1"}) + "\n" for i in range(10)]
+    (tmp_path / "rows.jsonl").write_text("".join(rows))
+    base = ["+recipe=quickstart", "data=jsonl", f"data.path={tmp_path / 'rows.jsonl'}", "data.prompts_per_step=4"]
+    resolved = steps_from_epochs(config([*base, "trainer.epochs=2"]))
+    assert resolved.trainer.max_steps == 5 and resolved.composed["trainer"]["max_steps"] == 5  # 20 prompts, 4 a step
+    assert steps_from_epochs(config([*base, "trainer.epochs=0.5"])).trainer.max_steps == 2  # ceil(5 / 4)
+    unset = config(base)
+    assert steps_from_epochs(unset) is unset and unset.trainer.max_steps == 40  # the recipe's

@@ -161,16 +161,17 @@ def _quiet_libraries() -> None:
 
 def _validated(cfg) -> tuple[Config, list[str]]:
     """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked,
-    and the engine's library found; returns the typed config, which everything below reads, and the warnings for
-    legal but doubtful values."""
+    and the engine's library found; returns the typed config, which everything below reads (trainer.epochs made
+    trainer.max_steps), and the warnings for legal but doubtful values."""
     from grpo_cli.config import check_engine_installed, validate
+    from grpo_cli.data import steps_from_epochs
     from grpo_cli.schema import Config
 
     import_plugins(cfg.plugins)
     warnings = validate(cfg)
     config = Config.of(cfg)
     check_engine_installed(config)
-    return config, warnings
+    return steps_from_epochs(config), warnings
 
 
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:

@@ -426,6 +426,25 @@ class PromptSampler:
         return self._cached_order
 
 
+def steps_from_epochs(config: Config) -> Config:
+    """trainer.epochs set: the config with trainer.max_steps = ceil(epochs x training prompts / prompts_per_step)
+    (in its composed record too), said in one line; as it is otherwise."""
+    epochs = config.trainer.epochs
+    if epochs is None:
+        return config
+    import dataclasses
+    import math
+
+    from grpo_cli.errors import inform
+
+    prompts = len(load_rows(config.data, split="train", seed=config.trainer.seed))
+    steps = max(1, math.ceil(epochs * prompts / config.data.prompts_per_step))
+    inform(f"trainer.epochs={epochs:g}: {steps} steps of {config.data.prompts_per_step} prompts over the {prompts} "
+           f"training prompts (trainer.max_steps={steps})")
+    composed = {**config.composed, "trainer": {**config.composed.get("trainer", {}), "max_steps": steps}}
+    return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, max_steps=steps), composed=composed)
+
+
 # ---- checks before the model loads -------------------------------------------------------------------
 def check_files_are_read(cfg_data: DataConfig) -> None:
     """A data file given in the config is read or refused in one line, never ignored: data.path and data.eval_path

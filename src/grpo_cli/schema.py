@@ -320,6 +320,9 @@ class TrainerConfig:
     """trainer: the loop, memory, checkpoints."""
 
     max_steps: int = option("training steps (rollout batches)", 50, integer(1))
+    epochs: float | None = option("passes over the training prompts (TRL's num_train_epochs): max_steps becomes "
+                                  "ceil(epochs x prompts / data.prompts_per_step); null = max_steps decides", None,
+                                  POSITIVE)
     seed: int = option("seed of sampling, data order and LoRA init", 0, integer(0))
     device: str = option("auto = the first CUDA device, else the CPU", "auto", DEVICE)
     micro_batch_size: int | None = option("completions per forward/backward; null = a whole mini-batch", None,
