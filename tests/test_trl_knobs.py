@@ -71,3 +71,27 @@ def test_epochs_set_max_steps_from_the_training_prompts(config, tmp_path):
     assert steps_from_epochs(config([*base, "trainer.epochs=0.5"])).trainer.max_steps == 2  # ceil(5 / 4)
     unset = config(base)
     assert steps_from_epochs(unset) is unset and unset.trainer.max_steps == 40  # the recipe's
+
+
+# ---- peft's DoRA, rsLoRA and modules_to_save through model.lora -----------------------------------------------
+def test_dora_rslora_and_modules_to_save_reach_peft_and_a_step_trains_them(compose, tmp_path):
+    from conftest import VARIED_REWARD, make_trainer
+
+    from grpo_cli.rollout import HFEngine
+
+    trainer = make_trainer(compose, tmp_path, "model.lora.use_dora=true", "model.lora.use_rslora=true",
+                           "model.lora.modules_to_save=[lm_head]", "data.prompts_per_step=2", "algo.num_generations=4",
+                           "optimizer.lr=1e-2", *VARIED_REWARD)
+    adapter = trainer.model.peft_config["default"]
+    assert (adapter.use_dora, adapter.use_rslora, sorted(adapter.modules_to_save)) == (True, True, ["lm_head"])
+    lora_layer = next(m for m in trainer.model.modules() if hasattr(m, "lora_magnitude_vector") and m.lora_A)
+    assert lora_layer.scaling["default"] == pytest.approx(16 / 8 ** 0.5)  # rsLoRA: alpha / sqrt(r); tiny: 8, 16
+    trained = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert any("lora_magnitude_vector" in n for n in trained) and any("modules_to_save" in n for n in trained)
+    assert isinstance(trainer.engine, HFEngine)  # rollout.engine=auto: no plain merge of DoRA or a trained head
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "modules_to_save" in n}
+    metrics, _batch = trainer.step(0)
+    assert metrics["step"] == 0
+    assert metrics["frac_reward_zero_std"] < 1  # a reward that varies: something to learn
+    moved = [n for n, p in trainer.model.named_parameters() if n in before and not p.detach().equal(before[n])]
+    assert moved  # the head, trained whole

@@ -320,12 +320,15 @@ def load_quantized(source: str, quantization: str, dtype: torch.dtype, device: t
     return model
 
 
-def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
-    """Wrap the base in a fresh LoRA adapter (B = 0, so the policy starts equal to the reference)."""
+def attach_lora(model, r: int, alpha: float, dropout: float, target_modules, *, use_dora: bool = False,
+                use_rslora: bool = False, modules_to_save=()):
+    """Wrap the base in a fresh LoRA adapter (B = 0, so the policy starts equal to the reference); peft's DoRA,
+    rank-stabilised scaling and whole trainable modules (modules_to_save) as model.lora asks."""
     from peft import LoraConfig, get_peft_model
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
+                        use_dora=use_dora, use_rslora=use_rslora, modules_to_save=list(modules_to_save) or None)
     peft_model = get_peft_model(model, config)
     # peft keeps the matched layer names as a set, saved in hash order: identical runs would write different
     # adapter_config.json files; a sorted list names the same layers
@@ -360,7 +363,9 @@ def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0) -> Load
     device, dtype = resolve_device(device_name, cfg_model.dtype)
     tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed)
     lora, quantization = cfg_model.lora, cfg_model.quantization
-    model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules), device, quantization)
+    model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules, use_dora=lora.use_dora,
+                                   use_rslora=lora.use_rslora, modules_to_save=lora.modules_to_save),
+                       device, quantization)
     _prepack(model, cfg_model, device, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization)
 

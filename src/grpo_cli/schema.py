@@ -390,6 +390,10 @@ class LoraConfig:
     alpha: float = option("LoRA scale is alpha / r (2 x r is usual)", check=POSITIVE)
     dropout: float = option("LoRA dropout", check=number(0, 1, high_open=True))
     target_modules: str | tuple[str, ...] = option("modules that get adapters", check=TARGET_MODULES)
+    use_dora: bool = option("DoRA, weight-decomposed LoRA (peft's use_dora); generation on rollout.engine=hf", False)
+    use_rslora: bool = option("rank-stabilised LoRA: scale alpha / sqrt(r), not alpha / r (peft's use_rslora)", False)
+    modules_to_save: tuple[str, ...] = option("modules trained whole beside the adapter, e.g. [lm_head] (peft's "
+                                              "modules_to_save); generation on rollout.engine=hf", (), TEXT_LIST)
 
 
 @dataclass(frozen=True, kw_only=True)
