@@ -95,3 +95,29 @@ def test_dora_rslora_and_modules_to_save_reach_peft_and_a_step_trains_them(compo
     assert metrics["frac_reward_zero_std"] < 1  # a reward that varies: something to learn
     moved = [n for n, p in trainer.model.named_parameters() if n in before and not p.detach().equal(before[n])]
     assert moved  # the head, trained whole
+
+
+# ---- rollout.chat_template_kwargs -------------------------------------------------------------------------------
+THINKING_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                     "{% if add_generation_prompt %}<assistant>"
+                     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_every_prompt_the_trainer_renders(compose, config, tmp_path):
+    """Qwen3's enable_thinking=false, as TRL's chat_template_kwargs gives it; the template here is Qwen3's idea."""
+    import copy
+
+    from conftest import make_trainer
+
+    assert config(["+recipe=quickstart", "rollout.chat_template_kwargs.enable_thinking=false"]
+                  ).rollout.chat_template_kwargs == {"enable_thinking": False}
+    trainer = make_trainer(compose, tmp_path, "rollout.chat_template_kwargs={enable_thinking: false}")
+    trainer.tokenizer.chat_template = THINKING_TEMPLATE
+    _rows, encoded = trainer.prompts(0)
+    assert encoded.texts and all(t.endswith("<assistant><think></think>") for t in encoded.texts)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    own = copy.deepcopy(trainer.tokenizer)  # the server placement's thread renders with a copy of its own
+    assert own.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        "<user>What is 2 + 2?<assistant><think></think>"
+    assert trainer.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                 enable_thinking=True) == "<user>What is 2 + 2?<assistant>"

@@ -471,7 +471,8 @@ def check_before_model_load(cfg: Config) -> None:
         from grpo_cli.models import load_tokenizer
 
         rows = load_rows(cfg.data, split="train", seed=cfg.trainer.seed)
-        tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code,
+                                   cfg.rollout.chat_template_kwargs)
         check_some_prompt_fits(rows, tokenizer, cfg.data.max_prompt_tokens)
 
 

@@ -8,6 +8,7 @@ quantized base, the reference is the quantized base).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import shutil
@@ -86,7 +87,10 @@ def _drop_gguf_flag(model) -> None:
         model.is_quantized = False
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template_kwargs=None):
+    """The model's tokenizer, left-padding; `chat_template_kwargs` (rollout.chat_template_kwargs: Qwen3's
+    enable_thinking) go to every apply_chat_template call of it, wherever a prompt is rendered (the trainer, the
+    evaluator, the rollout worker, episodes), an argument given in the call itself winning."""
     from transformers import AutoTokenizer
 
     if name_or_path == TINY:
@@ -101,6 +105,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # prompts are left-padded so every completion starts at the same column
+    if chat_template_kwargs:  # a partial of the bound method: a deep copy of the tokenizer (a thread's) renders itself
+        tok.apply_chat_template = functools.partial(tok.apply_chat_template, **dict(chat_template_kwargs))
     return tok
 
 
@@ -338,10 +344,11 @@ def attach_lora(model, r: int, alpha: float, dropout: float, target_modules, *, 
     return peft_model
 
 
-def _tokenizer_and_base(cfg_model: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int):
+def _tokenizer_and_base(cfg_model: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
+                        chat_template_kwargs=None):
     """The tokenizer and base model of the `model` config group, on the CPU (an adapter attached next is
     initialised from the CPU RNG, as on any machine); a quantized base is quantized on `device` itself."""
-    tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.trust_remote_code, chat_template_kwargs)
     tiny = None if cfg_model.tiny is None else dataclasses.asdict(cfg_model.tiny)
     base = load_base_model(cfg_model.name_or_path, tokenizer, dtype, trust_remote_code=cfg_model.trust_remote_code,
                            tiny=tiny, seed=seed, quantization=cfg_model.quantization, device=device)
@@ -354,14 +361,14 @@ def _on_device(model, device: torch.device, quantization: str | None):
     return model if quantization is not None else model.to(device)
 
 
-def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0) -> LoadedModel:
+def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0, chat_template_kwargs=None) -> LoadedModel:
     """Tokenizer, base model and a fresh LoRA adapter (`model.lora`) to train.
 
     With a quantized base, peft's prepare_model_for_kbit_training is not needed: peft freezes the base anyway,
     the run's dtype is kept (its fp32 upcast of norms and embeddings would change the bf16 path), and activation
     checkpointing is trainer.gradient_checkpointing's (non-reentrant, so inputs need no grad)."""
     device, dtype = resolve_device(device_name, cfg_model.dtype)
-    tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed)
+    tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed, chat_template_kwargs)
     lora, quantization = cfg_model.lora, cfg_model.quantization
     model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules, use_dora=lora.use_dora,
                                    use_rslora=lora.use_rslora, modules_to_save=lora.modules_to_save),
@@ -371,11 +378,12 @@ def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0) -> Load
 
 
 def load_trained(cfg_model: ModelConfig, device_name: str, adapter: str | Path | None, seed: int = 0,
-                 check_fit: Callable[[torch.nn.Module, Path], None] | None = None) -> LoadedModel:
+                 check_fit: Callable[[torch.nn.Module, Path], None] | None = None,
+                 chat_template_kwargs=None) -> LoadedModel:
     """Tokenizer and base model with the trained adapter in `adapter` (a run's adapter/ folder), or the base
     alone when None; in eval mode. `check_fit(base, adapter_dir)` may refuse an adapter of another base first."""
     device, dtype = resolve_device(device_name, cfg_model.dtype)
-    tokenizer, model = _tokenizer_and_base(cfg_model, device, dtype, seed)
+    tokenizer, model = _tokenizer_and_base(cfg_model, device, dtype, seed, chat_template_kwargs)
     if adapter is not None:
         from peft import PeftModel
 

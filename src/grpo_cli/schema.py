@@ -260,6 +260,9 @@ class RolloutConfig:
                          registered("grpo_cli.rollout", "ENGINES", auto=True))
     compile: AUTO_OR_BOOL = option("compiled engine: compile the decode step; auto = on CUDA, warn and go on if it "
                                    "fails; true = anywhere, fail if it fails", "auto", AUTO_OR_BOOLEAN)
+    chat_template_kwargs: Mapping[str, Any] = option(
+        "keyword arguments of the chat template wherever a prompt is rendered, e.g. {enable_thinking: false} "
+        "(Qwen3; TRL's chat_template_kwargs)", {}, MAPPING, free=True)
     tools: tuple[str, ...] = option("tools the model may call: dotted paths of functions with type hints and a "
                                     "Google-style docstring, e.g. [grpo_cli.calculator.calculator]; [] and no env "
                                     "= single-turn", (), DOTTED_PATHS, row="tools")

@@ -185,7 +185,8 @@ class GRPOTrainer:
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
-        self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
+        self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(
+            cfg.model, device, seed=self.tcfg.seed, chat_template_kwargs=self.roll.chat_template_kwargs))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=data.max_prompt_tokens)
         self.memory = memory.plan(self.tcfg, self.lm, self.engine, chunk_size=self.tcfg.logprob_chunk_size,
