@@ -121,3 +121,23 @@ def test_chat_template_kwargs_reach_every_prompt_the_trainer_renders(compose, co
         "<user>What is 2 + 2?<assistant><think></think>"
     assert trainer.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                  enable_thinking=True) == "<user>What is 2 + 2?<assistant>"
+
+
+# ---- logger=tensorboard ----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_tensorboard_logger_writes_each_steps_numbers_as_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "logger=tensorboard", "trainer.max_steps=2",
+                    "data.prompts_per_step=2", "algo.num_generations=2", "rollout.max_new_tokens=2",
+                    f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"TensorBoard: logging to {run / 'tensorboard'}" in proc.stdout
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    rows = read_jsonl(run / "metrics.jsonl")
+    for key in ("reward", "kl", "reward/correct", "completion_len"):
+        scalars = events.Scalars(key)
+        assert [s.step for s in scalars] == [0, 1]
+        assert [s.value for s in scalars] == pytest.approx([r[key] for r in rows])

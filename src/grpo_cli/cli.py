@@ -5,6 +5,7 @@ from its first instruction (stopping.exits_at_once), and what runs before that i
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import signal
@@ -171,6 +172,9 @@ def _validated(cfg) -> tuple[Config, list[str]]:
     warnings = validate(cfg)
     config = Config.of(cfg)
     check_engine_installed(config)
+    if config.logger.backend == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logger.backend=tensorboard is invalid: the tensorboard package is not installed; pip "
+                          "install 'grpo-cli[tensorboard]' (or tensorboard), or use logger=none")
     return steps_from_epochs(config), warnings
 
 

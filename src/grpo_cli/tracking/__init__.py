@@ -1,5 +1,5 @@
 """Metric sinks behind one protocol: metrics.jsonl and samples.jsonl (always), the rich console (always), and
-the sink of the logger `logger.backend` names (LOGGERS: none, wandb, or a user's own).
+the sink of the logger `logger.backend` names (LOGGERS: none, wandb, tensorboard, or a user's own).
 
     tracker = open_tracker(run_dir, cfg.logger, config, total_steps, start_step, resume)
     tracker.log(row); tracker.samples(step, rows); tracker.warn(text); tracker.close(summary)
@@ -46,6 +46,7 @@ from grpo_cli.tracking.sinks import (
     scrub_secrets,
     secret_values,
 )
+from grpo_cli.tracking.tensorboard_sink import TensorBoardSink  # importing it registers the tensorboard logger
 from grpo_cli.tracking.wandb_sink import (  # importing it registers the wandb logger
     WANDB_ID_FILE,
     WANDB_MODES,
@@ -59,8 +60,9 @@ from grpo_cli.tracking.wandb_sink import (  # importing it registers the wandb l
 
 __all__ = [
     "LOGGERS", "REDACTED", "REWARD_WINDOW", "WANDB_ID_FILE", "WANDB_MODES", "ConsoleView", "JsonlSink", "MetricSink",
-    "NullSink", "RunInfo", "Tracker", "WandbSink", "_hydra_names", "has_wandb_credentials", "is_secret_key",
-    "open_tracker", "redact", "resolve_wandb_mode", "scrub_secrets", "secret_values", "wandb_run_id", "wandb_sink",
+    "NullSink", "RunInfo", "TensorBoardSink", "Tracker", "WandbSink", "_hydra_names", "has_wandb_credentials",
+    "is_secret_key", "open_tracker", "redact", "resolve_wandb_mode", "scrub_secrets", "secret_values", "wandb_run_id",
+    "wandb_sink",
 ]
 
 
