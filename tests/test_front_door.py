@@ -259,3 +259,44 @@ def test_the_docs_list_every_option_of_every_config_group():
         "<!-- groups:end --> lines:\n" + group_options_markdown())
     for option in ("`code_tasks`", "`humaneval`", "`jsonl`", "`code`"):
         assert option in block
+
+
+# ---- progress while the model loads and while a step runs -----------------------------------------------------
+def test_the_live_line_shows_what_the_step_under_way_is_doing():
+    import io
+
+    from rich.console import Console
+
+    from grpo_cli.tracking import ConsoleView
+
+    out = io.StringIO()
+    view = ConsoleView(3, 0, Console(file=out, force_terminal=True, width=140))
+    view.phase(0, "generating")
+    view.progress.refresh()
+    assert "step 0: generating" in out.getvalue()
+    view.phase(0, "updating")
+    view.progress.refresh()
+    view.close({"steps": 1})
+    assert "step 0: updating" in out.getvalue()
+    plain = io.StringIO()
+    ConsoleView(3, 0, Console(file=plain, force_terminal=False)).phase(0, "generating")  # off a terminal: no line
+    assert plain.getvalue() == ""
+
+
+def test_loading_shows_a_spinner_on_a_terminal_and_a_line_off_it():
+    import io
+
+    from rich.console import Console
+
+    from grpo_cli.tracking import loading
+
+    live = io.StringIO()
+    with loading("tiny-random and its rollout engine", Console(file=live, force_terminal=True, width=120)):
+        pass
+    assert "loading tiny-random and its rollout engine" in live.getvalue()
+    assert "loaded tiny-random and its rollout engine in " in live.getvalue()
+    plain = io.StringIO()
+    with loading("tiny-random", Console(file=plain, force_terminal=False, width=120)):
+        plain.write("[the model loads here]\n")
+    assert plain.getvalue().splitlines()[:2] == ["loading tiny-random", "[the model loads here]"]
+    assert plain.getvalue().splitlines()[2].startswith("loaded tiny-random in ")

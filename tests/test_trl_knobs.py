@@ -134,6 +134,9 @@ def test_the_tensorboard_logger_writes_each_steps_numbers_as_scalars(tmp_path):
                     f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"TensorBoard: logging to {run / 'tensorboard'}" in proc.stdout
+    lines = proc.stdout.splitlines()  # the model loading is said before the first step (issue 61)
+    assert lines.index("loading tiny-random and its rollout engine") < next(
+        i for i, line in enumerate(lines) if line.startswith("training 2 steps in"))
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     rows = read_jsonl(run / "metrics.jsonl")

@@ -31,7 +31,7 @@ from grpo_cli.monitors import Monitors
 from grpo_cli.ranks import is_rank_zero
 from grpo_cli.schema import Config
 from grpo_cli.stopping import StopRequest
-from grpo_cli.tracking import REWARD_WINDOW, Tracker, open_tracker
+from grpo_cli.tracking import REWARD_WINDOW, Tracker, loading, open_tracker
 
 if TYPE_CHECKING:  # the trainer (transformers, peft) loads only once the dir is claimed and the libraries quieted
     from grpo_cli.models import LoadedModel
@@ -93,8 +93,10 @@ class Run:
                 from grpo_cli.trainer import GRPOTrainer
 
                 self.built_trainer = True
-                trainer = GRPOTrainer(self.cfg, lm=lm, rows=rows, stop=stop, make_evaluator=make_evaluator,
-                                      final_eval=final_eval)
+                model = f"{self.cfg.model.name_or_path} and its rollout engine"
+                with loading(model) if is_rank_zero() and lm is None else contextlib.nullcontext():
+                    trainer = GRPOTrainer(self.cfg, lm=lm, rows=rows, stop=stop, make_evaluator=make_evaluator,
+                                          final_eval=final_eval)
             self.trainer = trainer
             start = self.resume()
             if self.claim.decision.checkpoint is None and trainer.stop_agreed(stop()):
@@ -104,6 +106,7 @@ class Run:
             if self.main:  # a final eval of an earlier attempt does not describe this one's weights
                 (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
             tracker = self.open_tracker(start)
+            trainer.on_phase = tracker.phase  # the step's phase on the live line
             t_start = time.time()
             try:
                 self.run_steps(tracker, start)

@@ -207,6 +207,7 @@ class GRPOTrainer:
         self.skipped_in_a_row = self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
         self.generation_source = self.generate  # rollout.placement=worker: Run puts the rollout worker's here
+        self.on_phase: Callable[[int, str], None] = lambda step, phase: None  # Run shows it on the live line
 
     # ---- one step -------------------------------------------------------------------------------
     def prompts(self, step: int, draw: int = 0) -> tuple[list[dict], EncodedPrompts]:
@@ -396,15 +397,18 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         self.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.tcfg.max_steps,
                                                   epoch=step * self.cfg.data.prompts_per_step / len(self.sampler.rows))
+        self.on_phase(step, "generating")
         if self.algo.filter_groups:
             batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
         else:
             generation, batch = self.generation_source(step), None
+            self.on_phase(step, "scoring")
             scores = None if generation is None else self.score(generation)  # None: a stop request came first
             if scores is not None:
                 batch = self.make_batch(generation, scores)
         if self.stop_agreed(batch is None or self.stop()):
             return None
+        self.on_phase(step, "updating")
         stats = self.update(step, batch)
         if self.algo.check:
             check_invariants(step, batch, stats, self.algo)
