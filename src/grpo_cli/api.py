@@ -11,6 +11,8 @@ claimed, written and resumed as grpo-train does it, and holds the same records (
 grpo-eval, grpo-report and grpo-export read it). `rewards`: Python callables (a list, each named after its function,
 or {name: fn}) used in place of the config's reward functions, as `reward.only` does with dotted paths; they may be
 defined in the notebook itself (a lambda too). One process: a sweep (-m) and trainer.nproc > 1 are grpo-train's.
+Ctrl-C (a notebook's interrupt) stops the run at a safe point with a checkpoint and raises errors.Interrupted; a
+second one ends the process, as in a shell.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def train(*overrides: str, rewards: Sequence[Callable] | Mapping[str, Callable] 
     from grpo_cli.rewards import build_before_model_load
     from grpo_cli.rollout import episodes
     from grpo_cli.run import Run
+    from grpo_cli.stopping import StopRequest
 
     for argument in overrides:
         if not isinstance(argument, str) or argument.startswith("-") or "=" not in argument:
@@ -70,7 +73,7 @@ def train(*overrides: str, rewards: Sequence[Callable] | Mapping[str, Callable] 
         cli._quiet_libraries()
         for text in [*warnings, *run.warnings]:
             warn(text)
-        summary = run.train(make_evaluator=cli._evaluator_factory(config),
+        summary = run.train(stop=StopRequest("grpo_cli.train"), make_evaluator=cli._evaluator_factory(config),
                             final_eval=final_eval_on(config, multirun=False))
     return TrainResult(directory, summary)
 
