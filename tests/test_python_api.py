@@ -41,6 +41,9 @@ def test_a_bad_value_is_the_one_line_config_error_raised_before_anything_loads(t
     with pytest.raises(ConfigError, match=r"each of its own name"):
         grpo_cli.train("+recipe=quickstart", rewards=[lambda completions, **_: [], lambda completions, **_: []])
     assert not (tmp_path / "outputs").exists()
+    from hydra.core.hydra_config import HydraConfig
+
+    assert not HydraConfig.initialized()  # nothing of the refused runs is left behind in this process
 
 
 @pytest.mark.slow  # two runs of the quickstart on the tiny model in a fresh interpreter

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from grpo_cli.errors import ConfigError, warn
+from grpo_cli.errors import ConfigError, send_warnings_to, warn
 
 # The callables given to `train(rewards=...)`, as a module of their own: a reward's `_target_` names them here
 # (grpo_cli.api.callables.NAME), so that validation, the reward set and the evaluator find them as any dotted path.
@@ -42,7 +42,20 @@ class TrainResult(NamedTuple):
 
 def train(*overrides: str, rewards: Sequence[Callable] | Mapping[str, Callable] | None = None,
           run_dir: str | Path | None = None) -> TrainResult:
-    """One training run, as `grpo-train OVERRIDES...` runs it; returns its run dir and summary."""
+    """One training run, as `grpo-train OVERRIDES...` runs it; returns its run dir and summary. What the run sets for
+    itself in this process (Hydra's config, where warnings go) is as before once it returns or raises."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra = HydraConfig.instance()
+    before = hydra.cfg
+    try:
+        return _train(overrides, rewards, run_dir)
+    finally:
+        hydra.cfg = before
+        send_warnings_to(None)  # a run that raised left its console as the warnings' place
+
+
+def _train(overrides: tuple[str, ...], rewards, run_dir) -> TrainResult:
     from grpo_cli import cli, data
     from grpo_cli.config import register_recipes
     from grpo_cli.evaluate import final_eval_on
