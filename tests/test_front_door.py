@@ -116,7 +116,7 @@ def test_adding_a_function_by_a_mapping_says_how_instead_of_naming_the_option_in
     assert "\n" not in line and "not of the reward option in use" not in line
     assert line.startswith("grpo-train: reward.functions={...} is merged into the reward.functions the config has, "
                            "which has no mine")
-    assert "+reward.functions.mine.KEY=VALUE" in line and "reward.only=[my_module.mine]" in line
+    assert "+reward.functions.mine._target_=my_module.mine" in line and "reward.only=[my_module.mine]" in line
 
 
 # ---- the reward-dominance alarm -----------------------------------------------------------------------------------

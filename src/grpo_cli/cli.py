@@ -96,10 +96,11 @@ def _merged_entry_hint(err: BaseException) -> str | None:
         return None
     entry = str(cause.full_key)[len(key) + 1:].split(".")[0]
     hint = (f"{key}={{...}} is merged into the {key} the config has, which has no {entry}: an override changes "
-            f"entries, it does not add them; add one with +{key}.{entry}.KEY=VALUE")
+            "entries, it does not add them; add one with ")
     if key == "reward.functions":
-        hint += f", or train with only your functions: reward.only=[my_module.{entry}]"
-    return hint
+        return hint + (f"+reward.functions.{entry}._target_=my_module.{entry}, or train with only your functions: "
+                       f"reward.only=[my_module.{entry}]")
+    return hint + f"+{key}.{entry}=VALUE"
 
 
 def _unswept(overrides: list[str]) -> list[str]:
