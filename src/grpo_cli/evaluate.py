@@ -181,8 +181,7 @@ def run_eval(cfg: Config, run_dir: Path, stop=None) -> dict:
     EpisodeRunner.from_config(cfg)  # so does a bad tool or environment
     adapter = cfg.eval.adapter
     lm = load_within_context(cfg, ("eval.max_new_tokens",), lambda: load_trained(
-        cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed, check_fit=partial(_fits_base, cfg),
-        chat_template_kwargs=cfg.rollout.chat_template_kwargs))
+        cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed, check_fit=partial(_fits_base, cfg)))
     label = str(Path(adapter).expanduser()) if adapter else "base"
     evaluator = Evaluator.from_config(cfg, lm.tokenizer, rows)
     engine = make_engine(cfg.rollout, lm, max_prompt_tokens=cfg.data.max_prompt_tokens)

@@ -105,9 +105,16 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # prompts are left-padded so every completion starts at the same column
-    if chat_template_kwargs:  # a partial of the bound method: a deep copy of the tokenizer (a thread's) renders itself
-        tok.apply_chat_template = functools.partial(tok.apply_chat_template, **dict(chat_template_kwargs))
-    return tok
+    return with_chat_template_kwargs(tok, chat_template_kwargs)
+
+
+def with_chat_template_kwargs(tokenizer, kwargs):
+    """`tokenizer`, its apply_chat_template given `kwargs` (rollout.chat_template_kwargs) in every call, an argument
+    of the call itself winning. A partial of the bound method: a deep copy of the tokenizer (a thread's own) renders
+    with itself."""
+    if kwargs:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **dict(kwargs))
+    return tokenizer
 
 
 def _embedded_tokenizer(name: str):
@@ -408,12 +415,15 @@ def _prepack(model, cfg_model: ModelConfig, device: torch.device, dtype: torch.d
 def load_within_context(cfg: Config, length_keys: tuple[str, ...], load: Callable[[], LoadedModel]) -> LoadedModel:
     """`load()`, once the longest prompt plus each of `length_keys` (max_new_tokens settings) is known to fit the
     model's context: from its config before the weights load when that declares it, else (the embedded model)
-    from the loaded model's config, still before anything is generated."""
+    from the loaded model's config, still before anything is generated. Its tokenizer renders prompts with
+    rollout.chat_template_kwargs (the trainer's and grpo-eval's load; the rollout worker's passes them to
+    load_policy)."""
     context = declared_context_length(cfg.model)
     check_context_length(cfg, context, length_keys)
     lm = load()
     if context is None:
         check_context_length(cfg, config_context_length(lm.model.config), length_keys)
+    with_chat_template_kwargs(lm.tokenizer, cfg.rollout.chat_template_kwargs)
     return lm
 
 

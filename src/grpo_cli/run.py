@@ -29,6 +29,7 @@ from grpo_cli.errors import Interrupted, InvariantError, RunError, UserCodeError
 from grpo_cli.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
 from grpo_cli.monitors import Monitors
 from grpo_cli.ranks import is_rank_zero
+from grpo_cli.rewards import TrainerState
 from grpo_cli.schema import Config
 from grpo_cli.stopping import StopRequest
 from grpo_cli.tracking import REWARD_WINDOW, Tracker, loading, open_tracker
@@ -121,6 +122,11 @@ class Run:
         trainer = self.trainer
         last_complete = rng_snapshot()
         for step in range(start, self.tcfg.max_steps):
+            # TRL's trainer_state for the rewards that ask for it; the step's phase on the live line (the trainer says
+            # when its update begins)
+            trainer.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.tcfg.max_steps, epoch=step
+                                                         * self.cfg.data.prompts_per_step / len(trainer.sampler.rows))
+            tracker.phase(step, "generating and scoring")
             try:
                 result = trainer.step(step)
             except (UserCodeError, WorkerError) as failed:  # before the update: the state after `step` steps is intact

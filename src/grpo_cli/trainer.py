@@ -31,7 +31,7 @@ from grpo_cli.errors import Interrupted, InvariantError
 from grpo_cli.evaluate import final_eval_on
 from grpo_cli.models import LoadedModel, load_policy, load_within_context
 from grpo_cli.optim import LRSchedule, build_optimizer
-from grpo_cli.rewards import Outcomes, RewardSet, TrainerState
+from grpo_cli.rewards import Outcomes, RewardSet
 from grpo_cli.rewards.aggregation import present_mean
 from grpo_cli.rollout import (
     EncodedPrompts,
@@ -185,8 +185,7 @@ class GRPOTrainer:
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
-        self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(
-            cfg.model, device, seed=self.tcfg.seed, chat_template_kwargs=self.roll.chat_template_kwargs))
+        self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=data.max_prompt_tokens)
         self.memory = memory.plan(self.tcfg, self.lm, self.engine, chunk_size=self.tcfg.logprob_chunk_size,
@@ -207,7 +206,7 @@ class GRPOTrainer:
         self.skipped_in_a_row = self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
         self.generation_source = self.generate  # rollout.placement=worker: Run puts the rollout worker's here
-        self.on_phase: Callable[[int, str], None] = lambda step, phase: None  # Run shows it on the live line
+        self.on_phase: Callable[[int, str], None] = lambda step, phase: None  # Run's live line (it says the rest)
 
     # ---- one step -------------------------------------------------------------------------------
     def prompts(self, step: int, draw: int = 0) -> tuple[list[dict], EncodedPrompts]:
@@ -395,14 +394,10 @@ class GRPOTrainer:
         """One GRPO update; None when a stop request came before the update began (the step is discarded,
         nothing of it has touched the weights, the optimiser or the logs)."""
         t0 = time.perf_counter()
-        self.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.tcfg.max_steps,
-                                                  epoch=step * self.cfg.data.prompts_per_step / len(self.sampler.rows))
-        self.on_phase(step, "generating")
         if self.algo.filter_groups:
             batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
         else:
             generation, batch = self.generation_source(step), None
-            self.on_phase(step, "scoring")
             scores = None if generation is None else self.score(generation)  # None: a stop request came first
             if scores is not None:
                 batch = self.make_batch(generation, scores)
