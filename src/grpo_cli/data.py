@@ -16,15 +16,16 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import random
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_cli import code_tasks
-from grpo_cli.errors import ConfigError, DataError, error_line
+from grpo_cli.errors import ConfigError, DataError, error_line, inform
 from grpo_cli.registry import Registry
 
 if TYPE_CHECKING:
@@ -432,17 +433,12 @@ def steps_from_epochs(config: Config) -> Config:
     epochs = config.trainer.epochs
     if epochs is None:
         return config
-    import dataclasses
-    import math
-
-    from grpo_cli.errors import inform
-
     prompts = len(load_rows(config.data, split="train", seed=config.trainer.seed))
     steps = max(1, math.ceil(epochs * prompts / config.data.prompts_per_step))
     inform(f"trainer.epochs={epochs:g}: {steps} steps of {config.data.prompts_per_step} prompts over the {prompts} "
            f"training prompts (trainer.max_steps={steps})")
     composed = {**config.composed, "trainer": {**config.composed.get("trainer", {}), "max_steps": steps}}
-    return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, max_steps=steps), composed=composed)
+    return replace(config, trainer=replace(config.trainer, max_steps=steps), composed=composed)
 
 
 # ---- checks before the model loads -------------------------------------------------------------------
