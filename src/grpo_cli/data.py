@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 def with_suffix(question: str, suffix: str) -> str:
     """The question with data.question_suffix added once: a question that already ends with it (rows written with
     the suffix, read with the config that adds it) keeps it as it is."""
-    return question if not suffix or question.rstrip().endswith(suffix.strip()) else question + suffix
+    tail = suffix.strip()  # a suffix of blanks only is compared as it is
+    return question if not suffix or (question.rstrip().endswith(tail) if tail else question.endswith(suffix)) \
+        else question + suffix
 
 
 def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
@@ -443,9 +445,8 @@ def steps_from_epochs(config: Config) -> Config:
 
 # ---- checks before the model loads -------------------------------------------------------------------
 def check_files_are_read(cfg_data: DataConfig) -> None:
-    """A data file given in the config is read or refused in one line, never ignored: data.path and data.eval_path
-    with a source that generates its prompts (the quickstart's sums) name the options that read them; a source that
-    reads files without one is told where its rows are."""
+    """A data file is read or refused, never ignored: data.path or data.eval_path with a source that generates its
+    prompts (the quickstart's sums) names the options that read files; a source that reads them needs data.path."""
     source = source_of(cfg_data)
     for key in ("path", "eval_path"):
         value = getattr(cfg_data, key)
