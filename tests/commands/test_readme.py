@@ -2,7 +2,7 @@
 the venv's bin/ on PATH as `source .venv/bin/activate` puts it, no PYTHONPATH) in a folder that holds the example
 files (`# NAME.py` blocks written out): so `_target_=my_rewards.brevity` and `plugins=[my_losses]` are found there
 as a reader's shell finds them. That folder also holds `recipes/quickstart.yaml`, the packaged quickstart on the tiny
-model for one step (a user's recipe of that name wins, README "Install and first run"), so that five runs take
+model for one step (a user's recipe of that name wins, README "Install and first run"), so that six runs take
 seconds, not the quickstart's minutes; the commands themselves are not changed. The bad value the README shows fails
 as shown, and the tool and environment commands leave room for a call."""
 
@@ -67,7 +67,7 @@ def example_folder(tmp_path) -> Path:
 
 def test_the_section_has_a_reward_a_loss_type_an_engine_a_tool_and_an_environment():
     assert set(example_modules()) == {"my_rewards.py", "my_losses.py", "my_engines.py", "my_tools.py", "my_envs.py"}
-    assert len(example_commands()) == 5
+    assert len(example_commands()) == 6
 
 
 def run_dir_of(proc: subprocess.CompletedProcess) -> Path:
@@ -79,9 +79,10 @@ def run_dir_of(proc: subprocess.CompletedProcess) -> Path:
 
 @pytest.mark.slow  # five grpo-train processes, each importing torch
 def test_extending_commands_train_as_printed_from_a_fresh_shell(example_folder):
-    reward, losses, engine, tool, env = example_commands()
+    reward, only, losses, engine, tool, env = example_commands()
     runs = {}
-    for name, line in [("reward", reward), ("losses", losses), ("engine", engine), ("tool", tool), ("env", env)]:
+    for name, line in [("reward", reward), ("only", only), ("losses", losses), ("engine", engine), ("tool", tool),
+                       ("env", env)]:
         proc = fresh_shell(line, example_folder)
         assert proc.returncode == 0, (line, proc.stderr[-2000:])
         runs[name] = (run_dir_of(proc), proc.stdout + proc.stderr)
@@ -89,6 +90,8 @@ def test_extending_commands_train_as_printed_from_a_fresh_shell(example_folder):
     assert "name_or_path: tiny-random" in (runs["reward"][0] / ".hydra" / "config.yaml").read_text()
     [row] = read_jsonl(runs["reward"][0] / "metrics.jsonl")
     assert "reward/brevity" in row  # my_rewards.brevity, imported from the folder, scored the completions
+    [row] = read_jsonl(runs["only"][0] / "metrics.jsonl")
+    assert [k for k in row if k.startswith("reward/")] == ["reward/brevity"]  # reward.only: the recipe's are gone
     config = (runs["losses"][0] / ".hydra" / "config.yaml").read_text()
     assert "loss_type: seq_sum" in config and "objective: clipped_pg" in config  # my_losses registered both
     assert re.search(r"\d+ completions in [\d.]+ s", runs["engine"][1])  # my_engines' engine generated

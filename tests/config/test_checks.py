@@ -45,7 +45,8 @@ def test_an_eval_split_of_a_single_file_is_refused_even_when_nothing_evaluates(t
 def test_a_key_of_another_group_option_names_that_option():
     hint = unknown_key_hint("Could not override 'data.prompt_column'. To append to your config use "
                             "+data.prompt_column=question")
-    assert hint.startswith("data.prompt_column is a key of data=hf, gsm8k, gsm8k_sample, not of the data option in use")
+    assert hint.startswith("data.prompt_column is a key of data=hf, jsonl, gsm8k, gsm8k_sample, not of the data "
+                           "option in use")
     assert "e.g. data=hf" in hint
     assert unknown_key_hint("Could not override 'algo.betta'. To append ...") is None  # no group: Hydra's words stand
     assert unknown_key_hint("Could not override 'data.nope'. To append ...") is None  # no option has it
@@ -65,9 +66,9 @@ def saved_splits(tmp_path_factory):
 # (overrides, the line): every one before the model loads (no `training N steps` line, nothing in the run dir)
 EARLY = {
     "group-key": (["data.source=hf", "data.prompt_column=question"],
-                  "grpo-train: data.prompt_column is a key of data=hf, gsm8k, gsm8k_sample, not of the data option in "
-                  "use; pick that option, e.g. data=hf (the data group is chosen with data=OPTION, not data.source); "
-                  "see `grpo-train --help` for the groups and `grpo-train --cfg job` for the keys"),
+                  "grpo-train: data.prompt_column is a key of data=hf, jsonl, gsm8k, gsm8k_sample, not of the data "
+                  "option in use; pick that option, e.g. data=hf (the data group is chosen with data=OPTION, not "
+                  "data.source); see `grpo-train --help` for the groups and `grpo-train --cfg job` for the keys"),
     "drop-all": (["data.max_prompt_tokens=5", "data.overlong=drop"],
                  "grpo-train: data.overlong=drop drops every one of the 5000 prompts: each is over "
                  "data.max_prompt_tokens=5 tokens (the shortest has 44); raise data.max_prompt_tokens to at least 44 "

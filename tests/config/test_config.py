@@ -68,7 +68,7 @@ def test_recipe_overrides_its_groups(compose):
     ("eval.max_new_tokens=0", "eval.max_new_tokens"),
     ("eval.adapter=/no/such/adapter", "eval.adapter"),
     ("reward.accuracy=nope", "reward.accuracy"),
-    ("logger.backend=tensorboard", "logger.backend"),
+    ("logger.backend=mlflow", "logger.backend"),
     ("data.high=0", "data.high"),
     ("data.size=0", "data.size"),
     # not numbers, or not finite, where a number is wanted

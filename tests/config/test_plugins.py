@@ -106,7 +106,7 @@ def test_a_toy_engine_and_a_toy_logger_from_a_plugin_module_train_end_to_end(tmp
 
 @pytest.mark.parametrize("override, message", [
     ("rollout.engine=toy", "rollout.engine=toy is invalid: use one of auto, compiled, hf, merged, vllm"),
-    ("logger.backend=toy", "logger.backend=toy is invalid: use one of none, wandb"),
+    ("logger.backend=toy", "logger.backend=toy is invalid: use one of none, tensorboard, wandb"),
     ("optimizer.name=toy", "optimizer.name=toy is invalid: use one of adamw, sgd"),
 ])
 @pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s

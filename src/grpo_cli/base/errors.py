@@ -178,10 +178,26 @@ def warn(text: str) -> None:
         print(f"{program()}: warning: {text}", file=sys.stderr, flush=True)
 
 
-def send_warnings_to(listener: Callable[[str], None] | None) -> None:
-    """The open run's Tracker takes the warnings from now on (None: stderr again); it sees each text once."""
-    global _listener
-    _listener = listener
+def inform(text: str) -> None:
+    """A line of information, not a warning (what a setting chose, which sandbox the programs run in), each text shown
+    once: on the console of the run being logged while a tracking.Tracker is open, else `PROG: text` on stderr."""
+    if text in _shown:
+        return
+    _shown.add(text)
+    if _say is not None:
+        _say(text)
+    else:
+        print(f"{program()}: {text}", file=sys.stderr, flush=True)
+
+
+_say: Callable[[str], None] | None = None
+
+
+def send_warnings_to(listener: Callable[[str], None] | None, say: Callable[[str], None] | None = None) -> None:
+    """The open run's Tracker takes the warnings (and with `say` the lines of information) from now on (None: stderr
+    again); it sees each text once."""
+    global _listener, _say
+    _listener, _say = listener, say
     _shown.clear()
 
 

@@ -5,6 +5,7 @@ from its first instruction (stopping.exits_at_once), and what runs before that i
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import signal
@@ -64,7 +65,7 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
         raise
     except Exception as err:  # Hydra raises several types; all are a bad override here
         first = " ".join(str(err).split()).split(" Config search path")[0]
-        first = unknown_key_hint(first) or first
+        first = _merged_entry_hint(err) or unknown_key_hint(first) or first
         raise ConfigError(f"{first[:300]}; see `{prog} --help` for the groups and `{prog} --cfg job` "
                           "for the keys") from None
     if multirun:
@@ -74,6 +75,27 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+def _merged_entry_hint(err: BaseException) -> str | None:
+    """`'reward.functions={mine: {...}}'`: Hydra merges a mapping into the one the config has and refuses an entry
+    that one lacks; say that, and how to add the entry or (reward.functions) to use only yours, rather than that the
+    key belongs to another option of its group."""
+    from omegaconf.errors import ConfigKeyError
+
+    cause, message = err.__cause__, " ".join(str(err).split())
+    if not isinstance(cause, ConfigKeyError) or not cause.full_key or not message.startswith("Could not override '"):
+        return None
+    key = message.split("'")[1]
+    if not str(cause.full_key).startswith(key + "."):
+        return None
+    entry = str(cause.full_key)[len(key) + 1:].split(".")[0]
+    hint = (f"{key}={{...}} is merged into the {key} the config has, which has no {entry}: an override changes "
+            "entries, it does not add them; add one with ")
+    if key == "reward.functions":
+        return hint + (f"+reward.functions.{entry}._target_=my_module.{entry}, or train with only your functions: "
+                       f"reward.only=[my_module.{entry}]")
+    return hint + f"+{key}.{entry}=VALUE"
 
 
 def _unswept(overrides: list[str]) -> list[str]:
@@ -136,16 +158,20 @@ def _quiet_libraries() -> None:
 
 def _validated(cfg) -> tuple[Config, list[str]]:
     """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked,
-    and the engine's library found; returns the typed config, which everything below reads, and the warnings for
-    legal but doubtful values."""
+    and the engine's library found; returns the typed config, which everything below reads (trainer.epochs made
+    trainer.max_steps), and the warnings for legal but doubtful values."""
     from grpo_cli.config.schema import Config
     from grpo_cli.run.validate import check_engine_installed, validate
+    from grpo_cli.tasks.sources import steps_from_epochs
 
     import_plugins(cfg.plugins)
     warnings = validate(cfg)
     config = Config.of(cfg)
     check_engine_installed(config)
-    return config, warnings
+    if config.logger.backend == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logger.backend=tensorboard is invalid: the tensorboard package is not installed; pip "
+                          "install 'grpo-cli[tensorboard]' (or tensorboard), or use logger=none")
+    return steps_from_epochs(config), warnings
 
 
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:

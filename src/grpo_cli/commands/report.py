@@ -25,7 +25,7 @@ from grpo_cli.base.errors import ReportError, one_line, warn
 from grpo_cli.base.metrics import ADAPTER_DIR, SAMPLES, final_mean, read_metrics
 from grpo_cli.config.schema import default_of
 from grpo_cli.run import monitors
-from grpo_cli.sweep.stats import BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
+from grpo_cli.sweep.stats import ALL_TIED, BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
 from grpo_cli.sweep.summary import CELLS_CSV, SUMMARY_CSV, Summary, find_job_dirs, summarise, write_summary
 
 RUN_PLOTS = {  # file stem -> (metric key, y label)
@@ -114,6 +114,13 @@ def reward_weights(run: Path) -> dict[str, float]:
             if isinstance(spec, dict) or spec is None}
 
 
+def rewards_carrying_the_task(run: Path) -> set[str]:
+    """reward.accuracy and reward.task_rewards of the run's resolved config: the dominance alarm leaves them out."""
+    f = run / ".hydra" / "config.yaml"
+    reward = ((yaml.safe_load(f.read_text()) or {}).get("reward") or {}) if f.exists() else {}
+    return {str(n) for n in [reward.get("accuracy"), *(reward.get("task_rewards") or [])] if n is not None}
+
+
 def monitor_panel(png: Path, rows: list[dict], said: list[tuple[int, str]]) -> None:
     """The reward-hacking monitors over the steps, each with its alarm threshold, and a line where an alarm fired."""
     fig = Figure(figsize=(10, 6), layout="constrained")
@@ -137,7 +144,7 @@ def monitor_panel(png: Path, rows: list[dict], said: list[tuple[int, str]]) -> N
 
 def monitor_section(run: Path, rows: list[dict], out: Path) -> list[str]:
     """The page's monitors: the panel and the alarms the run raised (computed again from its rows)."""
-    seen, said = monitors.Monitors(reward_weights(run)).replay(rows)
+    seen, said = monitors.Monitors(reward_weights(run), rewards_carrying_the_task(run)).replay(rows)
     monitor_panel(out / "monitors.png", seen, said)
     alarms = "".join(f"<li>step {step}: {html.escape(line)}</li>" for step, line in said)
     return ["<h2>Reward-hacking monitors</h2>", f"<ul class='alarms'>{alarms}</ul>" if said else "<p>No alarm.</p>",
@@ -151,7 +158,8 @@ def _sort_key(v: str) -> tuple[int, float, str]:
         return (1, 0.0, v)
 
 
-CELL_STYLE = {BEST: ("bold green", "best", "★ "), TIED: ("yellow", "tied", "≈ "), WORSE: ("red", "worse", "")}
+CELL_STYLE = {BEST: ("bold green", "best", "★ "), TIED: ("yellow", "tied", "≈ "), ALL_TIED: ("yellow", "tied", "≈ "),
+              WORSE: ("red", "worse", "")}
 
 
 def half_width(cell: dict, metric: str) -> float | None:
@@ -207,7 +215,8 @@ def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
                 if cell is None or cell[f"{rank_by}_mean"] is None:
                     continue
                 best = cell["label"] == BEST
-                label = {BEST: "best\n", TIED: "tied with best\n", WORSE: "worse\n"}.get(cell["label"], "")
+                label = {BEST: "best\n", TIED: "tied with best\n", ALL_TIED: "tied\n", WORSE: "worse\n"}.get(
+                    cell["label"], "")
                 ax.text(j, i, label + _estimate(cell, rank_by).replace(" ± ", "\n± "),
                         ha="center", va="center", color="w", fontweight="bold" if best else "normal")
                 if best:

@@ -249,7 +249,8 @@ def options_of(cls: type, prefix: str = "", *, from_group: bool = False,
         if declared is None:
             continue  # not an option: a record the typed config carries (Config.composed)
         nullable = nullable if declared.null is None else declared.null
-        yield Option(key, declared.checks or _checks_from(annotation), declared.help, field.default, annotation,
+        default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+        yield Option(key, declared.checks or _checks_from(annotation), declared.help, default, annotation,
                      nullable, below_optional, declared.free, declared.row, in_group)
         entry = _entry(annotation)
         if entry is not None:
@@ -342,6 +343,8 @@ def schema_node(cls: type, *, from_group: bool = False) -> DictConfig:
         elif declared is not None:
             default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
             node[field.name] = _value_node(annotation, nullable, plain(default))
+            if declared.free and isinstance(default, Mapping):  # the user's keys below it: an override adds them
+                node._get_node(field.name)._set_flag("struct", False)
     return node
 
 

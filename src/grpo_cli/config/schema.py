@@ -261,6 +261,9 @@ class RolloutConfig:
                          registered("grpo_cli.rollout", "ENGINES", auto=True))
     compile: AUTO_OR_BOOL = option("compiled engine: compile the decode step; auto = on CUDA, warn and go on if it "
                                    "fails; true = anywhere, fail if it fails", "auto", AUTO_OR_BOOLEAN)
+    chat_template_kwargs: Mapping[str, Any] = option(
+        "keyword arguments of the chat template wherever a prompt is rendered, e.g. {enable_thinking: false} "
+        "(Qwen3; TRL's chat_template_kwargs)", {}, MAPPING, free=True)
     tools: tuple[str, ...] = option("tools the model may call: dotted paths of functions with type hints and a "
                                     "Google-style docstring, e.g. [grpo_cli.tasks.calculator.calculator]; [] and no "
                                     "env = single-turn", (), DOTTED_PATHS, row="tools")
@@ -325,6 +328,9 @@ class TrainerConfig:
     """trainer: the loop, memory, checkpoints."""
 
     max_steps: int = option("training steps (rollout batches)", 50, integer(1))
+    epochs: float | None = option("passes over the training prompts (TRL's num_train_epochs): max_steps becomes "
+                                  "ceil(epochs x prompts / data.prompts_per_step); null = max_steps decides", None,
+                                  POSITIVE)
     seed: int = option("seed of sampling, data order and LoRA init", 0, integer(0))
     device: str = option("auto = the first CUDA device, else the CPU", "auto", DEVICE)
     micro_batch_size: int | None = option("completions per forward/backward; null = a whole mini-batch", None,
@@ -392,6 +398,10 @@ class LoraConfig:
     alpha: float = option("LoRA scale is alpha / r (2 x r is usual)", check=POSITIVE)
     dropout: float = option("LoRA dropout", check=number(0, 1, high_open=True))
     target_modules: str | tuple[str, ...] = option("modules that get adapters", check=TARGET_MODULES)
+    use_dora: bool = option("DoRA, weight-decomposed LoRA (peft's use_dora); generation on rollout.engine=hf", False)
+    use_rslora: bool = option("rank-stabilised LoRA: scale alpha / sqrt(r), not alpha / r (peft's use_rslora)", False)
+    modules_to_save: tuple[str, ...] = option("modules trained whole beside the adapter, e.g. [lm_head] (peft's "
+                                              "modules_to_save); generation on rollout.engine=hf", (), TEXT_LIST)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -541,6 +551,42 @@ class RewardConfig:
     functions: Mapping[str, RewardFunctionConfig] | None = option(
         "NAME: {_target_, weight, options...} per reward function; null = only the environment's get_reward()",
         check=MAPPING, free=True)
+    only: tuple[str, ...] = option("use only these reward functions (TRL's reward_funcs): dotted paths of yours, "
+                                   "weight 1 each, named after the function, or names of reward.functions entries "
+                                   "to keep; [] = all of reward.functions", (), TEXT_LIST)
+    task_rewards: tuple[str, ...] = option("entries of reward.functions that carry the task besides reward.accuracy: "
+                                           "the reward-dominance alarm does not fire on them", (), TEXT_LIST)
+
+    def chosen(self) -> RewardConfig:
+        """The functions in use: reward.only's, in its order, in place of reward.functions (reward.accuracy kept
+        where it names one of them, else null); as it is without reward.only. A name reward.only cannot place, two
+        of its functions with one name, or a reward.task_rewards name that is none of them is a ConfigError."""
+        reward = self._only_applied()
+        functions = reward.functions or {}
+        for name in self.task_rewards:
+            if name not in functions:
+                fail("reward.task_rewards", f"[{','.join(self.task_rewards)}]",
+                     f"{name} is not a reward function in use ({', '.join(functions) or 'none'})")
+        return reward
+
+    def _only_applied(self) -> RewardConfig:
+        if not self.only:
+            return self
+        functions, chosen = self.functions or {}, {}
+        for item in self.only:
+            name = item if item in functions else item.rpartition(".")[2]
+            if item not in functions and "." not in item:
+                fail("reward.only", f"[{','.join(self.only)}]", f"{item} is neither an entry of reward.functions "
+                     f"({', '.join(functions) or 'none'}) nor a dotted path of a function (my_rewards.fn)")
+            if name in chosen:
+                fail("reward.only", f"[{','.join(self.only)}]", f"names two functions {name}; give each another "
+                     f"name with +reward.functions.NAME._target_={item}")
+            chosen[name] = functions[item] if item in functions else RewardFunctionConfig(_target_=item)
+        return replace(self, functions=chosen, accuracy=self.accuracy if self.accuracy in chosen else None)
+
+    def carrying_the_task(self) -> frozenset[str]:
+        """The reward functions that carry the task: reward.accuracy's and reward.task_rewards."""
+        return frozenset((*(() if self.accuracy is None else (self.accuracy,)), *self.task_rewards))
 
 
 # ---- the root config -------------------------------------------------------------------------------------
@@ -577,7 +623,8 @@ class Config:
         composed = {str(k): v for k, v in resolved.items() if k != "hydra"}
         secrets = find_secrets(cfg)
         remember(secrets.values)  # never printed from now on
-        return replace(typed(cls, composed), composed=composed, recorded=secrets.recorded(composed),
+        config = typed(cls, composed)
+        return replace(config, reward=config.reward.chosen(), composed=composed, recorded=secrets.recorded(composed),
                        secret_keys=tuple(secrets.recorded_as))
 
 

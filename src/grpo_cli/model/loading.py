@@ -8,6 +8,7 @@ quantized base, the reference is the quantized base).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import shutil
@@ -86,7 +87,10 @@ def _drop_gguf_flag(model) -> None:
         model.is_quantized = False
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template_kwargs=None):
+    """The model's tokenizer, left-padding; `chat_template_kwargs` (rollout.chat_template_kwargs: Qwen3's
+    enable_thinking) go to every apply_chat_template call of it, wherever a prompt is rendered (the trainer, the
+    evaluator, the rollout worker, episodes), an argument given in the call itself winning."""
     from transformers import AutoTokenizer
 
     if name_or_path == TINY:
@@ -101,7 +105,16 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # prompts are left-padded so every completion starts at the same column
-    return tok
+    return with_chat_template_kwargs(tok, chat_template_kwargs)
+
+
+def with_chat_template_kwargs(tokenizer, kwargs):
+    """`tokenizer`, its apply_chat_template given `kwargs` (rollout.chat_template_kwargs) in every call, an argument
+    of the call itself winning. A partial of the bound method: a deep copy of the tokenizer (a thread's own) renders
+    with itself."""
+    if kwargs:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **dict(kwargs))
+    return tokenizer
 
 
 def _embedded_tokenizer(name: str):
@@ -320,12 +333,15 @@ def load_quantized(source: str, quantization: str, dtype: torch.dtype, device: t
     return model
 
 
-def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
-    """Wrap the base in a fresh LoRA adapter (B = 0, so the policy starts equal to the reference)."""
+def attach_lora(model, r: int, alpha: float, dropout: float, target_modules, *, use_dora: bool = False,
+                use_rslora: bool = False, modules_to_save=()):
+    """Wrap the base in a fresh LoRA adapter (B = 0, so the policy starts equal to the reference); peft's DoRA,
+    rank-stabilised scaling and whole trainable modules (modules_to_save) as model.lora asks."""
     from peft import LoraConfig, get_peft_model
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
+                        use_dora=use_dora, use_rslora=use_rslora, modules_to_save=list(modules_to_save) or None)
     peft_model = get_peft_model(model, config)
     # peft keeps the matched layer names as a set, saved in hash order: identical runs would write different
     # adapter_config.json files; a sorted list names the same layers
@@ -335,10 +351,11 @@ def attach_lora(model, r: int, alpha: float, dropout: float, target_modules):
     return peft_model
 
 
-def _tokenizer_and_base(cfg_model: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int):
+def _tokenizer_and_base(cfg_model: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
+                        chat_template_kwargs=None):
     """The tokenizer and base model of the `model` config group, on the CPU (an adapter attached next is
     initialised from the CPU RNG, as on any machine); a quantized base is quantized on `device` itself."""
-    tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg_model.name_or_path, cfg_model.trust_remote_code, chat_template_kwargs)
     tiny = None if cfg_model.tiny is None else dataclasses.asdict(cfg_model.tiny)
     base = load_base_model(cfg_model.name_or_path, tokenizer, dtype, trust_remote_code=cfg_model.trust_remote_code,
                            tiny=tiny, seed=seed, quantization=cfg_model.quantization, device=device)
@@ -351,26 +368,29 @@ def _on_device(model, device: torch.device, quantization: str | None):
     return model if quantization is not None else model.to(device)
 
 
-def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0) -> LoadedModel:
+def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0, chat_template_kwargs=None) -> LoadedModel:
     """Tokenizer, base model and a fresh LoRA adapter (`model.lora`) to train.
 
     With a quantized base, peft's prepare_model_for_kbit_training is not needed: peft freezes the base anyway,
     the run's dtype is kept (its fp32 upcast of norms and embeddings would change the bf16 path), and activation
     checkpointing is trainer.gradient_checkpointing's (non-reentrant, so inputs need no grad)."""
     device, dtype = resolve_device(device_name, cfg_model.dtype)
-    tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed)
+    tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed, chat_template_kwargs)
     lora, quantization = cfg_model.lora, cfg_model.quantization
-    model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules), device, quantization)
+    model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules, use_dora=lora.use_dora,
+                                   use_rslora=lora.use_rslora, modules_to_save=lora.modules_to_save),
+                       device, quantization)
     _prepack(model, cfg_model, device, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization)
 
 
 def load_trained(cfg_model: ModelConfig, device_name: str, adapter: str | Path | None, seed: int = 0,
-                 check_fit: Callable[[torch.nn.Module, Path], None] | None = None) -> LoadedModel:
+                 check_fit: Callable[[torch.nn.Module, Path], None] | None = None,
+                 chat_template_kwargs=None) -> LoadedModel:
     """Tokenizer and base model with the trained adapter in `adapter` (a run's adapter/ folder), or the base
     alone when None; in eval mode. `check_fit(base, adapter_dir)` may refuse an adapter of another base first."""
     device, dtype = resolve_device(device_name, cfg_model.dtype)
-    tokenizer, model = _tokenizer_and_base(cfg_model, device, dtype, seed)
+    tokenizer, model = _tokenizer_and_base(cfg_model, device, dtype, seed, chat_template_kwargs)
     if adapter is not None:
         from peft import PeftModel
 
@@ -395,12 +415,15 @@ def _prepack(model, cfg_model: ModelConfig, device: torch.device, dtype: torch.d
 def load_within_context(cfg: Config, length_keys: tuple[str, ...], load: Callable[[], LoadedModel]) -> LoadedModel:
     """`load()`, once the longest prompt plus each of `length_keys` (max_new_tokens settings) is known to fit the
     model's context: from its config before the weights load when that declares it, else (the embedded model)
-    from the loaded model's config, still before anything is generated."""
+    from the loaded model's config, still before anything is generated. Its tokenizer renders prompts with
+    rollout.chat_template_kwargs (the trainer's and grpo-eval's load; the rollout worker's passes them to
+    load_policy)."""
     context = declared_context_length(cfg.model)
     check_context_length(cfg, context, length_keys)
     lm = load()
     if context is None:
         check_context_length(cfg, config_context_length(lm.model.config), length_keys)
+    with_chat_template_kwargs(lm.tokenizer, cfg.rollout.chat_template_kwargs)
     return lm
 
 

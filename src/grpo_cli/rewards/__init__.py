@@ -9,8 +9,9 @@ it may be the only reward (reward.functions=null).
 A function is called as TRL calls one: by keyword, `fn(prompts=..., completions=..., **row_fields)`, so TRL's
 `fn(completions, **kwargs)` and `fn(environments, **kwargs)` run unchanged, as does `fn(prompts, completions, **kw)`;
 one whose first two parameters take them under other names (`lambda p, c, **_`) gets those two by position. Beside
-the row's fields it gets what TRL passes that is known here: `completion_ids` (each completion's token ids) and, in
-episodes, `environments` (each episode's instance), when its signature names them or takes **kwargs; `messages`
+the row's fields it gets what TRL passes that is known here: `completion_ids` (each completion's token ids),
+`trainer_state` (a TrainerState: the step, max_steps, the epoch) and, in episodes, `environments` (each episode's
+instance), when its signature names them or takes **kwargs; `messages`
 (the prompt's chat messages; in episodes the whole conversation) only when it names it. A function may be async.
 
 A function must return
@@ -90,7 +91,7 @@ def to_scores(name: str, returned, expected: int, allow_none: bool = False,
 
 
 # ---- how a reward is called ------------------------------------------------------------------------------
-EXTRA_FIELDS = ("messages", "environments", "completion_ids")  # only for a function that can take them
+EXTRA_FIELDS = ("messages", "environments", "completion_ids", "trainer_state")  # only for one that can take them
 BY_NAME_ONLY = ("messages",)  # of those, only for one that names it (TRL passes the prompt as `prompts`)
 
 
@@ -118,6 +119,17 @@ def call_reward(fn, prompts, completions, fields: dict):
     """`fn` called as TRL calls a reward (`reward_arguments`), its coroutine run to its end."""
     args, kwargs = reward_arguments(fn, prompts, completions, fields)
     return user_code.awaited(fn(*args, **kwargs))
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """TRL's `trainer_state` (transformers' TrainerState) as far as it is known here, given to a reward function that
+    names it or takes **kwargs: `global_step` the steps done (the one being scored is step global_step, counted from
+    0), `max_steps` (trainer.max_steps), `epoch` the passes over the training prompts so far (fractional)."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
 
 
 class Scored(list):
@@ -216,6 +228,7 @@ class RewardSet:
         self.aggregation = aggregation
         self.on_error = on_error
         self.timeout_s, self.stop = timeout_s, stop
+        self.trainer_state: TrainerState | None = None  # the step's, set by the trainer before it scores
 
     @classmethod
     def from_config(cls, cfg_reward: RewardConfig, device=None, dtype=None, stop=None, environment=None) -> RewardSet:
@@ -229,7 +242,8 @@ class RewardSet:
 
     def _call(self, rf: RewardFunction, prompts, completions, fields):
         """The function's return value; Interrupted on a stop request, user_code.FAILED when it raised or timed out."""
-        return user_code.call(functools.partial(call_reward, rf.fn, prompts, completions, fields),
+        state = {} if self.trainer_state is None else {"trainer_state": self.trainer_state}
+        return user_code.call(functools.partial(call_reward, rf.fn, prompts, completions, fields | state),
                               name=f"reward-{rf.name}", timeout_s=self.timeout_s, stop=self.stop)
 
     def _call_one(self, rf: RewardFunction, prompts, completions, fields, i: int):

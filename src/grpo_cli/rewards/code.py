@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_cli.base.errors import ConfigError, warn
+from grpo_cli.base.errors import ConfigError, inform, warn
 from grpo_cli.config.option_table import is_int, is_number
 from grpo_cli.rewards import Scored
 from grpo_cli.rewards.sandbox import (
@@ -363,6 +363,16 @@ def check_options(prefix: str, options: dict[str, Any]) -> None:
              f"run under rlimits alone: {contained()}; {setup_fix()}")
     elif box.kind == "rlimits":
         warn(f"{prefix}.sandbox=rlimits: {contained()}")
+    else:  # said once for every entry of the reward (and every job of a sweep): the level in use, at start-up
+        inform(f"the code reward's programs run in the {box.kind} sandbox (sandbox={choice}): {CONTAINED[box.kind]}")
+
+
+CONTAINED = {  # what each namespaced level holds the program to (rewards/sandbox.py says how; rlimits: contained())
+    "bwrap": "bubblewrap namespaces, no network, a read-only system and one small writable dir, limits on memory, "
+             "CPU time and processes",
+    "unshare": "unshare namespaces, no network, a read-only system and one small writable dir, limits on memory, "
+               "CPU time and processes",
+}
 
 
 passes_tests.check_options = check_options

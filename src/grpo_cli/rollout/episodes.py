@@ -372,7 +372,8 @@ def check_before_model_load(cfg: Config) -> None:
     runner = EpisodeRunner.from_config(cfg)
     if runner is None:
         return
-    runner.format_for(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code))
+    runner.format_for(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code,
+                                     cfg.rollout.chat_template_kwargs))
     if runner.environment_factory is None:
         return
     rows = load_rows(cfg.data, split="train", seed=cfg.trainer.seed)

@@ -167,7 +167,8 @@ def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: 
 
         cfg = Config.of(OmegaConf.create(composed))  # the trainer's config (its typed form does not pickle)
         torch.set_num_threads(threads)
-        lm = load_policy(cfg.model, device, seed=cfg.trainer.seed)
+        lm = load_policy(cfg.model, device, seed=cfg.trainer.seed,
+                         chat_template_kwargs=cfg.rollout.chat_template_kwargs)
         engine = make_engine(cfg.rollout, lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
         params = trainable(lm.model)
         results.put(("ready", os.getpid()))

@@ -5,8 +5,9 @@ after STEPS steps in a row past its threshold. W is WINDOW steps.
     truncated_frac             (the trainer's)  > 0.9: the rewards judge cut-off text
     monitor/length_ratio       completion_len over the last W steps / over the run's first W steps
                                                 > 2 or < 0.5: completions padded (or cut) for the reward
-    monitor/top_reward_share   the largest |weight x reward/NAME| over their sum, with two or more weighted rewards
-                                                > 0.9: one reward carries the sum
+    monitor/top_reward_share   the largest |weight x reward/NAME| over their sum, with two or more weighted rewards,
+                               of the rewards that do not carry the task (reward.accuracy, reward.task_rewards)
+                                                > 0.9: one reward carries the sum (a constant one is said so)
     monitor/kl_acceleration    the rise of kl's mean over the last W steps / its rise over the W steps before
                                                 > 1.5 with kl > 0.1: kl growing faster and faster
 
@@ -73,8 +74,10 @@ class Monitors:
     """`observe(metrics)` each step, in order: adds the monitor/* values to the step's metrics and returns the
     alarms that fire at it; `replay(rows)` takes a resumed run's earlier rows silently."""
 
-    def __init__(self, weights: dict[str, float]):
+    def __init__(self, weights: dict[str, float], carrying_task: frozenset[str] | set[str] = frozenset()):
         self.weights = weights
+        self.carrying_task = frozenset(carrying_task)  # rewards that are the task: carrying the sum is their job
+        self.reward_means: dict[str, list[float]] = {}
         self.lengths: list[float] = []
         self.kls: list[float] = []
         self.streaks: dict[str, int] = {}
@@ -100,7 +103,10 @@ class Monitors:
             self.lengths.append(float(metrics["completion_len"]))
         if _finite(metrics.get("kl")):
             self.kls.append(float(metrics["kl"]))
-        shares = reward_shares(metrics, self.weights)
+        for key, value in metrics.items():
+            if key.startswith("reward/") and _finite(value):
+                self.reward_means.setdefault(key[len("reward/"):], []).append(float(value))
+        shares = self._shares(metrics)
         found = {"monitor/length_ratio": length_ratio(self.lengths),
                  "monitor/top_reward_share": max(shares.values()) if shares else None,
                  "monitor/kl_acceleration": kl_acceleration(self.kls)}
@@ -136,13 +142,23 @@ class Monitors:
                 f"{'padding' if ratio > 1 else 'cutting'} its completions for the reward rather than solving the task; "
                 "read samples.jsonl")
 
+    def _shares(self, metrics: dict) -> dict[str, float]:
+        """The rewards' shares of the weighted sum (reward_shares), less those that carry the task."""
+        return {n: v for n, v in reward_shares(metrics, self.weights).items() if n not in self.carrying_task}
+
     def _share_line(self, share: float, metrics: dict) -> str:
         shares = reward_shares(metrics, self.weights)
-        name = max(shares, key=shares.get)
-        return (f"monitor/top_reward_share = {share:.2f} for {STEPS} steps in a row: reward/{name} (weight "
-                f"{self.weights.get(name, 1.0):g}, mean {metrics[f'reward/{name}']:.3f}) carries almost all of the "
-                f"weighted reward and {', '.join(f'reward/{n}' for n in shares if n != name)} next to nothing; the "
-                f"policy may be learning {name} alone: check that it cannot be earned without solving the task")
+        name = max(self._shares(metrics), key=shares.get)
+        carries = (f"monitor/top_reward_share = {share:.2f} for {STEPS} steps in a row: reward/{name} (weight "
+                   f"{self.weights.get(name, 1.0):g}, mean {metrics[f'reward/{name}']:.3f}) carries almost all of the "
+                   f"weighted reward and {', '.join(f'reward/{n}' for n in shares if n != name)} next to nothing")
+        recent = self.reward_means.get(name, [])[-STEPS:]
+        if len(recent) == STEPS and max(recent) - min(recent) <= 1e-9:  # the same every step: no completion differs
+            return (f"{carries}; its mean has not moved in those steps, so it gives every completion the same score "
+                    f"and teaches nothing: it only hides the others in `reward`; lower its weight or drop it "
+                    f"(reward.only=[...] names the functions to keep)")
+        return (f"{carries}; the policy may be learning {name} alone: check that it cannot be earned without solving "
+                f"the task (a reward that carries the task: name it in reward.task_rewards)")
 
     def _kl_line(self, acceleration: float, _metrics: dict) -> str:
         return (f"monitor/kl_acceleration = {acceleration:.2f} for {STEPS} steps in a row (kl {self.kls[-1]:.3f}, "

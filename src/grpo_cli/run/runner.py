@@ -28,11 +28,12 @@ from grpo_cli.base.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, 
 from grpo_cli.base.ranks import is_rank_zero
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.schema import Config
+from grpo_cli.rewards import TrainerState
 from grpo_cli.run import checkpoint, rundir
 from grpo_cli.run.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.run.monitors import Monitors
 from grpo_cli.step import distributed, memory
-from grpo_cli.tracking import REWARD_WINDOW, Tracker, open_tracker
+from grpo_cli.tracking import REWARD_WINDOW, Tracker, loading, open_tracker
 
 if TYPE_CHECKING:  # the trainer (transformers, peft) loads only once the dir is claimed and the libraries quieted
     from grpo_cli.model.loading import LoadedModel
@@ -55,7 +56,8 @@ class Run:
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
         self.worker: AheadOfTheUpdate | None = None  # rollout.placement=worker or server: what generates
         self.resumed_versions: Versions | None = None  # the earlier policy versions its in-flight batches need
-        self.monitors = Monitors({name: spec.weight for name, spec in (self.cfg.reward.functions or {}).items()})
+        self.monitors = Monitors({name: spec.weight for name, spec in (self.cfg.reward.functions or {}).items()},
+                                 self.cfg.reward.carrying_the_task())
 
     def __enter__(self) -> Run:
         return self
@@ -93,8 +95,10 @@ class Run:
                 from grpo_cli.step.trainer import GRPOTrainer
 
                 self.built_trainer = True
-                trainer = GRPOTrainer(self.cfg, lm=lm, rows=rows, stop=stop, make_evaluator=make_evaluator,
-                                      final_eval=final_eval)
+                model = f"{self.cfg.model.name_or_path} and its rollout engine"
+                with loading(model) if is_rank_zero() and lm is None else contextlib.nullcontext():
+                    trainer = GRPOTrainer(self.cfg, lm=lm, rows=rows, stop=stop, make_evaluator=make_evaluator,
+                                          final_eval=final_eval)
             self.trainer = trainer
             start = self.resume()
             if self.claim.decision.checkpoint is None and trainer.stop_agreed(stop()):
@@ -104,6 +108,7 @@ class Run:
             if self.main:  # a final eval of an earlier attempt does not describe this one's weights
                 (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
             tracker = self.open_tracker(start)
+            trainer.on_phase = tracker.phase  # the step's phase on the live line
             t_start = time.time()
             try:
                 self.run_steps(tracker, start)
@@ -118,6 +123,11 @@ class Run:
         trainer = self.trainer
         last_complete = rng_snapshot()
         for step in range(start, self.tcfg.max_steps):
+            # TRL's trainer_state for the rewards that ask for it; the step's phase on the live line (the trainer says
+            # when its update begins)
+            trainer.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.tcfg.max_steps, epoch=step
+                                                         * self.cfg.data.prompts_per_step / len(trainer.sampler.rows))
+            tracker.phase(step, "generating and scoring")
             try:
                 result = trainer.step(step)
             except (UserCodeError, WorkerError) as failed:  # before the update: the state after `step` steps is intact

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo_cli.base.errors import ConfigError, warn
+from grpo_cli.base.errors import ConfigError, inform
 from grpo_cli.model import allocator, prepack
 from grpo_cli.model.loading import enable_activation_checkpointing
 from grpo_cli.rollout.logprobs import real_lengths
@@ -187,9 +187,9 @@ class MemoryPlan:
 
     def apply(self, model) -> None:
         """Turns on what the plan chose for `model`: activation checkpointing, and glibc returning freed blocks; a
-        budget's plan says what it chose, in one line (errors.warn: the run's console)."""
+        budget's plan says what it chose, in one line of information (errors.inform: the run's console)."""
         if self.budget_gb is not None:
-            warn(self.line())
+            inform(self.line())
         if self.checkpointing:
             enable_activation_checkpointing(model)
         if self.returns_freed_blocks:

@@ -206,6 +206,7 @@ class GRPOTrainer:
         self.skipped_in_a_row = self.skipped_updates = 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
         self.generation_source = self.generate  # rollout.placement=worker: Run puts the rollout worker's here
+        self.on_phase: Callable[[int, str], None] = lambda step, phase: None  # Run's live line (it says the rest)
 
     # ---- one step -------------------------------------------------------------------------------
     def prompts(self, step: int, draw: int = 0) -> tuple[list[dict], EncodedPrompts]:
@@ -402,6 +403,7 @@ class GRPOTrainer:
                 batch = self.make_batch(generation, scores)
         if self.stop_agreed(batch is None or self.stop()):
             return None
+        self.on_phase(step, "updating")
         stats = self.update(step, batch)
         if self.algo.check:
             check_invariants(step, batch, stats, self.algo)

@@ -5,8 +5,9 @@ A *cell* is the set of jobs whose swept overrides match except for the seed (`tr
 metric column a cell gets n, mean, std (over its seeds, ddof 1) and a 95 % Student-t confidence interval;
 a cell with n = 1 gets no interval (its std and bounds are None). Cells are ranked by the sweep metric
 (higher is better) and each is compared with the best cell by Welch's t-test (unequal variances: seeds of
-different settings need not spread alike): `best`, `tied with best` (p >= 0.05) or `worse`. A comparison
-that needs two seeds on both sides says `n = 1: not tested` instead of guessing.
+different settings need not spread alike): `best`, `tied with best` (p >= 0.05, or the same mean) or `worse`. A
+comparison that needs two seeds on both sides says `n = 1: not tested` instead of guessing. When every other cell
+is tied with the first, no cell is best: each is `tied`.
 
 Jobs of one seed see the same prompts in the same order, so the seed often moves a job more than the swept
 setting does. Beside Welch's p (which labels) each cell also gets `p_paired_vs_best`: a paired t-test of its
@@ -27,6 +28,7 @@ SEED_KEY = "trainer.seed"
 CONFIDENCE = 0.95
 ALPHA = 0.05
 BEST, TIED, WORSE, UNTESTED = "best", "tied with best", "worse", "n = 1: not tested"
+ALL_TIED = "tied"  # every cell, when none differs from the first: none is best
 
 
 def describe(values: Sequence[float]) -> dict:
@@ -137,6 +139,11 @@ def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], r
             continue
         p = welch_p(values, best)
         cell["p_vs_best"] = p
-        cell["label"] = UNTESTED if p is None else (TIED if p >= ALPHA else WORSE)
+        same = math.isclose(cell[f"{rank_by}_mean"], top[f"{rank_by}_mean"], rel_tol=1e-12, abs_tol=1e-12)
+        cell["label"] = TIED if same else UNTESTED if p is None else (TIED if p >= ALPHA else WORSE)
         cell["p_paired_vs_best"] = paired_p(by_seed, best_by_seed)
+    ranked_cells = [c for c in ranked if c["rank"] is not None]
+    if len(ranked_cells) > 1 and all(c["label"] == TIED for c in ranked_cells[1:]):
+        for cell in ranked_cells:
+            cell["label"] = ALL_TIED
     return ranked

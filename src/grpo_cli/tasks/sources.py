@@ -16,14 +16,15 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import random
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo_cli.base.errors import DataError, error_line
+from grpo_cli.base.errors import ConfigError, DataError, error_line, inform
 from grpo_cli.base.registry import Registry
 from grpo_cli.tasks import code_tasks
 from grpo_cli.tasks.prompts import encode_prompts
@@ -32,9 +33,17 @@ if TYPE_CHECKING:
     from grpo_cli.config.schema import Config, DataConfig
 
 
+def with_suffix(question: str, suffix: str) -> str:
+    """The question with data.question_suffix added once: a question that already ends with it (rows written with
+    the suffix, read with the config that adds it) keeps it as it is."""
+    tail = suffix.strip()  # a suffix of blanks only is compared as it is
+    return question if not suffix or (question.rstrip().endswith(tail) if tail else question.endswith(suffix)) \
+        else question + suffix
+
+
 def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return messages + [{"role": "user", "content": question + (suffix or "")}]
+    return messages + [{"role": "user", "content": with_suffix(question, suffix or "")}]
 
 
 def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
@@ -107,7 +116,7 @@ def _chat(where: str, key: str, messages, system_prompt, suffix: str) -> list[di
         messages.insert(0, {"role": "system", "content": system_prompt})
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if suffix and users and isinstance(messages[users[-1]]["content"], str):
-        messages[users[-1]]["content"] += suffix
+        messages[users[-1]]["content"] = with_suffix(messages[users[-1]]["content"], suffix)
     return messages
 
 
@@ -306,8 +315,11 @@ def _table_rows(cfg_data: DataConfig, split: str) -> list[dict]:
 # ---- the sources ---------------------------------------------------------------------------------
 class Source:
     """Where prompts come from, named by `data.source`: `rows` gives the rows of a split (train or test),
-    `has_held_out` says whether the data config gives a test split. A new source is one module with a subclass
-    registered as `@SOURCES.register("NAME")` (imported here, or named in the config's `plugins`)."""
+    `has_held_out` says whether the data config gives a test split; `reads_files`: it reads data.path and
+    data.eval_path (a source that does not has them refused, never ignored). A new source is one module with a
+    subclass registered as `@SOURCES.register("NAME")` (imported here, or named in the config's `plugins`)."""
+
+    reads_files = False
 
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         raise NotImplementedError
@@ -375,6 +387,8 @@ class HumanEval(Source):
 class Tables(Source):
     """Rows of a table: a hub dataset or local files (hf), a jsonl file (jsonl, the same reader)."""
 
+    reads_files = True
+
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         return _table_rows(cfg_data, split)
 
@@ -416,7 +430,37 @@ class PromptSampler:
         return self._cached_order
 
 
+def steps_from_epochs(config: Config) -> Config:
+    """trainer.epochs set: the config with trainer.max_steps = ceil(epochs x training prompts / prompts_per_step)
+    (in its composed record too), said in one line; as it is otherwise."""
+    epochs = config.trainer.epochs
+    if epochs is None:
+        return config
+    prompts = len(load_rows(config.data, split="train", seed=config.trainer.seed))
+    steps = max(1, math.ceil(epochs * prompts / config.data.prompts_per_step))
+    inform(f"trainer.epochs={epochs:g}: {steps} steps of {config.data.prompts_per_step} prompts over the {prompts} "
+           f"training prompts (trainer.max_steps={steps})")
+    composed = {**config.composed, "trainer": {**config.composed.get("trainer", {}), "max_steps": steps}}
+    return replace(config, trainer=replace(config.trainer, max_steps=steps), composed=composed)
+
+
 # ---- checks before the model loads -------------------------------------------------------------------
+def check_files_are_read(cfg_data: DataConfig) -> None:
+    """A data file is read or refused, never ignored: data.path or data.eval_path with a source that generates its
+    prompts (the quickstart's sums) names the options that read files; a source that reads them needs data.path."""
+    source = source_of(cfg_data)
+    for key in ("path", "eval_path"):
+        value = getattr(cfg_data, key)
+        if value is not None and not source.reads_files:
+            raise ConfigError(f"data.{key}={value} is invalid: data.source={cfg_data.source} generates its prompts and "
+                              f"reads no file; add data=jsonl to train on a .jsonl file (data=hf for .parquet, .csv, "
+                              f".json, .arrow or a hub dataset)")
+    if source.reads_files and cfg_data.path is None and cfg_data.name is None:
+        hub = " or data.name=HUB_ID" if cfg_data.source == "hf" else ""
+        raise ConfigError(f"data.path=null is invalid: data.source={cfg_data.source} reads its rows from a file; give "
+                          f"data.path=FILE ({LOCAL_FORMS}){hub}")
+
+
 def check_before_model_load(cfg: Config) -> None:
     """What the data config asks for that would fail only once the model has loaded (or never be noticed): a held-out
     split that does not exist, even when nothing evaluates, and data.overlong=drop that drops every prompt."""
@@ -425,7 +469,8 @@ def check_before_model_load(cfg: Config) -> None:
         from grpo_cli.model.loading import load_tokenizer
 
         rows = load_rows(cfg.data, split="train", seed=cfg.trainer.seed)
-        tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code,
+                                   cfg.rollout.chat_template_kwargs)
         check_some_prompt_fits(rows, tokenizer, cfg.data.max_prompt_tokens)
 
 

@@ -1,5 +1,5 @@
 """Metric sinks behind one protocol: metrics.jsonl and samples.jsonl (always), the rich console (always), and
-the sink of the logger `logger.backend` names (LOGGERS: none, wandb, or a user's own).
+the sink of the logger `logger.backend` names (LOGGERS: none, wandb, tensorboard, or a user's own).
 
     tracker = open_tracker(run_dir, cfg.logger, config, total_steps, start_step, resume)
     tracker.log(row); tracker.samples(step, rows); tracker.warn(text); tracker.close(summary)
@@ -21,15 +21,16 @@ May import: config, base.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -48,6 +49,7 @@ from grpo_cli.tracking.sinks import (
     scrub_secrets,
     secret_values,
 )
+from grpo_cli.tracking.tensorboard_sink import TensorBoardSink  # importing it registers the tensorboard logger
 from grpo_cli.tracking.wandb_sink import (  # importing it registers the wandb logger
     WANDB_ID_FILE,
     WANDB_MODES,
@@ -61,8 +63,9 @@ from grpo_cli.tracking.wandb_sink import (  # importing it registers the wandb l
 
 __all__ = [
     "LOGGERS", "REDACTED", "REWARD_WINDOW", "WANDB_ID_FILE", "WANDB_MODES", "ConsoleView", "JsonlSink", "MetricSink",
-    "NullSink", "RunInfo", "Tracker", "WandbSink", "_hydra_names", "has_wandb_credentials", "is_secret_key",
-    "open_tracker", "redact", "resolve_wandb_mode", "scrub_secrets", "secret_values", "wandb_run_id", "wandb_sink",
+    "NullSink", "RunInfo", "TensorBoardSink", "Tracker", "WandbSink", "_hydra_names", "has_wandb_credentials",
+    "is_secret_key", "loading", "open_tracker", "redact", "resolve_wandb_mode", "scrub_secrets", "secret_values",
+    "wandb_run_id", "wandb_sink",
 ]
 
 
@@ -127,13 +130,15 @@ class ConsoleView(NullSink):
             # the text needs ~75 columns; the bar gets what is left (5 to 40), so an 80-column terminal keeps the
             # numbers. It counts the steps done (`1/40 done` after step 0): no step number that could disagree with
             # metrics.jsonl
-            bar = max(5, min(40, self.console.width - 75))
+            bar = max(5, min(40, self.console.width - 100))
             self.progress = Progress(
                 TextColumn("{task.completed}/{task.total} done"), BarColumn(bar_width=bar),
                 TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), _EtaColumn(clock),
+                TextColumn("{task.fields[phase]}"),  # what the step under way is doing: generating, scoring, ...
                 console=self.console, refresh_per_second=4, get_time=clock,
             )
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="", finish=None)
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="", finish=None,
+                                               phase="")
             self.progress.start()
             atexit.register(self.end_live)  # an exception or a signal mid-run still gives the terminal back
 
@@ -170,6 +175,12 @@ class ConsoleView(NullSink):
 
     def say(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def phase(self, step: int, text: str) -> None:
+        """What step `step` is doing now (`step 3: generating`), on the live line; off a terminal nothing (a line per
+        phase would bury the steps' lines)."""
+        if self.progress is not None:
+            self.progress.update(self.task, phase=f"step {step}: {text}")
 
     def warn(self, text: str) -> None:
         self.console.print(f"[yellow]warning:[/] {escape(redact(text))}", highlight=False, soft_wrap=True)
@@ -211,12 +222,13 @@ class Tracker:
     drops everything. From its opening to `close` it is where errors.warn() sends warnings."""
 
     def __init__(self, sinks: list[MetricSink], say: Callable[[str], None] | None = None,
-                 end_live: Callable[[], None] | None = None):
+                 end_live: Callable[[], None] | None = None, phase: Callable[[int, str], None] | None = None):
         self.sinks = list(sinks)
         self.say = say or (lambda text: None)  # a line for the user (the console), not a record
+        self.phase = phase or (lambda step, text: None)  # what the step under way does, on the live line
         # a run that ends otherwise than by close (a stop, an error) calls it before the line that says why
         self.end_live = end_live or (lambda: None)
-        send_warnings_to(self._show_warning)
+        send_warnings_to(self._show_warning, say=say)
 
     def log(self, row: dict) -> None:
         for sink in self.sinks:
@@ -244,6 +256,24 @@ class Tracker:
                 send_warnings_to(None)
 
 
+@contextlib.contextmanager
+def loading(what: str, console: Console | None = None) -> Iterator[None]:
+    """`loading WHAT` while the block runs (the model loading, the engine built): a spinner with the time so far on a
+    terminal, a plain line otherwise; then how long it took."""
+    console = console or _default_console()
+    start = time.monotonic()
+    if console.is_terminal:
+        spinner = Progress(SpinnerColumn(), TextColumn(f"loading {escape(what)}"), TimeElapsedColumn(),
+                           console=console, transient=True)
+        with spinner:
+            spinner.add_task("load", total=None)
+            yield
+    else:
+        console.print(f"loading {what}", markup=False, highlight=False, soft_wrap=True)
+        yield
+    console.print(f"loaded {what} in {time.monotonic() - start:.1f} s", markup=False, highlight=False, soft_wrap=True)
+
+
 def open_tracker(run_dir: Path, cfg_logger: LoggerConfig, config: dict, total_steps: int, start_step: int = 0,
                  resume: bool = False) -> Tracker:
     """The run's tracker: metrics.jsonl and samples.jsonl, the sink of `logger.backend` (if it gives one), the
@@ -251,7 +281,7 @@ def open_tracker(run_dir: Path, cfg_logger: LoggerConfig, config: dict, total_st
     console = ConsoleView(total_steps, start_step)
     files = JsonlSink(run_dir)
     # the tracker takes the warnings already: a logger that cannot start says so here
-    tracker = Tracker([files, console], say=console.say, end_live=console.end_live)
+    tracker = Tracker([files, console], say=console.say, end_live=console.end_live, phase=console.phase)
     run = RunInfo(Path(run_dir), _plain(config), total_steps, start_step, resume, say=console.say)
     logger = LOGGERS.lookup(cfg_logger.backend)(cfg_logger, run)
     if logger is not None:
