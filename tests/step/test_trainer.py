@@ -10,7 +10,7 @@ from conftest import TINY_TRAINER, fit, fixed_batch, make_trainer, use_loss
 
 from grpo_cli import algorithm
 from grpo_cli.config.schema import Config
-from grpo_cli.step.trainer import completion_logprobs
+from grpo_cli.rollout import completion_logprobs
 
 
 def varied_batch(trainer):
