@@ -229,6 +229,7 @@ class Run:
     def save_adapter(self) -> Path:
         out = self.run_dir / ADAPTER_DIR
         self.trainer.save_adapter(out)
+        distributed.barrier()
         return out
 
     # ---- the end --------------------------------------------------------------------------------

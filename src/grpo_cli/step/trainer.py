@@ -325,14 +325,14 @@ class GRPOTrainer:
             self.resumed_versions = versions_from_tensors(state.get("rollout_versions") or {})
 
     def save_adapter(self, folder: Path, adapter: dict[str, torch.Tensor] | None = None) -> None:
-        """The LoRA weights (`adapter`, else the model's) into `folder` as peft saves them (rank 0 writes); refused
-        when any is not finite."""
-        adapter = adapter if adapter is not None else self.state_dict()["adapter"]
-        if not all(torch.isfinite(t).all() for t in adapter.values()):
-            raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
+        """The LoRA weights into `folder` as peft saves them, on rank 0: `adapter` (a state_dict's, as a checkpoint
+        keeps it), else the trained one, called on every rank and refused on each when a weight is not finite."""
+        if adapter is None:
+            adapter = self.state_dict()["adapter"]
+            if not all(torch.isfinite(t).all() for t in adapter.values()):
+                raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
         if self.dist.is_main:  # LoRA weights only; the base is not resized
             self.model.save_pretrained(folder, state_dict=adapter, save_embedding_layers=False)
-        distributed.barrier()
 
     def evaluate(self, final: bool = False, say: Callable[[str], None] = print) -> dict | None:
         """The greedy held-out eval of the policy after `steps_done` steps (eval.every; `final`: eval.final's, which
