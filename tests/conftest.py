@@ -276,7 +276,7 @@ def fixed_batch(trainer, rewards, step: int = 0):
     `rewards(completion index, G)` instead of the reward functions: a tiny random model earns no reward."""
     import torch
 
-    from grpo_cli.step.trainer import Scores
+    from grpo_cli.step.batch import Scores
 
     generation = trainer.generate(step)
     n = generation.rollout.completion_ids.shape[0]

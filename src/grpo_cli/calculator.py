@@ -1,4 +1,4 @@
-"""`grpo_cli.calculator.calculator`, the calculator recipe's tool, as earlier configs name it."""
+"""`grpo_cli.calculator.calculator`: the calculator recipe's tool under the name configs give it (rollout.tools)."""
 from grpo_cli.tasks.calculator import calculator
 
 __all__ = ["calculator"]

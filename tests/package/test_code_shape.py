@@ -30,5 +30,7 @@ def test_the_trainer_only_steps():
     source = (SRC / "step" / "trainer.py").read_text()
     [trainer] = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer"]
     assert len(source.splitlines()) <= 480
-    assert trainer.end_lineno - trainer.lineno + 1 <= 300
+    # 300 until the trainer answered the run itself (state_dict, load_state_dict, save_adapter, evaluate, close: what
+    # run.py read of its attributes before) and took trainer_state and the phases from the run
+    assert trainer.end_lineno - trainer.lineno + 1 <= 310
     assert not any(word in source for word in ("run_dir", "trainer.resume", "checkpoint."))

@@ -85,8 +85,9 @@ def test_the_loss_mask_of_an_episode_is_its_model_tokens(compose, mask_truncated
     """The fast check that tool tokens never train: the step's batch of an episode (tool result tokens inside the
     completion, so in completion_mask for attention) masks exactly the tokens the model sampled."""
     from grpo_cli.config.schema import Config
+    from grpo_cli.rollout import Generation
     from grpo_cli.rollout.episodes import Episodes
-    from grpo_cli.step.trainer import Generation, Scores, make_batch
+    from grpo_cli.step.batch import Scores, make_batch
 
     #  episode 0: 3 sampled, 2 tool-result tokens, 2 sampled; episode 1: 4 sampled, 3 padding
     completion = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]])

@@ -10,8 +10,8 @@ import torch
 
 from grpo_cli.rollout import Rollout, rows
 from grpo_cli.rollout.episodes import Episodes
+from grpo_cli.step.batch import Batch
 from grpo_cli.step.dynamic_sampling import concat_batches
-from grpo_cli.step.trainer import Batch
 
 PAD = 99
 G = 2

@@ -215,7 +215,7 @@ def test_refusals_in_one_line(compose):
             validate(compose([*TINY_TRAINER, *VARIED_REWARD, *overrides]))
         return str(err.value)
 
-    assert refusal("rollout.placement=server", "rollout.tools=[grpo_cli.tasks.calculator.calculator]") == (
+    assert refusal("rollout.placement=server", "rollout.tools=[grpo_cli.calculator.calculator]") == (
         "rollout.placement=server is invalid: does not run tools and environments (rollout.tools, env) yet; use "
         "rollout.placement=local")
     assert refusal("rollout.server_url=http://127.0.0.1:8000/v1") == (

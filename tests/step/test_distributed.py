@@ -33,7 +33,8 @@ WORKER = textwrap.dedent('''
     from hydra import compose, initialize_config_dir
     from grpo_cli.step import trainer as trainer_module
     from grpo_cli.config.compose import CONF_DIR, register_recipes
-    from grpo_cli.step.trainer import Batch, GRPOTrainer
+    from grpo_cli.step.batch import Batch
+    from grpo_cli.step.trainer import GRPOTrainer
     from grpo_cli.rollout import Rollout
     from grpo_cli.config.schema import Config
 

@@ -14,9 +14,11 @@ from conftest import fixed_batch, gradients_at_step, make_trainer, read_jsonl, s
 
 from grpo_cli import algorithm
 from grpo_cli.config.schema import Config
+from grpo_cli.rollout import completion_logprobs
 from grpo_cli.run.runner import train
+from grpo_cli.step.batch import mini_batch_groups
 from grpo_cli.step.optim import lr_factor
-from grpo_cli.step.trainer import GRPOTrainer, completion_logprobs, mini_batch_groups
+from grpo_cli.step.trainer import GRPOTrainer
 
 
 def varied_batch(trainer):

@@ -10,7 +10,7 @@ from conftest import TINY_TRAINER, fit, fixed_batch, make_trainer, use_loss
 
 from grpo_cli import algorithm
 from grpo_cli.config.schema import Config
-from grpo_cli.step.trainer import completion_logprobs
+from grpo_cli.rollout import completion_logprobs
 
 
 def varied_batch(trainer):
@@ -71,13 +71,12 @@ def test_saved_adapter_reproduces_log_probs(compose, tmp_path):
     from peft import PeftModel
 
     from grpo_cli.model.loading import load_base_model
-    from grpo_cli.run.runner import save_adapter
-
     trainer = make_trainer(compose, tmp_path, "optimizer.lr=1e-2")
     batch = varied_batch(trainer)
     trainer.update(0, batch)
     trained = logprobs(trainer, batch)
-    adapter_dir = save_adapter(trainer, tmp_path)
+    adapter_dir = tmp_path / "adapter"
+    trainer.save_adapter(adapter_dir)
     sizes = dataclasses.asdict(trainer.cfg.model.tiny)
     base = load_base_model("tiny-random", trainer.tokenizer, torch.float32, tiny=sizes, seed=0)
     reloaded = PeftModel.from_pretrained(base, adapter_dir)

@@ -97,6 +97,7 @@ from grpo_cli.algorithm.settings import (
     config_problem,
     loss_settings,
     needs_entropy,
+    needs_reference,
 )
 
 __all__ = [
@@ -119,5 +120,5 @@ __all__ = [
     "AdaptiveEntropy", "high_entropy_mask",
     "SAMPLER_CORRECTIONS", "SamplerCorrection", "sampler_correction_weights", "sampler_mismatch_stats",
     "LossInputs", "LossSettings", "policy_loss",
-    "adaptive_entropy", "config_problem", "loss_settings", "needs_entropy",
+    "adaptive_entropy", "config_problem", "loss_settings", "needs_entropy", "needs_reference",
 ]

@@ -32,6 +32,12 @@ def loss_settings(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossSe
         top_entropy_quantile=algo.top_entropy_quantile, entropy_coef=algo.entropy_coef)
 
 
+def needs_reference(algo: AlgoConfig) -> bool:
+    """Whether the loss reads the reference policy's log-probs (the frozen base's: a KL term, algo.beta > 0); the
+    trainer and the rollout worker ask before they make that pass."""
+    return algo.beta > 0
+
+
 def needs_entropy(algo: AlgoConfig) -> bool:
     """Whether every pass (not only the first, for the metric) needs the per-token entropy."""
     return algo.top_entropy_quantile < 1.0 or bool(algo.entropy_coef) or algo.entropy_target is not None

@@ -80,6 +80,11 @@ class InvariantError(RunError):
     """A live invariant check failed; the message names the invariant and the step."""
 
 
+class OutOfMemory(RunError):
+    """An allocation of a step's update failed; the message says how much was asked for and what to lower. Nothing
+    of the step is saved (an update may have begun): the run adds the newest checkpoint on disk."""
+
+
 class Interrupted(Exception):
     """SIGINT/SIGTERM arrived; the run stopped at a safe point after `completed` complete steps, with the
     checkpoint of that state (None where nothing is saved, e.g. grpo-eval); `discarded`: an unfinished step

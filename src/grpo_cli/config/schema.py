@@ -139,7 +139,7 @@ DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
                    failure="give the dotted path of a callable, e.g. pkg.module.fn")
 DOTTED_PATHS = Rule(_dotted_paths, "a list of pkg.module.fn",
                     failure="needs a list of dotted paths of callables, e.g. "
-                            "'rollout.tools=[grpo_cli.tasks.calculator.calculator]'")
+                            "'rollout.tools=[grpo_cli.calculator.calculator]'")
 HTTP_URL = Rule(lambda v: isinstance(v, str) and v.startswith(("http://", "https://")) and len(v) > 8,
                 "an http(s):// URL", failure="needs an http(s):// base URL, e.g. http://127.0.0.1:8000/v1")
 AUTO_OR_COUNT = Rule(lambda v: v == "auto" or (is_int(v) and v >= 1), "auto or an integer >= 1", verb="use")
@@ -265,7 +265,7 @@ class RolloutConfig:
         "keyword arguments of the chat template wherever a prompt is rendered, e.g. {enable_thinking: false} "
         "(Qwen3; TRL's chat_template_kwargs)", {}, MAPPING, free=True)
     tools: tuple[str, ...] = option("tools the model may call: dotted paths of functions with type hints and a "
-                                    "Google-style docstring, e.g. [grpo_cli.tasks.calculator.calculator]; [] and no "
+                                    "Google-style docstring, e.g. [grpo_cli.calculator.calculator]; [] and no "
                                     "env = single-turn", (), DOTTED_PATHS, row="tools")
     max_tool_calls: int = option("tool calls an episode may run; a further call ends it", 4, integer(0),
                                  row="tools")

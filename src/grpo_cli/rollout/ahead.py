@@ -2,8 +2,8 @@
 and `rollout.placement=server` (rollout/server.py, vLLM's OpenAI-compatible server) share: the schedule of policy
 versions, syncs and batches, the sync check on a probe sequence, and the kept versions of a checkpoint.
 
-    rollouts = <a subclass>(cfg, lm, trainer.prompts, seed_of, start=0, stop=stop)   # Run.start_worker
-    trainer.generation_source = rollouts.generation   # each step's batch; a step's first call syncs its version
+    rollouts = <a subclass>(cfg, lm, trainer.prompts, seed_of, start=0, stop=stop)   # GRPOTrainer.generation
+    rollouts.generation(step)                         # each step's batch; a step's first call syncs its version
     rollouts.versions_to_keep(done)                   # for the checkpoint after `done` steps
     rollouts.close()
 
@@ -137,7 +137,7 @@ class AheadOfTheUpdate:
 
     # ---- the trainer's calls --------------------------------------------------------------------
     def generation(self, step: int) -> Generation | None:
-        """The generation of `step` (the trainer's `generation_source`): its rollout, with the generating policy's
+        """The generation of `step` (GRPOTrainer.generation asks): its rollout, with the generating policy's
         log-probs as sampler_logprobs, and its stats (the generating version, the staleness, the last sync's gap,
         the generation time, the trainer's wait for it); None when a stop request came first. At a step's first
         call the policy is at version `step` (the step before ended with its update): it goes to the generator

@@ -2,7 +2,7 @@
 versions ahead of the update that uses its batches (docs/usage.md "Generation on vLLM's server").
 
     rollouts = ServerRollouts(cfg, lm, trainer.prompts, seed_of, start=0, stop=stop, run_dir=run_dir)
-    trainer.generation_source = rollouts.generation
+    rollouts.generation(step)
     rollouts.close()                                   # stops the server grpo-train started
 
 The schedule of versions, syncs and batches and the sync check are rollout/ahead.py's, as for placement=worker; the

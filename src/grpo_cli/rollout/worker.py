@@ -1,8 +1,8 @@
 """`rollout.placement=worker`: generation in a process of its own, up to `rollout.max_staleness` (K) policy versions
 ahead of the update that uses its batches (docs/usage.md "Generation in a worker process").
 
-    worker = RolloutWorker(cfg, lm, trainer.prompts, seed_of, start=0, stop=stop)   # spawns it (Run.start_worker)
-    trainer.generation_source = worker.generation   # each step's batch; a step's first call syncs its version
+    worker = RolloutWorker(cfg, lm, trainer.prompts, seed_of, start=0, stop=stop)   # spawns it (GRPOTrainer.generation)
+    trainer.generation(step) -> worker.generation(step)   # each step's batch; a step's first call syncs its version
     worker.versions_to_keep(done)                   # for the checkpoint after `done` steps
     worker.close()
 
@@ -40,6 +40,7 @@ from typing import Protocol
 import torch
 import torch.multiprocessing as mp
 
+from grpo_cli.algorithm import needs_reference
 from grpo_cli.base.errors import RunError, UserError, WorkerError, error_line
 from grpo_cli.config.schema import Config
 from grpo_cli.rollout.ahead import (
@@ -87,7 +88,7 @@ def reference_in_the_worker(cfg: Config, trainer_device: torch.device, worker_de
     moves about a quarter of the update's work to the side that waits (docs/results.md, "Generation in a worker").
     Not at K=0 (the trainer waits for each batch: nothing to balance, and the update stays bitwise the local
     loop's), nor across devices (the reference would come in the worker's numerics)."""
-    return (cfg.rollout.max_staleness >= 1 and cfg.algo.beta > 0
+    return (cfg.rollout.max_staleness >= 1 and needs_reference(cfg.algo)
             and trainer_device.type == "cpu" and worker_device.type == "cpu")
 
 

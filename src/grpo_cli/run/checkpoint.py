@@ -18,6 +18,7 @@ import os
 import pickle
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -89,10 +90,11 @@ def _tupled(obj):
     return tuple(_tupled(x) for x in obj) if isinstance(obj, list) else obj
 
 
-def save(run_dir: Path, step: int, model, optimizer, lr_schedule, extra: dict, keep_last: int,
-         tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write the state after `step` steps (so resume starts at `step`) and prune old checkpoints; `tensors`, where
-    given, go to ROLLOUT_VERSIONS (`rollout_versions` reads them back)."""
+def save(run_dir: Path, state: dict, save_adapter: Callable[[Path, dict], None], extra: dict,
+         keep_last: int) -> Path:
+    """Write `state` (GRPOTrainer.state_dict: the state after state["step"] steps, so resume starts there), its
+    adapter through `save_adapter(folder, tensors)`, the RNG and `extra` (state.json), and prune old checkpoints."""
+    step, tensors = state["step"], state.get("rollout_versions")
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, step)
@@ -100,11 +102,11 @@ def save(run_dir: Path, step: int, model, optimizer, lr_schedule, extra: dict, k
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False)
+        save_adapter(tmp / ADAPTER_DIR, state["adapter"])
         rng_json, rng_tensors = _rng_files(rng_snapshot())
-        torch.save({"optimizer": optimizer.state_dict(), "lr_schedule": lr_schedule.state_dict(), "rng": rng_tensors},
+        torch.save({"optimizer": state["optimizer"], "lr_schedule": state["lr_schedule"], "rng": rng_tensors},
                    tmp / "trainer_state.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, "rng": rng_json, **extra}))
+        (tmp / "state.json").write_text(json.dumps({"step": step, "rng": rng_json, **state["counters"], **extra}))
         if tensors:
             from safetensors.torch import save_file
 
@@ -223,30 +225,25 @@ def find(run_dir: Path, resume: str) -> Path | None:
     return path
 
 
-def load(path: Path, model, optimizer, lr_schedule) -> dict:
-    """Restore adapter weights, optimiser, learning-rate schedule and RNG in place; return state.json. The
-    configured optimizer hyperparameters (lr, weight decay, betas, ...) win over the saved ones, so a change that
-    trainer.resume_allow_changes let through is applied; unchanged, they are the same numbers."""
-    from peft import set_peft_model_state_dict
+def load(path: Path) -> dict:
+    """The state a checkpoint holds, as GRPOTrainer.load_state_dict takes it (the adapter as peft saved it, the
+    optimizer's and the schedule's state, the counters and the rest of state.json, the rollout versions); the RNG
+    is restored here."""
     from safetensors.torch import load_file
 
     adapter_file = path / ADAPTER_DIR / "adapter_model.safetensors"
     if not adapter_file.is_file():
         raise CheckpointError(f"{adapter_file} is missing; the checkpoint is incomplete, resume from an older one")
-    set_peft_model_state_dict(model, load_file(adapter_file, device=str(next(model.parameters()).device)))
     try:
         trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(f"{path / 'trainer_state.pt'} was refused ({type(err).__name__}): only plain tensors "
                               "load; it may be tampered with") from None
-    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(trainer_state["optimizer"])
-    for group, values in zip(optimizer.param_groups, configured, strict=True):
-        group.update(values)
-    lr_schedule.load_state_dict(trainer_state["lr_schedule"])  # the rate the configured schedule gives there
-    state = json.loads((path / "state.json").read_text())
-    restore_rng(_rng_from_files(state["rng"], trainer_state["rng"]))
-    return state
+    counters = json.loads((path / "state.json").read_text())
+    restore_rng(_rng_from_files(counters.pop("rng"), trainer_state["rng"]))
+    return {"step": counters.pop("step"), "adapter": load_file(adapter_file), "optimizer": trainer_state["optimizer"],
+            "lr_schedule": trainer_state["lr_schedule"], "counters": counters,
+            "rollout_versions": rollout_versions(path)}
 
 
 def rollout_versions(path: Path) -> dict[str, torch.Tensor]:

@@ -19,26 +19,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from omegaconf import DictConfig
 
 import grpo_cli.config.compose  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
-from grpo_cli.base.errors import Interrupted, InvariantError, RunError, UserCodeError, WorkerError
+from grpo_cli.base.errors import Interrupted, OutOfMemory, RunError, UserCodeError, WorkerError
 from grpo_cli.base.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
 from grpo_cli.base.ranks import is_rank_zero
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.schema import Config
-from grpo_cli.rewards import TrainerState
 from grpo_cli.run import checkpoint, rundir
 from grpo_cli.run.checkpoint import restore_rng, rng_snapshot
 from grpo_cli.run.monitors import Monitors
-from grpo_cli.step import distributed, memory
+from grpo_cli.step import distributed
 from grpo_cli.tracking import REWARD_WINDOW, Tracker, loading, open_tracker
 
 if TYPE_CHECKING:  # the trainer (transformers, peft) loads only once the dir is claimed and the libraries quieted
     from grpo_cli.model.loading import LoadedModel
-    from grpo_cli.rollout.ahead import AheadOfTheUpdate, Versions
-    from grpo_cli.step.trainer import Batch, GRPOTrainer
+    from grpo_cli.step.batch import Batch
+    from grpo_cli.step.trainer import GRPOTrainer
 
 class Run:
     """One attempt of a training run in `run_dir`. Constructing it claims the dir (raises rundir.RunDirError,
@@ -52,10 +50,8 @@ class Run:
         self.warnings = list(self.claim.decision.warnings)
         self.trainer: GRPOTrainer | None = None
         self.built_trainer = False
-        self.last_eval: tuple[int, dict] | None = None  # (complete steps, result) of the newest eval.every eval
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
-        self.worker: AheadOfTheUpdate | None = None  # rollout.placement=worker or server: what generates
-        self.resumed_versions: Versions | None = None  # the earlier policy versions its in-flight batches need
+        self.main = is_rank_zero()
         self.monitors = Monitors({name: spec.weight for name, spec in (self.cfg.reward.functions or {}).items()},
                                  self.cfg.reward.carrying_the_task())
 
@@ -66,19 +62,15 @@ class Run:
         self.close()
 
     def close(self) -> None:
-        """Shut the rollout worker down, leave the process group (of a trainer this run built) and release the run
-        dir."""
+        """Stop what generates ahead of the update, leave the process group (of a trainer this run built) and release
+        the run dir."""
         try:
-            if self.worker is not None:
-                self.worker.close()
-            if self.built_trainer and self.trainer is not None:
-                distributed.teardown(self.trainer.dist)
+            if self.trainer is not None:
+                self.trainer.close()
+            if self.built_trainer:
+                distributed.teardown()
         finally:
             self.claim.release()
-
-    @property
-    def main(self) -> bool:
-        return self.trainer.dist.is_main
 
     # ---- the run --------------------------------------------------------------------------------
     def train(self, trainer: GRPOTrainer | None = None, *, lm: LoadedModel | None = None,
@@ -88,7 +80,7 @@ class Run:
         GRPOTrainer). A stop request (SIGINT/SIGTERM) before the first step leaves the dir as if the run never
         started; during generation it discards the step in progress; during the update the step finishes;
         either way the state after the last complete step is checkpointed."""
-        stop = trainer.stop if trainer is not None else stop or StopRequest()
+        stop = self.stop = trainer.stop if trainer is not None else stop or StopRequest()
         # the CLI installs the handlers for the whole run (model load included); a program's run does it here
         with contextlib.nullcontext() if stop.installed_now else stop.installed():
             if trainer is None:
@@ -98,17 +90,14 @@ class Run:
                 model = f"{self.cfg.model.name_or_path} and its rollout engine"
                 with loading(model) if is_rank_zero() and lm is None else contextlib.nullcontext():
                     trainer = GRPOTrainer(self.cfg, lm=lm, rows=rows, stop=stop, make_evaluator=make_evaluator,
-                                          final_eval=final_eval)
+                                          final_eval=final_eval, log_dir=self.run_dir)
             self.trainer = trainer
             start = self.resume()
-            if self.claim.decision.checkpoint is None and trainer.stop_agreed(stop()):
+            if self.claim.decision.checkpoint is None and distributed.any_rank(stop()):
                 raise Interrupted(stop.signum or signal.SIGTERM, None, completed=0)  # a new run that wrote nothing yet
-            if self.cfg.rollout.placement != "local" and start < self.tcfg.max_steps:
-                self.start_worker(start)
             if self.main:  # a final eval of an earlier attempt does not describe this one's weights
                 (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
             tracker = self.open_tracker(start)
-            trainer.on_phase = tracker.phase  # the step's phase on the live line
             t_start = time.time()
             try:
                 self.run_steps(tracker, start)
@@ -123,41 +112,34 @@ class Run:
         trainer = self.trainer
         last_complete = rng_snapshot()
         for step in range(start, self.tcfg.max_steps):
-            # TRL's trainer_state for the rewards that ask for it; the step's phase on the live line (the trainer says
-            # when its update begins)
-            trainer.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.tcfg.max_steps, epoch=step
-                                                         * self.cfg.data.prompts_per_step / len(trainer.sampler.rows))
-            tracker.phase(step, "generating and scoring")
             try:
-                result = trainer.step(step)
+                result = trainer.step(step, on_phase=tracker.phase)  # the step's phases on the live line
             except (UserCodeError, WorkerError) as failed:  # before the update: the state after `step` steps is intact
                 restore_rng(last_complete)
                 raise self.keeping_the_last_state(failed, step) from None
-            except (RuntimeError, MemoryError) as error:
-                if not memory.is_out_of_memory(error):
-                    raise
-                raise self.out_of_memory(error, step) from None
+            except OutOfMemory as error:
+                raise self.out_of_memory(error) from None
             if result is None:  # stopped before the update: checkpoint the state after `step` complete steps
                 restore_rng(last_complete)
-                raise Interrupted(trainer.stop.signum or signal.SIGTERM, self.checkpoint_at(step),
+                raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(step),
                                   completed=step, discarded=True)
             self.record(tracker, step, *result)
             last_complete = rng_snapshot()
             self.checkpoint_if_due(step + 1)
 
-    def out_of_memory(self, error: BaseException, step: int) -> RunError:
-        """One line for an allocation that failed in `step`: nothing of the step is saved (an update may have
-        begun), the newest checkpoint on disk is kept and named, with the command that resumes from it."""
+    def out_of_memory(self, error: OutOfMemory) -> RunError:
+        """The step's out-of-memory line, with the newest checkpoint on disk (kept) and the command that resumes
+        from it: nothing of the failed step is saved (an update may have begun)."""
         kept = "no checkpoint was written yet" if self.last_checkpoint is None else (
             f"the checkpoint after {self.last_checkpoint[0]} step(s), {self.last_checkpoint[1]}, is kept; resume "
             f"with the same command plus trainer.resume=auto hydra.run.dir={self.run_dir}")
-        return RunError(f"{memory.out_of_memory_line(error, step, self.trainer.lm.device)}; {kept}")
+        return RunError(f"{error}; {kept}")
 
     def keeping_the_last_state(self, failed: UserCodeError | WorkerError, done: int) -> UserCodeError | WorkerError:
         """`failed`, its line extended by the checkpoint of the state after `done` complete steps and how to go on
         from it (user code: once it is fixed); as it is before this run's first step (nothing to keep) and under
         torchrun (the other ranks are not at a point where they could save)."""
-        if (done == 0 and self.last_checkpoint is None) or self.trainer.dist.enabled:
+        if (done == 0 and self.last_checkpoint is None) or distributed.world_size() > 1:
             return failed
         fix = "once fixed, " if isinstance(failed, UserCodeError) else ""
         return type(failed)(f"{failed}; the run stopped after {done} complete step(s), checkpoint "
@@ -169,42 +151,14 @@ class Run:
         found = self.claim.decision.checkpoint
         if found is None:
             return 0
-        trainer = self.trainer
-        state = checkpoint.load(found, trainer.model, trainer.optimizer, trainer.lr_schedule)
+        state = checkpoint.load(found)
+        self.trainer.load_state_dict(state)
         start = state["step"]
         self.last_checkpoint = (start, found)
-        trainer.skipped_updates = state.get("skipped_updates", 0)  # a checkpoint's state: a plain dict
-        trainer.fresh_adapter = start == 0
-        if self.cfg.rollout.placement != "local":
-            from grpo_cli.rollout.ahead import versions_from_tensors
-
-            self.resumed_versions = versions_from_tensors(checkpoint.rollout_versions(found))
-        if trainer.entropy_control is not None:
-            trainer.entropy_control.restore(state)
         if self.main:
             rundir.roll_back_records(self.run_dir, start, found)
             self.monitors.replay([r for r in read_metrics(self.run_dir / METRICS) if r["step"] < start])
         return start
-
-    def start_worker(self, start: int) -> None:
-        """rollout.placement=worker or server: the rollout worker or vLLM's server, started from the policy after
-        `start` steps (and the versions its first batches need), becomes the trainer's source of generations."""
-        from grpo_cli.rollout import sampling_seed
-
-        trainer = self.trainer
-        args = (self.cfg, trainer.lm, trainer.prompts, lambda step: sampling_seed(self.tcfg.seed, step,
-                                                                                  trainer.dist.rank))
-        if self.cfg.rollout.placement == "server":
-            from grpo_cli.rollout.server import ServerRollouts
-
-            self.worker = ServerRollouts(*args, start=start, stop=trainer.stop, history=self.resumed_versions,
-                                         run_dir=self.run_dir)
-        else:
-            from grpo_cli.rollout.worker import RolloutWorker
-
-            self.worker = RolloutWorker(*args, start=start, stop=trainer.stop, history=self.resumed_versions,
-                                        plan=trainer.memory)
-        trainer.generation_source = self.worker.generation
 
     def open_tracker(self, start: int) -> Tracker:
         """Rank 0 logs (metrics.jsonl, the logger's sink, the console); the other ranks' tracker has no sinks."""
@@ -221,17 +175,13 @@ class Run:
         for line in self.monitors.observe(metrics):
             metrics["warning"] = f"{metrics['warning']}; {line}" if "warning" in metrics else line
             tracker.warn(line)
-        trainer, every = self.trainer, self.cfg.eval.every
-        if trainer.evaluator is not None and every and (step + 1) % every == 0:
-            if self.main:
-                tracker.say(f"evaluating after step {step} on the held-out prompts")
-                try:
-                    result = trainer.evaluator(trainer.engine, stop=trainer.stop)
-                    metrics.update(result)
-                    self.last_eval = (step + 1, result)
-                except Interrupted:
-                    tracker.warn(f"evaluation after step {step} was stopped; its metrics are left out")
-            distributed.barrier(trainer.dist)
+        every = self.cfg.eval.every
+        if every and (step + 1) % every == 0:
+            try:
+                metrics.update(self.trainer.evaluate(say=tracker.say) or {})
+            except Interrupted:
+                tracker.warn(f"evaluation after step {step} was stopped; its metrics are left out")
+            distributed.barrier()
         tracker.log(metrics)
         self.save_samples(tracker, step, batch)
 
@@ -252,22 +202,13 @@ class Run:
     def checkpoint_if_due(self, done: int) -> None:
         """Checkpoint every trainer.save_every steps, and on a stop request that came during the update (the
         step was finished; then raise Interrupted). Every rank stops at the same step."""
-        stop = self.trainer.stop
-        stopping = self.trainer.stop_agreed(stop())
+        stop = self.stop
+        stopping = distributed.any_rank(stop())
         every = self.tcfg.save_every
         if (every and done % every == 0) or stopping:
             ckpt = self.save_checkpoint(done)
             if stopping:
                 raise Interrupted(stop.signum or signal.SIGTERM, ckpt, completed=done)
-
-    def rollout_versions(self, done: int) -> dict | None:
-        """What the checkpoint after `done` steps keeps for the rollout worker: the adapters (and probe log-probs) of
-        the last K versions, from which a resumed run regenerates its in-flight batches exactly."""
-        if self.worker is None:
-            return None
-        from grpo_cli.rollout.ahead import versions_as_tensors
-
-        return versions_as_tensors(self.worker.versions_to_keep(done))
 
     def checkpoint_at(self, done: int) -> Path:
         """A checkpoint of the state after `done` complete steps: the one this run last wrote or resumed from
@@ -278,20 +219,22 @@ class Run:
         return self.save_checkpoint(done)
 
     def save_checkpoint(self, done: int) -> Path:
-        trainer = self.trainer
+        """The trainer's state after `done` steps (what it answers to state_dict), with the config's fingerprint."""
+        state = self.trainer.state_dict()
+        assert state["step"] == done, (state["step"], done)
         path = checkpoint.step_dir(self.run_dir, done)
         if self.main:
-            path = checkpoint.save(self.run_dir, done, trainer.model, trainer.optimizer, trainer.lr_schedule,
-                                   {"skipped_updates": trainer.skipped_updates,
-                                    "fingerprint": rundir.fingerprint(self.cfg),
-                                    **(trainer.entropy_control.state() if trainer.entropy_control else {})},
-                                   self.tcfg.keep_last, tensors=self.rollout_versions(done))
-        distributed.barrier(trainer.dist)
+            path = checkpoint.save(self.run_dir, state, self.trainer.save_adapter,
+                                   {"fingerprint": rundir.fingerprint(self.cfg)}, self.tcfg.keep_last)
+        distributed.barrier()
         self.last_checkpoint = (done, path)
         return path
 
     def save_adapter(self) -> Path:
-        return save_adapter(self.trainer, self.run_dir)
+        out = self.run_dir / ADAPTER_DIR
+        self.trainer.save_adapter(out)
+        distributed.barrier()
+        return out
 
     # ---- the end --------------------------------------------------------------------------------
     def final_evaluation(self, tracker: Tracker) -> dict | None:
@@ -299,24 +242,15 @@ class Run:
         (rank 0; None elsewhere or when off). An eval.every eval after the last step is reused: same prompts, same
         weights, greedy. A stop request here raises Interrupted with a checkpoint after the last step, whose
         resume runs only this eval."""
-        trainer = self.trainer
-        if not trainer.final_eval or trainer.evaluator is None:
-            return None
         steps = self.tcfg.max_steps
-        result = None
-        if self.main:
-            if self.last_eval is not None and self.last_eval[0] == steps:
-                result = self.last_eval[1]
-            else:
-                tracker.say("final evaluation on the held-out prompts (eval.final)")
-                try:
-                    result = trainer.evaluator(trainer.engine, stop=trainer.stop)
-                except Interrupted:
-                    raise Interrupted(trainer.stop.signum or signal.SIGTERM, self.checkpoint_at(steps),
-                                      completed=steps) from None
+        try:
+            result = self.trainer.evaluate(final=True, say=tracker.say)
+        except Interrupted:
+            raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(steps), completed=steps) from None
+        if result is not None:
             result = {"step": steps, **result}
             rundir.replace_text(self.run_dir / FINAL_EVAL, json.dumps(result, indent=2) + "\n")
-        distributed.barrier(trainer.dist)
+        distributed.barrier()
         return result
 
     def finish(self, tracker: Tracker, adapter_dir: Path, seconds: float, final_eval: dict | None = None) -> dict:
@@ -335,18 +269,6 @@ class Run:
         }
         tracker.close(summary)
         return summary
-
-
-def save_adapter(trainer: GRPOTrainer, run_dir: Path) -> Path:
-    """The trained LoRA weights into RUN_DIR/adapter (rank 0 writes); refused when any is not finite."""
-    for p in trainer.params:
-        if not torch.isfinite(p).all():
-            raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
-    out = Path(run_dir) / ADAPTER_DIR
-    if trainer.dist.is_main:
-        trainer.model.save_pretrained(out, save_embedding_layers=False)  # LoRA weights only; the base is not resized
-    distributed.barrier(trainer.dist)
-    return out
 
 
 def train(cfg: Config | DictConfig, run_dir: Path, trainer: GRPOTrainer | None = None, **collaborators) -> dict:

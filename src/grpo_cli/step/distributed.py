@@ -98,11 +98,26 @@ def sum_gradients(params: list[torch.nn.Parameter], d: Dist) -> None:
         offset += g.numel()
 
 
-def barrier(d: Dist) -> None:
-    if d.enabled:
+def world_size() -> int:
+    """Processes of this job: the joined group's, else 1."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is on any rank: ranks stop at the same point."""
+    if world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    votes = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(votes)
+    return bool(votes.item() > 0)
+
+
+def barrier() -> None:
+    if world_size() > 1:
         dist.barrier()
 
 
-def teardown(d: Dist) -> None:
+def teardown() -> None:
     if dist.is_initialized():  # also a one-rank torchrun job, which has a group but no collectives
         dist.destroy_process_group()

@@ -19,120 +19,29 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
+from peft import set_peft_model_state_dict
 
 from grpo_cli import algorithm
-from grpo_cli.base.errors import Interrupted, InvariantError
+from grpo_cli.base.errors import Interrupted, InvariantError, OutOfMemory
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.rules import is_on_policy
-from grpo_cli.config.schema import AlgoConfig, Config
+from grpo_cli.config.schema import Config
 from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
-from grpo_cli.rewards import Outcomes, RewardSet
-from grpo_cli.rewards.aggregation import present_mean
-from grpo_cli.rollout import (
-    Generation,
-    Rollout,
-    completion_logprobs,
-    episodes,
-    make_engine,
-    sampling_options,
-    sampling_seed,
-)
-from grpo_cli.rollout import rows as row_ops
+from grpo_cli.rewards import RewardSet, TrainerState
+from grpo_cli.rollout import Generation, completion_logprobs, episodes, make_engine, sampling_options, sampling_seed
+from grpo_cli.rollout.ahead import AheadOfTheUpdate, versions_as_tensors, versions_from_tensors
+from grpo_cli.rollout.placement import generating_ahead
 from grpo_cli.step import distributed, dynamic_sampling, memory
+from grpo_cli.step.batch import Batch, MiniBatch, Scores, make_batch, mini_batch_layout
 from grpo_cli.step.evaluate import final_eval_on
 from grpo_cli.step.optim import LRSchedule, build_optimizer
+from grpo_cli.step.stats import StepStats, UpdateSums, check_first_update, check_invariants, metrics_row, over_ranks
 from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts
 from grpo_cli.tasks.sources import PromptSampler, load_rows
-
-
-@dataclass
-class Scores:
-    """The rewards of one step's completions."""
-
-    totals: torch.Tensor             # [N] weighted sum over the reward functions
-    per_function: dict[str, list[float]]
-    errors: int                      # reward calls that raised (reward.on_error=zero)
-    outcomes: dict[str, Outcomes] = field(default_factory=dict)  # of the functions that give them (rewards.Scored)
-
-
-@dataclass
-class Batch:
-    """One step's rollouts, scored, ready for the loss; its per-row fields are declared as the Rollout's are."""
-
-    rollout: Rollout = row_ops.nested()
-    prompts: list[str] = row_ops.per_row()
-    rewards: torch.Tensor = row_ops.per_row()               # [N]
-    per_function: dict[str, list[float]] = row_ops.per_row_dict()
-    advantages: torch.Tensor = row_ops.per_row()            # [N]
-    mask: torch.Tensor = row_ops.per_token()                # [N, T] float: completion tokens that count in the loss
-    reward_errors: int = row_ops.summed(default=0)
-    stats: dict = field(default_factory=dict)
-    outcomes: dict[str, Outcomes] = row_ops.per_row_dict(default_factory=dict)  # of the rewards that say them
-
-    def select_groups(self, groups: list[int]) -> Batch:
-        """The batch of the given groups, in that order (rows stay grouped)."""
-        G = self.rollout.group_size
-        return row_ops.select(self, [g * G + i for g in groups for i in range(G)], groups)
-
-
-@dataclass(frozen=True)
-class MiniBatch:
-    """The rows of one optimizer update in the (reordered) batch, its micro-batches, and its size over all ranks."""
-
-    rows: slice
-    micro: list[slice]
-    rows_total: float
-    tokens_total: float
-    micro_total: float
-
-
-@dataclass
-class UpdateSums:
-    """Sums over the micro-batches of one optimizer update; `reduced` adds them up over the ranks."""
-
-    loss: float = 0.0          # sum of weight x micro-batch loss: the update's aggregated loss
-    tokens: float = 0.0
-    ratio: float = 0.0         # the rest are token-weighted sums
-    kl: float = 0.0
-    entropy: float = 0.0
-    clip_low: float = 0.0
-    clip_high: float = 0.0
-    all_entropy: float = 0.0   # token-weighted entropy on every pass (the adaptive entropy coefficient reads it)
-
-    def reduced(self, dist: distributed.Dist, device) -> UpdateSums:
-        names = [f.name for f in dataclasses.fields(self)]
-        return UpdateSums(*distributed.sum_floats([getattr(self, n) for n in names], dist, device))
-
-    def __add__(self, other: UpdateSums) -> UpdateSums:
-        return UpdateSums(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
-
-    def mean(self, name: str) -> float:
-        """Token mean of a token-weighted sum (without tokens: 1 for the ratio, 0 for the rest)."""
-        return getattr(self, name) / self.tokens if self.tokens else (1.0 if name == "ratio" else 0.0)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one step's optimizer updates measured, over all ranks: the typed record behind the metrics."""
-
-    loss: float                # mean over the updates of each update's aggregated loss
-    grad_norm: float           # mean over the updates of the gradient norm before clipping
-    kl: float                  # token means over the first pass (each mini-batch at its update's policy)
-    entropy: float
-    clip_low: float            # token shares over every update of the step
-    clip_high: float
-    first_ratio: float         # mean ratio on the first mini-batch of the first pass
-    first_kl: float            # its KL
-    max_logp: float            # largest completion log-prob of the first pass on this rank
-    updates: int               # optimizer updates taken (skipped non-finite ones included)
-
-    @property
-    def clip_fraction(self) -> float:
-        return self.clip_low + self.clip_high
 
 
 def seed_everything(seed: int) -> None:
@@ -141,36 +50,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_batch(generation: Generation, scores: Scores, algo: AlgoConfig, device) -> Batch:
-    """The step's Batch: the group advantages of its rewards, and the completion tokens that count in the loss:
-    the model's own (an episode's tool tokens never count), less the truncated completions' with
-    algo.mask_truncated."""
-    roll = generation.rollout
-    mask = roll.loss_mask().float()
-    if algo.mask_truncated:
-        mask = mask * (~roll.truncated).float().unsqueeze(1)
-    advantages = algorithm.advantages_of(algo.advantage, scores.totals, algo.num_generations, eps=algo.adv_eps,
-                                         scale=algo.scale_rewards, lengths=mask.sum(1))
-    return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(device), mask,
-                 scores.errors, stats=generation.stats, outcomes=scores.outcomes)
-
-
-def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
-    """Groups of each mini-batch: group g goes to mini-batch g mod mini_batches."""
-    return [list(range(j, num_groups, mini_batches)) for j in range(mini_batches)]
-
-
 class GRPOTrainer:
     """Owns the objects a step needs; `step()` is one GRPO step (its optimizer updates). A run around the steps
-    (its dir, resume, records, checkpoints) is grpo_cli.run.Run's.
+    (its dir, resume, records, checkpoints) is grpo_cli.run.Run's: it asks, the trainer answers (`state_dict`,
+    `load_state_dict`, `save_adapter`, `evaluate`, `close`), as torchtitan's trainer does.
 
     The config is validated before (run.validate: under torchrun it knows the real number of ranks).
-    `make_evaluator(lm)` builds the evaluator of `eval.every` and `eval.final` from the loaded model. Warnings go
-    through errors.warn (the run's console while it logs)."""
+    `make_evaluator(lm)` builds the evaluator of `eval.every` and `eval.final` from the loaded model. `log_dir`:
+    where a vLLM server that rollout.placement=server starts writes its log. Warnings go through errors.warn (the
+    run's console while it logs)."""
 
     def __init__(self, cfg: Config, *, lm: LoadedModel | None = None, rows: list[dict] | None = None,
                  stop: StopRequest | None = None, make_evaluator: Callable[[LoadedModel], Callable] | None = None,
-                 final_eval: bool | None = None):
+                 final_eval: bool | None = None, log_dir: Path | None = None):
         self.cfg, data = cfg, cfg.data
         self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
         # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
@@ -195,18 +87,17 @@ class GRPOTrainer:
         self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype, stop=self.stop,
                                              environment=self.episodes and self.episodes.environment_factory)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        opt = cfg.optimizer
-        self.optimizer = build_optimizer(self.params, opt)
-        self.lr_schedule = LRSchedule(self.optimizer, opt, self.tcfg.max_steps,
+        self.optimizer = build_optimizer(self.params, cfg.optimizer)
+        self.lr_schedule = LRSchedule(self.optimizer, cfg.optimizer, self.tcfg.max_steps,
                                       updates_per_step=self.algo.mini_batches * self.algo.num_iterations)
-        self.fresh_adapter = True
         self.loss_settings = algorithm.loss_settings(self.algo, self.roll.max_new_tokens)
         self.entropy_control = algorithm.adaptive_entropy(self.algo)
         self.sampler_correction = algorithm.SamplerCorrection.of(self.algo)
-        self.skipped_in_a_row = self.skipped_updates = 0
+        self.fresh_adapter, self.skipped_in_a_row, self.skipped_updates = True, 0, 0
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
-        self.generation_source = self.generate  # rollout.placement=worker: Run puts the rollout worker's here
-        self.on_phase: Callable[[int, str], None] = lambda step, phase: None  # Run's live line (it says the rest)
+        # rollout.placement=worker or server: started at the first step (from the resumed versions, if any)
+        self.ahead: AheadOfTheUpdate | None = None
+        self.resumed_versions, self.log_dir, self.steps_done, self.last_eval = None, log_dir, 0, None
 
     # ---- one step -------------------------------------------------------------------------------
     def prompts(self, step: int, draw: int = 0) -> tuple[list[dict], EncodedPrompts]:
@@ -238,9 +129,8 @@ class GRPOTrainer:
             return None
         compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
         gen_time = time.perf_counter() - t0 - compile_s
-        gen_tokens = int(roll.loss_mask().sum())
         return Generation(roll, rows, roll.prompt_texts(enc.texts), stats={
-            "gen_time_s": gen_time, "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9),
+            "gen_time_s": gen_time, "gen_tokens_per_s": int(roll.loss_mask().sum()) / max(gen_time, 1e-9),
             "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped, "gen_compile_s": compile_s,
             "gen_sync_s": self.engine.sync_s,  # of gen_time_s: bringing the updated policy into the engine
         })
@@ -257,6 +147,15 @@ class GRPOTrainer:
         except Interrupted:
             return None
         return Scores(torch.tensor(scoring.totals), scoring.per_function, scoring.errors, scoring.outcomes)  # float32
+
+    def generation(self, step: int) -> Generation | None:
+        """The step's completions: generated here, or by the generator ahead of the update (rollout.placement)."""
+        if self.roll.placement == "local":
+            return self.generate(step)
+        if self.ahead is None:
+            self.ahead = generating_ahead(self.cfg, self.lm, self.prompts, self.dist.rank, start=step, stop=self.stop,
+                                          history=self.resumed_versions, plan=self.memory, log_dir=self.log_dir)
+        return self.ahead.generation(step)
 
     def make_batch(self, generation: Generation, scores: Scores) -> Batch:
         return make_batch(generation, scores, self.algo, self.lm.device)
@@ -277,21 +176,7 @@ class GRPOTrainer:
             return torch.cat([self._logprobs(batch, s, grad=False)[0] for s in parts])
 
     def mini_batch_layout(self, batch: Batch) -> tuple[Batch, list[MiniBatch]]:
-        """The batch reordered so that each mini-batch is a run of rows, and the mini-batches with their
-        micro-batches and sizes over all ranks (one all-reduce)."""
-        G, mini = self.algo.num_generations, self.algo.mini_batches
-        groups = mini_batch_groups(batch.rewards.numel() // G, mini)
-        ordered = batch if mini == 1 else batch.select_groups([g for part in groups for g in part])
-        spans, start = [], 0
-        for part in groups:
-            spans.append(slice(start, start + len(part) * G))
-            start += len(part) * G
-        micro = [self.micro_batches(ordered, rows) for rows in spans]
-        local = [[float(rows.stop - rows.start), float(ordered.mask[rows].sum()), float(len(parts))]
-                 for rows, parts in zip(spans, micro, strict=True)]
-        total = distributed.sum_floats([x for counts in local for x in counts], self.dist, self.lm.device)
-        return ordered, [MiniBatch(rows, parts, *total[3 * j:3 * j + 3])
-                         for j, (rows, parts) in enumerate(zip(spans, micro, strict=True))]
+        return mini_batch_layout(batch, self.algo, self.micro_batches, self.dist, self.lm.device)
 
     def backward(self, batch: Batch, mini: MiniBatch, old: torch.Tensor | None, ref: torch.Tensor | None,
                  first_pass: bool) -> tuple[UpdateSums, float]:
@@ -355,8 +240,9 @@ class GRPOTrainer:
         self.model.train()
         ordered, minis = self.mini_batch_layout(batch)
         parts = [rows for mini in minis for rows in mini.micro]
-        ref = ordered.rollout.ref_logprobs if self.algo.beta > 0 else None  # the rollout worker's pass, if it made one
-        ref = self._no_grad_logprobs(ordered, parts, adapter=False) if self.algo.beta > 0 and ref is None else ref
+        ref = ordered.rollout.ref_logprobs if algorithm.needs_reference(self.algo) else None  # the worker's pass
+        if ref is None and algorithm.needs_reference(self.algo):
+            ref = self._no_grad_logprobs(ordered, parts, adapter=False)
         old = self._no_grad_logprobs(ordered, parts, adapter=True) if not is_on_policy(self.algo) else None
         totals, first, max_logp, losses, grad_norms = UpdateSums(), None, -math.inf, [], []
         for iteration in range(self.algo.num_iterations):
@@ -371,103 +257,100 @@ class GRPOTrainer:
                 if first is None:
                     first = sums
                     if self.algo.check:
-                        self.check_first_update(step, sums, on_policy=old is None)
+                        check_first_update(step, sums, old is None, self.fresh_adapter, self.algo.beta)
                 grad_norms.append(self.optimizer_step(step, sums.loss))
                 if self.entropy_control is not None:
                     self.entropy_control.update(sums.mean("all_entropy"))
                 losses.append(sums.loss)
                 totals, max_logp = totals + sums, max(max_logp, local_max_logp)
-        first = first or UpdateSums()
         self.fresh_adapter = False  # updated now: the policy has left the reference
-        first_pass_tokens = max(1.0, sum(mini.tokens_total for mini in minis))  # kl, entropy: first pass only
-        return StepStats(
-            loss=sum(losses) / max(1, len(losses)), grad_norm=sum(grad_norms) / max(1, len(grad_norms)),
-            kl=totals.kl / first_pass_tokens, entropy=totals.entropy / first_pass_tokens,
-            clip_low=totals.mean("clip_low"), clip_high=totals.mean("clip_high"),
-            first_ratio=first.mean("ratio"), first_kl=first.mean("kl"), max_logp=max_logp, updates=len(losses))
+        return StepStats.of(losses, grad_norms, totals, first or UpdateSums(), minis, max_logp)
 
-    def stop_agreed(self, local: bool) -> bool:
-        """True on every rank when any rank was asked to stop (ranks stop at the same point)."""
-        return distributed.sum_floats([float(local)], self.dist, self.lm.device)[0] > 0
-
-    def step(self, step: int) -> tuple[dict, Batch] | None:
+    def step(self, step: int, on_phase: Callable[[int, str], None] = lambda k, what: None) -> tuple[dict, Batch] | None:
         """One GRPO update; None when a stop request came before the update began (the step is discarded,
-        nothing of it has touched the weights, the optimiser or the logs)."""
+        nothing of it has touched the weights, the optimiser or the logs). `on_phase(step, what)` hears the phases."""
         t0 = time.perf_counter()
+        on_phase(step, "generating and scoring")
+        epoch = step * self.cfg.data.prompts_per_step / len(self.sampler.rows)  # TRL's trainer_state, for the rewards
+        self.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.tcfg.max_steps, epoch=epoch)
         if self.algo.filter_groups:
             batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
         else:
-            generation, batch = self.generation_source(step), None
+            generation, batch = self.generation(step), None
             scores = None if generation is None else self.score(generation)  # None: a stop request came first
             if scores is not None:
                 batch = self.make_batch(generation, scores)
-        if self.stop_agreed(batch is None or self.stop()):
+        if distributed.any_rank(batch is None or self.stop()):
             return None
-        self.on_phase(step, "updating")
-        stats = self.update(step, batch)
+        on_phase(step, "updating")
+        try:
+            stats = self.update(step, batch)
+        except (RuntimeError, MemoryError) as error:
+            if not memory.is_out_of_memory(error):
+                raise
+            raise OutOfMemory(memory.out_of_memory_line(error, step, self.lm.device)) from None
+        self.steps_done = step + 1
         if self.algo.check:
             check_invariants(step, batch, stats, self.algo)
-        metrics = self.metrics(step, batch, stats, time.perf_counter() - t0)
-        return metrics, batch
+        row = metrics_row(step, batch, stats, time.perf_counter() - t0, self.algo.num_generations,
+                          {"lr": self.lr_schedule.lr, "skipped_updates": self.skipped_updates,
+                           **self.sampler_correction.metrics()})
+        return over_ranks(row, self.dist, self.lm.device), batch
+
+    # ---- what a run asks of the step ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the state after `steps_done` steps: the adapter (whole on every rank), optimizer
+        and schedule states, the step's counters, the policy versions in-flight batches need (rollout.placement)."""
+        ahead = self.ahead
+        return {"step": self.steps_done,
+                "adapter": {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad},
+                "optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
+                "counters": {"skipped_updates": self.skipped_updates,
+                             **(self.entropy_control.state() if self.entropy_control else {})},
+                "rollout_versions": versions_as_tensors(ahead.versions_to_keep(self.steps_done)) if ahead else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` gave (the adapter as peft saves it). The configured optimizer hyperparameters win
+        over the saved ones: a change trainer.resume_allow_changes let through is applied (unchanged: the same)."""
+        set_peft_model_state_dict(self.model, {k: v.to(self.lm.device) for k, v in state["adapter"].items()})
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group, values in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(values)
+        self.lr_schedule.load_state_dict(state["lr_schedule"])  # the rate the configured schedule gives there
+        counters = state["counters"]
+        self.steps_done, self.skipped_updates = state["step"], counters.get("skipped_updates", 0)
+        self.fresh_adapter = self.steps_done == 0
+        if self.entropy_control is not None:
+            self.entropy_control.restore(counters)
+        if self.roll.placement != "local":
+            self.resumed_versions = versions_from_tensors(state.get("rollout_versions") or {})
+
+    def save_adapter(self, folder: Path, adapter: dict[str, torch.Tensor] | None = None) -> None:
+        """The LoRA weights into `folder` as peft saves them, on rank 0: `adapter` (a state_dict's, as a checkpoint
+        keeps it), else the trained one, called on every rank and refused on each when a weight is not finite."""
+        if adapter is None:
+            adapter = self.state_dict()["adapter"]
+            if not all(torch.isfinite(t).all() for t in adapter.values()):
+                raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
+        if self.dist.is_main:  # LoRA weights only; the base is not resized
+            self.model.save_pretrained(folder, state_dict=adapter, save_embedding_layers=False)
+
+    def evaluate(self, final: bool = False, say: Callable[[str], None] = print) -> dict | None:
+        """The greedy held-out eval of the policy after `steps_done` steps (eval.every; `final`: eval.final's, which
+        reuses an eval.every eval of the same weights), said with `say` when it runs; on rank 0, None elsewhere and
+        where there is none to run. A stop request during it raises Interrupted."""
+        if self.evaluator is None or (final and not self.final_eval) or not self.dist.is_main:
+            return None
+        if self.last_eval is None or self.last_eval[0] != self.steps_done:
+            say("final evaluation on the held-out prompts (eval.final)" if final else
+                f"evaluating after step {self.steps_done - 1} on the held-out prompts")
+            self.last_eval = (self.steps_done, self.evaluator(self.engine, stop=self.stop))
+        return self.last_eval[1]
+
+    def close(self) -> None:
+        """Stop the generator ahead of the update, if one runs."""
+        if self.ahead is not None:
+            self.ahead.close()
 
     # ---- bookkeeping ----------------------------------------------------------------------------
-    def metrics(self, step: int, batch: Batch, stats: StepStats, seconds: float) -> dict:
-        G = self.algo.num_generations
-        r = batch.rewards
-        lengths = batch.rollout.loss_mask().sum(dim=1).float()
-        row = {
-            "step": step,
-            "reward": float(r.mean()),
-            "reward_std": algorithm.group_std_mean(r, G),
-            **{f"reward/{name}": present_mean(v) for name, v in batch.per_function.items()},
-            "frac_reward_zero_std": algorithm.zero_std_group_fraction(r, G),
-            "kl": stats.kl,
-            "clip_fraction": stats.clip_fraction,
-            "clip_fraction/low": stats.clip_low, "clip_fraction/high": stats.clip_high,
-            "loss": stats.loss,
-            "grad_norm": stats.grad_norm,
-            "entropy": stats.entropy,
-            "completion_len": float(lengths.mean()),
-            "truncated_frac": float(batch.rollout.truncated.float().mean()),
-            "lr": self.lr_schedule.lr,
-            "step_time_s": seconds,
-            **{k: batch.stats.get(k, 0.0) for k in ("gen_tokens_per_s", "gen_time_s", "gen_compile_s", "gen_sync_s")},
-            "reward_errors": batch.reward_errors, "skipped_updates": self.skipped_updates,
-            **{k: batch.stats[k] for k in ("prompts_truncated", "prompts_dropped")},
-            **{k: v for k, v in batch.stats.items() if k.startswith(("filter_", "rollout/", "sync/"))},
-            **{f"episodes/{k}": v for k, v in batch.rollout.metrics().items()},
-            **self.sampler_correction.metrics(),
-            **{f"outcomes/{name}/{kind}": n for name, o in batch.outcomes.items() for kind, n in o.counts().items()},
-        }
-        if self.dist.enabled:  # every rank has as many rows: rank means average exactly; counts add up
-            summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped",
-                      *(k for k in row if k.startswith("outcomes/")))
-            averaged = ["reward", "reward_std", "frac_reward_zero_std", "completion_len", "truncated_frac",
-                        *(k for k in row if k.startswith("reward/"))]
-            keys = [*averaged, *summed]
-            totals = distributed.sum_floats([float(row[k]) for k in keys], self.dist, self.lm.device)
-            for k, v in zip(keys, totals, strict=True):
-                row[k] = v if k in summed else v / self.dist.world_size
-        return row
-
-    def check_first_update(self, step: int, first: UpdateSums, on_policy: bool) -> None:
-        """The first update of a step starts from the policy that sampled the rollout: ratio 1 (when there is
-        an old pass to compare with) and, at step 0 with a fresh adapter, the reference policy: KL 0."""
-        ratio, kl = first.mean("ratio"), first.mean("kl")
-        if not on_policy and abs(ratio - 1.0) > 1e-3:
-            raise InvariantError(f"invariant 'ratio == 1 on the first mini-batch of the first pass' failed at step "
-                                 f"{step}: mean ratio {ratio:.6f}")
-        if self.fresh_adapter and self.algo.beta > 0 and kl > 1e-6:
-            raise InvariantError(f"invariant 'KL == 0 with a fresh adapter' failed at step {step} (first mini-batch): "
-                                 f"kl {kl:.3e}")
-
-
-def check_invariants(step: int, batch: Batch, stats: StepStats, algo) -> None:
-    """algo.check after a step: log-probs are <= 0, and the advantages of each group sum to 0 where the
-    estimator (algo.advantage) promises it."""
-    if stats.max_logp > 1e-5:
-        raise InvariantError(f"invariant 'logp <= 0' failed at step {step}: max logp {stats.max_logp:.3e}")
-    group_sums = batch.advantages.detach().float().view(-1, algo.num_generations).sum(dim=1).abs().max()
-    if algorithm.ADVANTAGES[algo.advantage].zero_sum_groups and float(group_sums) > 1e-3:
-        raise InvariantError(f"invariant 'advantages sum to 0 per group' failed at step {step}: "
-                             f"max |sum| {float(group_sums):.2e}")

@@ -2,8 +2,10 @@
 first starts), job records to the summary and ranked cells (summary), their intervals (stats), what a re-run
 does with each job (rerun).
 
-May import: run, step, rollout, rewards, algorithm, tasks, model, tracking, config, base. `grpo_cli.sweep.SweepSummary` (hydra.callbacks' _target_) is loaded on
-first use, so that grpo-report's reading of a sweep does not import what the callback validates with."""
+May import: run, step, rollout, rewards, algorithm, tasks, model, tracking, config, base.
+
+`grpo_cli.sweep.SweepSummary` (hydra.callbacks' _target_) is loaded on first use, so that grpo-report's reading of
+a sweep does not import what the callback validates with."""
 
 from __future__ import annotations
 
