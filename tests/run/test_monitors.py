@@ -88,7 +88,8 @@ def recorded_quickstart_runs() -> dict[tuple, list[dict]]:
 
 
 def test_the_quickstarts_recorded_runs_raise_no_alarm():
-    """Real runs that learned (docs/results.md): their kl rises fastest while it leaves 0, and levels off."""
+    """Real runs that learned (docs/results/cpu-defaults.md, bf16-on-the-cpu.md): their kl rises fastest while it
+    leaves 0, and levels off."""
     runs = recorded_quickstart_runs()
     assert len(runs) == 9
     for key, rows in runs.items():
