@@ -7,7 +7,7 @@ Per step: generation (engine.generate, what the worker does first), the worker's
 the tokens it sampled: rollout/ahead.rollout_logprobs, a second forward of the whole batch), the trainer's reference
 pass (the frozen base's log-probs), and the trainer's update (GRPOTrainer.update: the reference pass again, the
 policy's forward and backward, the optimizer). Worker = generation + sampler pass; trainer = update. The first step
-warms up: read the others. docs/results.md, "Generation in a worker", uses it.
+warms up: read the others. docs/results/rollout-worker.md, "The worker's reference pass", uses it.
 """
 
 from __future__ import annotations

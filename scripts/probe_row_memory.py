@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Peak memory of one row's forward+backward through the LoRA policy (the embedded SmolLM2-135M, fp32, r=16 on all
-linear layers, one thread): what docs/usage.md's table under "Why a budget changes the allocator on the CPU" reports.
+linear layers, one thread): what the table of docs/results/long-completions.md, "Under a memory budget", reports
+(and docs/usage.md's under "Why a budget changes the allocator on the CPU").
 
     python scripts/probe_row_memory.py 2048 gc 256   # T tokens, checkpointing on (nogc: off), head blocks (1024)
     MALLOC_MMAP_THRESHOLD_=1048576 python scripts/probe_row_memory.py 2048 gc 256  # glibc returning freed blocks,

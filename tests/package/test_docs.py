@@ -16,7 +16,7 @@ from grpo_cli.config.compose import CONF_DIR, available_recipes
 from grpo_cli.config.schema import OPTIONS, declares
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]  # docs/results/: one file per study
 FENCED = re.compile(r"^```.*?^```", re.S | re.M)
 
 
@@ -56,7 +56,7 @@ def broken_links(doc: Path) -> list[str]:
     return broken
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(REPO)))
 def test_every_link_between_the_docs_lands_on_a_file_and_a_heading(doc):
     assert broken_links(doc) == []
 
@@ -202,7 +202,7 @@ def doc_problems(text: str) -> list[str]:
     return sorted(set(problems))
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(REPO)))
 def test_every_option_value_and_group_option_the_docs_show_is_accepted(doc):
     assert doc_problems(doc.read_text()) == []
 
@@ -216,3 +216,12 @@ def test_the_option_check_sees_a_misnamed_option_a_wrong_choice_and_a_missing_re
         "reinforce_plus_plus_baseline, opo, grpo_passk", "algo.clip_epss=0.3: no such option",
         "model=huge: no such model option", "rollout.engine=hf,turbo: rollout.engine takes auto, compiled, hf, "
         "merged, vllm", "trainer.max_step: no such option"]
+
+
+def test_the_results_index_lists_every_study():
+    """docs/results/README.md is the index of the measurements: a study file it does not link is one no reader finds
+    from the README."""
+    index = REPO / "docs" / "results" / "README.md"
+    linked = {t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", prose(index.read_text()))}
+    studies = {f.name for f in index.parent.glob("*.md")} - {index.name}
+    assert len(studies) > 10 and studies <= linked, sorted(studies - linked)

@@ -89,7 +89,7 @@ def test_cell_table_labels_and_failed_job():
 
 
 def test_paired_p_by_hand_takes_out_what_the_seed_shares():
-    # the CPU sweep's held-out accuracy (docs/results.md): seed 0 is lower in both cells
+    # the CPU sweep's held-out accuracy (docs/results/beta-clip-eps-sweeps.md): seed 0 is lower in both cells
     best, other = {0: 0.62, 1: 0.68, 2: 0.69}, {0: 0.59, 1: 0.67, 2: 0.68}
     # differences 0.03, 0.01, 0.01: mean 0.016667, std 0.011547, t = mean / (std / sqrt(3)) = 2.5, df 2
     from scipy import stats

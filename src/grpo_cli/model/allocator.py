@@ -1,12 +1,11 @@
 """The C allocator grpo-train and grpo-eval run on: TCMalloc (gperftools' libtcmalloc_minimal) where it is
 installed, else the C library's.
 
-Why: on the CPU a step's tensors are the C allocator's blocks, and glibc's malloc keeps the freed blocks of one
-pass where the next pass's blocks do not fit them, so a step's peak holds more freed memory than tensors. At the
-bench shape (SmolLM2-135M in fp32, 2 prompts x 8 completions of 64 tokens, one thread; docs/results.md,
-2026-12-04) the peak RSS was 4.8 GB on glibc and 4.0 GB on TCMalloc, at the same step time. TCMalloc is what
-PyTorch's CPU tuning guide and vLLM's CPU docs recommend preloading. It cannot be swapped in a running process, so
-the command re-executes itself once with it in LD_PRELOAD (`preload`).
+Why: on the CPU a step's tensors are the C allocator's blocks, and glibc's malloc keeps the freed blocks of one pass
+where the next pass's blocks do not fit them, so a step's peak holds more freed memory than tensors. TCMalloc keeps
+freed blocks in size classes: a lower peak at the same step time (docs/results/long-completions.md, "The C allocator",
+has the numbers). TCMalloc is what PyTorch's CPU tuning guide and vLLM's CPU docs recommend preloading. It cannot be
+swapped in a running process, so the command re-executes itself once with it in LD_PRELOAD (`preload`).
 
     GRPO_CLI_ALLOCATOR=tcmalloc   TCMalloc, an error where it is not installed
     GRPO_CLI_ALLOCATOR=system     the C library's (glibc's) allocator

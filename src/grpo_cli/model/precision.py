@@ -13,8 +13,9 @@ from grpo_cli.base.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHOICES = ("auto", *DTYPES)
-# Whether `auto` picks bf16 on a CPU with bf16 matrix instructions. Off: in the fp32-vs-bf16 learning table of
-# docs/results.md, bf16's rise fell outside fp32's spread, and a default may not change what a run learns.
+# Whether `auto` picks bf16 on a CPU with bf16 matrix instructions. Off: in the fp32-vs-bf16 learning table
+# (docs/results/bf16-on-the-cpu.md), bf16's rise fell outside fp32's spread, and a default may not change what a
+# run learns.
 CPU_AUTO_BF16 = False
 
 

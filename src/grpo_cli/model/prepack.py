@@ -3,8 +3,8 @@
 A GRPO step on the CPU is mostly matrix products with the frozen base's weights: every decode step of the rollout
 (16 rows at a time), the reference pass, and the policy's forward and backward through the base under its LoRA
 adapter. oneDNN multiplies faster from a weight it has laid out once in its own blocked format (what torch.compile's
-CPU freezing and IPEX do): 1.3-1.5x at 16 rows, 1.15-1.2x at 1024 rows, 2x for a 49k-vocabulary LM head at 16 rows
-(scripts/bench.py; docs/results.md). The base never changes while training, so the layout is made once.
+CPU freezing and IPEX do), most at the decode step's few rows and for the LM head (the speed-ups, measured with
+scripts/bench.py: docs/results/step-phases.md). The base never changes while training, so the layout is made once.
 
 `PackedLinear` is an `nn.Linear` with the same weight and bias parameters (state dicts, peft, ties and merges see
 the very same tensors) that multiplies through the packed copy when the weight is frozen and on the CPU. The

@@ -285,8 +285,8 @@ def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float
 
     On the CPU the draw itself is `GumbelSample`'s: transformers' own warpers (temperature, top_k, top_p, min_p, in
     generate's order) then the argmax of scores plus Gumbel noise, the same distribution as generate's
-    `torch.multinomial`, whose CPU kernel draws an exponential per vocabulary entry (16 ms a decode step for 16
-    rows of a 49k vocabulary, against 4 ms here)."""
+    `torch.multinomial`, whose CPU kernel draws an exponential per vocabulary entry: a few times slower at a 49k
+    vocabulary (docs/results/step-phases.md)."""
     if greedy:
         return {"do_sample": False, "repetition_penalty": 1.0}
     if device is None or device.type != "cpu":

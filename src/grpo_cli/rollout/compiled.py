@@ -1,7 +1,7 @@
 """The `compiled` engine: transformers' generate on a merged inference copy of the policy, with a static KV
 cache sized once and (on CUDA) the decode step compiled by transformers (torch.compile, CUDA graphs).
 
-What it changes against `hf`, and why (measured on an H200, see README "Speed"):
+What it changes against `hf`, and why (measured on an H200: docs/results/speed-against-trl.md):
 - no per-layer LoRA detour: the adapter is merged into a separate copy of the LoRA-wrapped weights
   (`InferenceCopy`), refreshed lazily before the first generation after `policy_changed()`;
 - a static cache of `rows x (longest prompt + max_new_tokens)`, allocated once per shape and reset between

@@ -1,11 +1,10 @@
 """A KV cache whose room for the rollout is reserved once, so that a decode step writes its token in place.
 
-transformers' DynamicCache grows each layer's keys and values with `torch.cat` at every decode step: a copy of the
-whole cache per token, O(L) work and a fresh allocation of the cache's size per layer per step (measured on the
-2-core CPU: 8 rows, 30 layers, 1024 tokens of context, about a tenth of a decode step). `reserve` moves each layer of
-a prefilled DynamicCache into a buffer with room for `extra` more tokens; attention then reads a view of the filled
-part, so its cost stays what attention over L keys costs. The values are the same tensors' values: the tokens drawn
-are identical (tested against the plain cache).
+transformers' DynamicCache grows each layer's keys and values with `torch.cat` at every decode step: a copy of the whole
+cache per token, O(L) work and a fresh allocation of the cache's size per layer per step, a cost that grows with the
+context (docs/results/long-completions.md). `reserve` moves each layer of a prefilled DynamicCache into a buffer with
+room for `extra` more tokens; attention then reads a view of the filled part, so its cost stays what attention over L
+keys costs. The values are the same tensors' values: the tokens drawn are identical (tested against the plain cache).
 """
 
 from __future__ import annotations

@@ -152,9 +152,9 @@ def unpadded_pays(model, rollout: Rollout, rows: slice) -> bool:
                    causal attention over sum_i (P_i + C_i)^2 / 2 pairs
 
     A token costs 2 FLOPs per decoder weight, a head position 2 per head weight, a query-key pair 4 per layer and
-    attention width; attention runs at 0.7 (masked: every block) and 0.55 (causal) of the products' speed (SDPA's
-    CPU kernels against oneDNN at 1024 tokens, 2026-12-03). Short completions of one prompt favour sharing it, long
-    or uneven ones the unpadded pass."""
+    attention width; attention runs at 0.7 (masked: every block) and 0.55 (causal) of the products' speed (SDPA's CPU
+    kernels against oneDNN at 1024 tokens: docs/results/long-completions.md). Short completions of one prompt favour
+    sharing it, long or uneven ones the unpadded pass."""
     inner = hf_model(model)
     config = inner.config.get_text_config()
     heads = config.num_attention_heads

@@ -85,7 +85,7 @@ def reads_sampler_logprobs(cfg: Config) -> bool:
 def reference_in_the_worker(cfg: Config, trainer_device: torch.device, worker_device: torch.device) -> bool:
     """Whether the worker makes the reference pass (the frozen base's log-probs, for the KL term) of each batch it
     generates: with a staleness bound (K >= 1) and a KL term, where trainer and worker split the CPU's cores. It
-    moves about a quarter of the update's work to the side that waits (docs/results.md, "Generation in a worker").
+    moves about a quarter of the update's work to the side that waits (docs/results/rollout-worker.md).
     Not at K=0 (the trainer waits for each batch: nothing to balance, and the update stays bitwise the local
     loop's), nor across devices (the reference would come in the worker's numerics)."""
     return (cfg.rollout.max_staleness >= 1 and needs_reference(cfg.algo)

@@ -13,7 +13,8 @@ after STEPS steps in a row past its threshold. W is WINDOW steps.
 
 Each value is a function of the run's metric rows, so a resumed run replays the rows it keeps (the same values,
 streaks and alarms said) and grpo-report draws them for any run. The thresholds were checked on the quickstart's
-recorded runs (docs/*_quickstart_*.csv), which raise no alarm: their kl rises fastest while it leaves 0, under 0.1.
+recorded runs (docs/results/*_quickstart_*.csv), which raise no alarm: their kl rises fastest while it leaves 0,
+under 0.1.
 """
 
 from __future__ import annotations

@@ -15,20 +15,14 @@ for its backward with LoRA on every linear layer,
 
 every layer's without checkpointing; with it, every layer's input (hidden values) and one layer's saved values,
 recomputed in the backward. A budget also takes the LM head in blocks of BUDGET_HEAD_CHUNK positions and, on the CPU,
-has glibc return freed blocks to the system (return_freed_blocks): by default glibc keeps them, and a long row's
-peak is then mostly freed blocks, not tensors. Measured on one row of SmolLM2-135M in fp32 on the 2-core CPU
-(scripts/probe_row_memory.py, 2026-12-03), peak growth in MiB a token, glibc's default against blocks returned:
-
-    2048 tokens, plain                 2.28  against 1.26   (the estimate above: 1.14 + 0.07 for the head blocks)
-    2048 tokens, checkpointed          0.83  against 0.18   (0.10 + 0.07)
-    4096 tokens, checkpointed          0.87  against 0.12   (0.10 + 0.04)
-
-so with blocks returned the estimate holds to a few per cent; ALLOCATOR_FACTOR leaves room for what the rest of a
-step holds beside the pass. Without a budget nothing is estimated and the settings stand as given, and the command
-runs on TCMalloc where installed (grpo_cli/model/allocator.py: it keeps freed blocks in size classes, so a step's peak
-holds fewer of them than glibc's heap does, at glibc's speed); returning blocks throughout would cost a page fault
-per 4 KiB each time one is allocated again. A budget plans with glibc's allocator, whose freed blocks it can have
-returned.
+has glibc return freed blocks to the system (return_freed_blocks): by default glibc keeps them, and a long row's peak is
+then mostly freed blocks, not tensors. With blocks returned the estimate holds to a few per cent on one row of
+SmolLM2-135M (scripts/probe_row_memory.py; the numbers: docs/results/long-completions.md, "Under a memory budget");
+ALLOCATOR_FACTOR leaves room for what the rest of a step holds beside the pass. Without a budget nothing is estimated
+and the settings stand as given, and the command runs on TCMalloc where installed (grpo_cli/model/allocator.py: it keeps
+freed blocks in size classes, so a step's peak holds fewer of them than glibc's heap does, at glibc's speed); returning
+blocks throughout would cost a page fault per 4 KiB each time one is allocated again. A budget plans with glibc's
+allocator, whose freed blocks it can have returned.
 """
 
 from __future__ import annotations
@@ -53,7 +47,7 @@ if TYPE_CHECKING:
     from grpo_cli.rollout.common import Rollout
 
 GIB = 2**30
-ALLOCATOR_FACTOR = 1.3       # peak growth over the estimated tensors with freed blocks returned (1.04 measured, above)
+ALLOCATOR_FACTOR = 1.3       # room for the rest of a step over the estimate (one row alone: 1.04x, docstring's study)
 CPU_MICRO_BATCH_TOKENS = 2048  # auto on the CPU: the products run at full speed from a few hundred tokens on
 HEAD_BLOCKS = 3              # fp32 [chunk, vocab] blocks alive at once in the head pass (logits, p, onehot - p)
 BUDGET_HEAD_CHUNK = 256      # positions a head block holds under a budget: 150 MB at a 49k vocabulary, as fast as 1024
