@@ -11,46 +11,55 @@ one line (`composition_problem`). Validation (`check_options`), the option list 
 entry points turn the composed config into a `Config` (`Config.of`), and everything below them reads that.
 
 Choices that plug-ins extend (objectives, advantage estimators, KL estimators, engines, ...) are `str` fields
-whose rule reads their registry when a value is checked; a fixed set of choices is a `Literal`. Rules that
-relate several keys live in config.py, and those the step asks in config_rules.py. This module imports nothing
-heavy and lists no engine, optimizer, logger or loss type itself.
+whose rule reads their registry when a value is checked (config/values.py); a fixed set of choices is a
+`Literal`. The `algo` section is declared in config/algo.py. Rules that relate several keys live in run/validate.py,
+and those the step asks in config/rules.py. This module imports nothing heavy and lists no engine, optimizer, logger
+or loss type itself.
 """
 
 from __future__ import annotations
 
-import glob
-import importlib
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeAlias
+from typing import Any, ClassVar, Literal
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.base.redaction import find_secrets, remember
-from grpo_cli.config.option_table import (
-    ABSENT,
+from grpo_cli.config.algo import AlgoConfig
+from grpo_cli.config.option_table import ABSENT, Option, OptionTable, extras, option, raw_value, section, typed
+from grpo_cli.config.rule import (
     ANY_TEXT,
     AUTO_OR_BOOLEAN,
     MAPPING,
     TEXT,
     TEXT_LIST,
-    Option,
-    OptionTable,
     Rule,
-    extras,
     fail,
     integer,
-    is_int,
-    is_number,
     number,
-    one_of,
-    option,
-    raw_value,
-    section,
     shown,
-    typed,
+)
+from grpo_cli.config.values import (
+    ADAPTER,
+    AUTO_OR_BOOL,
+    AUTO_OR_COUNT,
+    BETAS,
+    DATA_PATH,
+    DEVICE,
+    DOTTED_PATH,
+    DOTTED_PATHS,
+    DTYPE,
+    HTTP_URL,
+    MODEL_NAME,
+    MODULE_NAMES,
+    ONE_SEED,
+    POSITIVE,
+    RESUME,
+    STOP_STRINGS,
+    TARGET_MODULES,
+    registered,
+    registry_names,
 )
 
 __all__ = [
@@ -62,181 +71,7 @@ __all__ = [
 ]
 
 
-def registry_names(module: str, attribute: str, *, auto: bool = False) -> Callable[[], tuple]:
-    """The names registered in `module.attribute` (a Registry or any dict/sequence of names), read when asked."""
-    def names() -> tuple:
-        found = tuple(str(n) for n in getattr(importlib.import_module(module), attribute))
-        return ("auto", *(n for n in found if n != "auto")) if auto else found
-
-    return names
-
-
-def registered(module: str, attribute: str, *, auto: bool = False) -> Rule:
-    """One of the names a plug-in registry holds when the value is checked."""
-    return one_of(names=registry_names(module, attribute, auto=auto))
-
-
-def _is_device(value) -> bool:
-    return isinstance(value, str) and bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", value))
-
-
-def _cuda_visible(value) -> bool:
-    if not str(value).startswith("cuda"):
-        return True
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _existing_path(value) -> bool:
-    return Path(str(value)).expanduser().exists()
-
-
-def _data_path(value) -> bool:
-    path = Path(str(value)).expanduser()
-    return path.exists() or (glob.has_magic(str(value)) and bool(glob.glob(str(path))))
-
-
-def _adapter_dir(value) -> bool:
-    return (Path(str(value)).expanduser() / "adapter_config.json").is_file()
-
-
-def _non_empty_texts(value) -> bool:
-    return isinstance(value, ListConfig) and all(isinstance(t, str) and t for t in value)
-
-
-def _target_modules(value) -> bool:
-    return (isinstance(value, str) and bool(value)) or (isinstance(value, ListConfig) and len(value) > 0
-                                                        and _non_empty_texts(value))
-
-
-def _betas(value) -> bool:
-    return isinstance(value, ListConfig) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)
-
-
-def _dotted_paths(value) -> bool:
-    return isinstance(value, ListConfig) and all(isinstance(t, str) and "." in t for t in value)
-
-
-UNIT_OPEN = number(0, 1, low_open=True, high_open=True)
-POSITIVE = number(0, low_open=True)
-STOP_STRINGS = Rule(_non_empty_texts, "a list of non-empty strings",
-                    failure="needs a list of non-empty strings, e.g. 'rollout.stop=[\"</answer>\"]' (quoted for "
-                            "the shell)")
-DEVICE = (Rule(_is_device, "auto, cpu, cuda or cuda:N", verb="use"),
-          Rule(_cuda_visible, "", failure="no CUDA device is visible here; use trainer.device=auto or cpu"))
-RESUME = Rule(lambda v: v == "auto" or _existing_path(v), "auto or a checkpoint / run dir",
-              failure="no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
-DATA_PATH = Rule(_data_path, "an existing file, glob or dir",
-                 failure="no such file, glob match or dir; give a .jsonl, .json, .parquet, .csv or .arrow file, a "
-                         "glob of them, or a save_to_disk dir")
-ADAPTER = Rule(_adapter_dir, "a run's adapter/ dir",
-               failure="holds no adapter_config.json; point it at a run's adapter/ folder")
-TARGET_MODULES = Rule(_target_modules, "all-linear or [names]",
-                      failure="give all-linear or a list of module names, e.g. [q_proj, v_proj]")
-BETAS = Rule(_betas, "[beta1, beta2] in [0, 1)", failure="needs [beta1, beta2], each in [0, 1)")
-DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
-                   failure="give the dotted path of a callable, e.g. pkg.module.fn")
-DOTTED_PATHS = Rule(_dotted_paths, "a list of pkg.module.fn",
-                    failure="needs a list of dotted paths of callables, e.g. "
-                            "'rollout.tools=[grpo_cli.calculator.calculator]'")
-HTTP_URL = Rule(lambda v: isinstance(v, str) and v.startswith(("http://", "https://")) and len(v) > 8,
-                "an http(s):// URL", failure="needs an http(s):// base URL, e.g. http://127.0.0.1:8000/v1")
-AUTO_OR_COUNT = Rule(lambda v: v == "auto" or (is_int(v) and v >= 1), "auto or an integer >= 1", verb="use")
-MODEL_NAME = Rule(TEXT.test, "hub id, dir, embedded:NAME, tiny-random",
-                  failure="give a hub id, a local directory, embedded:NAME or tiny-random")
-MODULE_NAMES = Rule(TEXT_LIST.test, TEXT_LIST.allowed,
-                    failure="give a list of module names, e.g. plugins=[my_pkg.my_engine]")
-ONE_SEED = Rule(lambda v: v == 1, "1",
-                failure="averaging one trial over several seeds is not supported (hydra-optuna-sweeper runs exactly "
-                        "one job per trial); use 1 and sweep trainer.seed=0,1,2 with the basic sweeper, whose "
-                        "summary groups the seeds of a setting")
-LOSS_TYPE = registered("grpo_cli.algorithm", "LOSS_TYPES")
-DTYPE: TypeAlias = Literal["auto", "float32", "bfloat16", "float16"]
-AUTO_OR_BOOL: TypeAlias = Literal["auto"] | bool
-
-
 # ---- the root sections -------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class AlgoConfig:
-    """algo: the GRPO objective, the objective and aggregation menu (docs/algorithm.md, sections 1, 3 and 4)
-    and the sampler correction (TRL's vllm_importance_sampling_*; docs/usage.md "vLLM")."""
-
-    num_generations: int = option("G: completions per prompt (the group)", 8, integer(2))
-    beta: float = option("KL coefficient; 0 skips the reference pass", 0.04, number(0))
-    clip_eps: float = option("eps_low of the clipped ratio", 0.2, UNIT_OPEN, row="clip")
-    clip_eps_high: float | None = option("eps_high; null = clip_eps", None, UNIT_OPEN, row="clip")
-    adv_eps: float = option("stability constant in the advantage denominator (1e-4 is usual)", 1.0e-4, UNIT_OPEN)
-    scale_rewards: Literal["group", "batch", "none"] = option(
-        "advantages divided by the reward std of the group, the batch, or not (Dr. GRPO)", "group")
-    loss_type: str = option("how token losses add up (see Loss types); TRL's name, kept as an alias of "
-                            "algo.aggregation", "grpo", LOSS_TYPE)
-    aggregation: str = option("how token losses add up: the same choices as algo.loss_type, which it overrides "
-                              "when not grpo", "grpo", LOSS_TYPE)
-    objective: str = option("the per-token policy loss: grpo (clipped surrogate), cispo, sapo, luspo, vespo",
-                            "grpo", registered("grpo_cli.algorithm", "OBJECTIVES"))
-    advantage: str = option("advantage estimator: grpo (group z-scores), rloo, reinforce_plus_plus_baseline, opo, "
-                            "grpo_passk", "grpo", registered("grpo_cli.algorithm", "ADVANTAGES"))
-    delta: float | None = option("two-sided clipping: the ratio capped at delta (INTELLECT-2; > 1 + "
-                                 "clip_eps_high); null = off", None, number(1, low_open=True))
-    cispo_max_ratio: float = option("cispo: cap of the detached ratio (TRL's epsilon_high for cispo)", 5.0,
-                                    POSITIVE)
-    sapo_temperature_pos: float = option("sapo: gate temperature where A > 0", 1.0, POSITIVE, row="sapo")
-    sapo_temperature_neg: float = option("sapo: gate temperature where A <= 0", 1.05, POSITIVE, row="sapo")
-    vespo_k_pos: float = option("vespo: gamma shape k where A >= 0", 2.0, number(0), row="vespo")
-    vespo_lambda_pos: float = option("vespo: gamma rate lambda where A >= 0", 3.0, number(0), row="vespo")
-    vespo_k_neg: float = option("vespo: gamma shape k where A < 0", 3.0, number(0), row="vespo")
-    vespo_lambda_neg: float = option("vespo: gamma rate lambda where A < 0", 2.0, number(0), row="vespo")
-    kl_estimator: str = option("per-token KL estimate in the beta term; k3 is TRL's and the contract's, "
-                               "unclamped (verl's k3 is its clamped low_var_kl)", "k3",
-                               registered("grpo_cli.algorithm", "KL_ESTIMATORS"))
-    use_bias_correction_kl: bool = option("multiply the KL term by the importance ratio (TRL's default is true; "
-                                          "ours false: plain k3)", False)
-    off_policy_mask_threshold: float | None = option(
-        "drop a sequence with A < 0 whose mean sampler - logp exceeds this (sampler: the engine's log-probs where "
-        "it gives them, else old; DeepSeek-V3.2, TRL); null = off", None, number(0))
-    top_entropy_quantile: float = option("policy loss on the highest-entropy share of each micro-batch's tokens "
-                                         "only; 1 = all", 1.0, number(0, 1, low_open=True))
-    entropy_coef: float = option("entropy bonus: loss - coef * token-mean entropy; the start value when "
-                                 "entropy_target is set", 0.0, number(0), row="entropy")
-    entropy_target: float | None = option("adaptive entropy bonus: coef rises by entropy_coef_delta per update "
-                                          "while entropy <= target, falls otherwise; null = fixed coef", None,
-                                          number(0), row="entropy")
-    entropy_coef_delta: float = option("step of the adaptive entropy coefficient (within [0, 1])", 0.005,
-                                       POSITIVE, row="entropy")
-    filter_groups: bool = option("dynamic sampling (DAPO): drop groups whose rewards all agree and draw more "
-                                 "prompts until data.prompts_per_step groups have signal", False, row="filter")
-    filter_max_draws: int = option("generation rounds per step at most with filter_groups; at the bound the step "
-                                   "trains on the groups it has", 4, integer(1), row="filter")
-    ratio_level: Literal["token", "sequence"] = option("importance ratio per token, or per sequence (GSPO)",
-                                                       "token")
-    mini_batches: int = option("optimizer updates per rollout batch, on whole groups; 1 (and num_iterations 1) "
-                               "= on-policy, clipping never acts", 1, integer(1), row="updates")
-    num_iterations: int = option("mu: passes over the mini-batches of one rollout batch", 1, integer(1),
-                                 row="updates")
-    mask_truncated: bool = option("leave completions that hit max_new_tokens without EOS out of the loss", False)
-    check: bool = option("live invariant checks (cheap)", True)
-    sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
-        option("weigh each token's policy term by exp(trainer - sampler log-prob), per token or summed per "
-               "sequence, truncated to or masked outside the clip bounds (rollout.engine=vllm or "
-               "rollout.placement=worker or server)", "none"))
-    sampler_clip_min: float | None = option("lower bound of the sampler weight; null = none", None, number(0),
-                                            row="sampler clip")
-    sampler_clip_max: float | None = option("upper bound of the sampler weight; null = none", 3.0, number(0),
-                                            row="sampler clip")
-
-    @property
-    def eps_high(self) -> float:
-        """The upper clip bound: clip_eps_high, or clip_eps where it is null."""
-        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-
-    @property
-    def effective_aggregation(self) -> str:
-        """The loss type in use: algo.aggregation, or its alias algo.loss_type (TRL's name) while aggregation is
-        left at the default."""
-        return self.aggregation if self.aggregation != "grpo" else self.loss_type
-
-
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """rollout: sampling the completions, the sampling options TRL users expect (docs/usage.md "Sampling and the

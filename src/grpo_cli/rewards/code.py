@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_cli.base.errors import ConfigError, inform, warn
-from grpo_cli.config.option_table import is_int, is_number
+from grpo_cli.config.rule import is_int, is_number
 from grpo_cli.rewards import Scored
 from grpo_cli.rewards.sandbox import (
     CHOICES,

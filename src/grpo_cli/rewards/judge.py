@@ -33,7 +33,7 @@ import string
 from typing import Any
 
 from grpo_cli.base.errors import ConfigError
-from grpo_cli.config.option_table import is_number
+from grpo_cli.config.rule import is_number
 from grpo_cli.rewards.remote import Service, ServiceError, check_answers, check_service_options, score_each
 
 TEMPLATE = ("Here is a question and an answer to it.\n\nQuestion: {question}\n\nAnswer: {completion}\n\n"

@@ -30,7 +30,7 @@ import threading
 from typing import Any
 
 from grpo_cli.base.errors import ConfigError
-from grpo_cli.config.option_table import is_int, is_number
+from grpo_cli.config.rule import is_int, is_number
 from grpo_cli.rewards import CompletionsFailed
 
 RETRIED_STATUS = (429, 500, 502, 503, 504)
