@@ -6,7 +6,9 @@ tests/data/run_before_folders: commit 6769b67 (the last before src/grpo_cli/ bec
 algo.num_generations=2 trainer.log_samples_every=0 trainer.max_steps=1 trainer.save_every=1`.
 tests/data/sweep_before_folders: commit 6769b67's `grpo-train -m` of the same with trainer.max_steps=3, seeds 0 and 1,
 eval.final=false and hydra.sweep.dir=/tmp/oldgen/sweep, stopped by SIGTERM in job 1 after its first step (job 0
-finished). Their .lock files and .hydra/hydra.yaml, which names the machine's paths, are left out."""
+finished). Their .lock files, .hydra/hydra.yaml and multirun.yaml (which name the machine's paths; Hydra writes them
+anew) are left out, and the sweep dir the records name is written SWEEP_DIR (the repository holds no machine's path).
+"""
 
 from __future__ import annotations
 
@@ -43,11 +45,13 @@ def test_a_stopped_sweep_of_the_release_before_the_folders_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
     shutil.copytree(DATA / "sweep_before_folders", sweep)
     for file in sweep.rglob("*"):  # the paths the earlier release recorded, as if it had run here
-        if file.is_file() and file.suffix in (".json", ".csv", ".yaml"):
-            file.write_text(file.read_text().replace("/tmp/oldgen/sweep", str(sweep)))
+        if file.is_file() and file.suffix in (".json", ".csv"):
+            file.write_text(file.read_text().replace("SWEEP_DIR", str(sweep)))
     finished = (sweep / "0" / "metrics.jsonl").read_text()
-    proc = run_cli(["-m", *ITS_OVERRIDES, "trainer.max_steps=3", "trainer.seed=0,1", "eval.final=false",
-                    f"hydra.sweep.dir={sweep}"], tmp_path, timeout=600)
+    command = json.loads((sweep / ".grpo_sweep_command.json").read_text())["overrides"]  # the sweep's, in its order
+    assert command == [*ITS_OVERRIDES[:-1], "trainer.max_steps=3", "trainer.save_every=1", "trainer.seed=0,1",
+                       "eval.final=false"]
+    proc = run_cli(["-m", *command, f"hydra.sweep.dir={sweep}"], tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (sweep / "0" / "metrics.jsonl").read_text() == finished  # skipped, untouched
     steps = [json.loads(line)["step"] for line in (sweep / "1" / "metrics.jsonl").read_text().splitlines()]

@@ -123,6 +123,9 @@ def validate(cfg: DictConfig) -> list[str]:
              "its inference copy merges LoRA into the base weights; use rollout.engine=hf (or auto)")
     if data.low is not None and data.high is not None and data.high < data.low:
         fail("data.high", data.high, f"needs an integer >= data.low ({data.low})")
+    from grpo_cli.tasks.sources import check_files_are_read
+
+    check_files_are_read(data)  # a data file is read or refused, never ignored
     _validate_rewards(config)
     _validate_optimizer(config)
     if config.sweep.metric == "final_eval_accuracy" and config.eval.final is False:

@@ -311,7 +311,7 @@ class GRPOTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` gave (the adapter as peft saves it). The configured optimizer hyperparameters win
-        over the saved ones: a change trainer.resume_allow_changes let through is applied (unchanged: the same)."""
+        over the saved ones: a change that the run allowed is applied (unchanged: they are the same numbers)."""
         set_peft_model_state_dict(self.model, {k: v.to(self.lm.device) for k, v in state["adapter"].items()})
         configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
