@@ -38,11 +38,11 @@ import importlib
 import inspect
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from grpo_cli.base import user_code
-from grpo_cli.base.errors import ConfigError, RewardError
+from grpo_cli.base.errors import ConfigError, DataError, RewardError
 from grpo_cli.base.user_code import raised, shown
 from grpo_cli.config.schema import RewardConfig, RewardFunctionConfig
 from grpo_cli.rewards.aggregation import combine
@@ -105,7 +105,10 @@ def reward_arguments(fn, prompts, completions, fields: dict) -> tuple[tuple, dic
     passed = {k: v for k, v in fields.items()
               if k not in EXTRA_FIELDS or k in params or (free and k not in BY_NAME_ONLY)}
     keywords = {"prompts": prompts, "completions": completions, **passed}
-    for args, kwargs in (((), keywords), ((prompts, completions), passed)):
+    # by position only for a function that does not name `completions`: one that does and lacks another argument
+    # (a column the data does not have) would get the prompts as its completions
+    forms = [((), keywords)] + ([((prompts, completions), passed)] if "completions" not in params else [])
+    for args, kwargs in forms:
         try:
             signature.bind(*args, **kwargs)
         except TypeError:
@@ -395,6 +398,65 @@ def build_reward(name: str, spec: RewardFunctionConfig, **context):
     except BaseException as err:  # user code: one line, exit 2, whatever it raised
         raise ConfigError(f"reward.functions.{name}: building {spec._target_} raised {raised(err)}; fix its "
                           "constructor or the entry's options") from None
+
+
+# ---- the data columns a reward needs ---------------------------------------------------------------
+TRAINER_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "environments", "messages")  # TRL's
+
+
+def _call_target(target, options: dict):
+    """What is called for each batch: the function with its options bound, or a class's __call__ (its options go
+    to the constructor)."""
+    if inspect.isclass(target):
+        return functools.partial(target.__call__, None)  # the unbound method, `self` taken
+    return functools.partial(target, **options) if options else target
+
+
+def missing_columns(target, options: dict, columns: list[str], rollout_fields: tuple[str, ...]) -> list[str]:
+    """The parameters of a reward entry without a default that its call as TRL makes it (`reward_arguments`: by
+    keyword, or its first two parameters by position) leaves unbound when the data rows have `columns` and the
+    rollout gives `rollout_fields`: columns the data lacks. The names the trainer passes (TRAINER_PASSED) are never
+    columns."""
+    fn = _call_target(target, _with_free_options(target, dict(options)))
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return []
+    free = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    given = {k for k in (*columns, *rollout_fields)
+             if k not in EXTRA_FIELDS or k in params or (free and k not in BY_NAME_ONLY)}
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    def unbound(names: list[str], passed: set[str]) -> list[str]:
+        return [n for n in names if params[n].default is params[n].empty and n not in passed]
+
+    missing = unbound(named, {"prompts", "completions", *given})
+    if missing and "completions" not in params:  # `lambda p, c, **_`: by position, the first two take them
+        missing = unbound(named[2:], given)
+    return [n for n in missing if n not in TRAINER_PASSED]
+
+
+def check_columns(cfg_reward: RewardConfig, rows: list[dict], rollout_fields: tuple[str, ...] = ("completion_ids",),
+                  where: Callable[[dict], str] = repr) -> None:
+    """DataError, before the model loads, for a reward function's parameter that no column of the training rows gives
+    (a function called without it would raise at the first step), or that some rows lack (`where` names the first)."""
+    every = [k for k in rows[0] if all(k in row for row in rows)] if rows else []
+    some = list(dict.fromkeys(k for row in rows for k in row))
+    for name, spec in (cfg_reward.functions or {}).items():
+        try:
+            target = resolve_callable(spec._target_)
+        except (ImportError, AttributeError, ValueError):
+            continue  # said by the config's check
+        for column in missing_columns(target, dict(spec.options), every, rollout_fields):
+            who = f"reward.functions.{name} ({spec._target_})"
+            if column in some:
+                first = next(row for row in rows if column not in row)
+                raise DataError(f"{who} needs the column {column!r}, which {where(first)} lacks (and "
+                                f"{sum(column not in row for row in rows) - 1} more rows); give every row that column")
+            hint = " (data.answer_column=COLUMN names the column that arrives as answer)" if column == "answer" else ""
+            raise DataError(f"{who} needs the column {column!r}, which the data does not have (its columns: "
+                            f"{', '.join(k for k in every if k != 'messages') or 'none'}){hint}; add that column, "
+                            "or give the parameter a default")
 
 
 # ---- built before the model loads ----------------------------------------------------------------

@@ -30,7 +30,7 @@ from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.rules import is_on_policy
 from grpo_cli.config.schema import AlgoConfig, Config
 from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
-from grpo_cli.rewards import Outcomes, RewardSet
+from grpo_cli.rewards import Outcomes, RewardSet, check_columns
 from grpo_cli.rewards.aggregation import present_mean
 from grpo_cli.rollout import (
     Generation,
@@ -45,7 +45,7 @@ from grpo_cli.rollout import rows as row_ops
 from grpo_cli.step import distributed, dynamic_sampling, memory
 from grpo_cli.step.evaluate import final_eval_on
 from grpo_cli.step.optim import LRSchedule, build_optimizer
-from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts
+from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts, where_of
 from grpo_cli.tasks.sources import PromptSampler, load_rows
 
 
@@ -181,6 +181,7 @@ class GRPOTrainer:
             rows = load_rows(data, split="train", seed=self.tcfg.seed)
         self.sampler = PromptSampler(rows, data.prompts_per_step, self.tcfg.seed)
         self.episodes = episodes.EpisodeRunner.from_config(cfg)  # None: single-turn; a bad tool fails before the load
+        check_columns(cfg.reward, rows, episodes.reward_field_names(self.episodes), where=where_of)  # before the load
         # eval.final resolved (auto: in a sweep) by the CLI, which knows; a trainer built by hand is a single run
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
