@@ -12,7 +12,8 @@ import pytest
 from conftest import TINY_TRAINER, read_jsonl, run_cli
 
 from grpo_cli.base.errors import DataError
-from grpo_cli.rewards import check_columns, reward_arguments
+from grpo_cli.rewards import reward_arguments
+from grpo_cli.rewards.columns import check_columns
 from grpo_cli.tasks.prompts import Row, where_of
 
 

@@ -38,11 +38,11 @@ import importlib
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from grpo_cli.base import user_code
-from grpo_cli.base.errors import ConfigError, DataError, RewardError
+from grpo_cli.base.errors import ConfigError, RewardError
 from grpo_cli.base.user_code import raised, shown
 from grpo_cli.config.schema import RewardConfig, RewardFunctionConfig
 from grpo_cli.rewards.aggregation import combine
@@ -123,6 +123,15 @@ def call_reward(fn, prompts, completions, fields: dict):
     return user_code.awaited(fn(*args, **kwargs))
 
 
+def said(err: BaseException) -> str:
+    """`: message` of an exception for the end of a line; for one without a message (MemoryError()) what it means,
+    never an empty `: `."""
+    text = " ".join(str(err).split())
+    if text:
+        return f": {text}"
+    return " (out of memory)" if isinstance(err, MemoryError) else " (with no message)"
+
+
 class Scored(list):
     """What a reward function returns when it says what happened to each completion: the scores (this list) and
     `outcomes`, one short text per completion ("passed 3/4", "timeout"), whose first word is its kind; `kinds`
@@ -172,6 +181,7 @@ class Scoring:
     per_function: dict[str, list[float | None]]
     errors: int
     outcomes: dict[str, Outcomes]
+    first_error: str | None = None  # what the first of those `errors` was, for the step's line
 
 
 @dataclass
@@ -239,20 +249,27 @@ class RewardSet:
         return self._call(rf, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in fields.items()})
 
     def _one_at_a_time(self, rf: RewardFunction, prompts, completions,
-                       fields) -> tuple[list[float], int, Outcomes | None]:
+                       fields) -> tuple[list[float], int, Outcomes | None, str | None]:
         """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero), and the
-        outcome "error" when the function gives outcomes."""
-        scores, errors, texts, kinds = [], 0, [], None
+        outcome "error" when the function gives outcomes; and what the first failure was."""
+        scores, errors, texts, kinds, first = [], 0, [], None, None
         for i in range(len(completions)):
             try:
                 returned = self._call_one(rf, prompts, completions, fields, i)
-            except user_code.FAILED:
+            except user_code.FAILED as failure:
                 scores, errors, texts = [*scores, 0.0], errors + 1, [*texts, "error"]
+                first = first or self._failed(rf, failure, i)
             else:
                 scores += to_scores(rf.name, returned, 1, allow_none=True, label=rf.label)
                 texts.append(returned.outcomes[0] if isinstance(returned, Scored) else None)
                 kinds = returned.kinds if isinstance(returned, Scored) else kinds
-        return scores, errors, None if kinds is None else Outcomes(texts, (*kinds, "error"))
+        return scores, errors, None if kinds is None else Outcomes(texts, (*kinds, "error")), first
+
+    def _failed(self, rf: RewardFunction, failure: Exception, i: int) -> str:
+        """What went wrong with completion `i` (on_error=zero says it in the step's line)."""
+        if isinstance(failure, user_code.TimedOut):
+            return f"{rf.label} did not return within reward.timeout_s={self.timeout_s} s on completion {i}"
+        return f"{rf.label} raised {type(failure.error).__name__} on completion {i}{said(failure.error)}"
 
     def score(self, prompts: list, completions: list[str], fields: dict[str, list],
               group_size: int | None = None) -> tuple[list[float], dict[str, list[float | None]], int]:
@@ -264,7 +281,7 @@ class RewardSet:
     def score_all(self, prompts: list, completions: list[str], fields: dict[str, list],
                   group_size: int | None = None) -> Scoring:
         """`score`, with the outcomes of the functions that give them."""
-        per_fn, errors, outcomes = {}, 0, {}
+        per_fn, errors, outcomes, first = {}, 0, {}, None
         for rf in self.functions:
             try:
                 returned = self._call(rf, prompts, completions, fields)
@@ -276,9 +293,10 @@ class RewardSet:
                     zeroed = [0.0 if i in partial.failed else s for i, s in enumerate(partial.scores)]
                     scores = to_scores(rf.name, zeroed, len(completions), allow_none=True)
                     failed, given = len(partial.failed), None
+                    why = f"{rf.label} could not score completion {partial.failed[0]}{said(partial)}"
                 else:
-                    scores, failed, given = self._one_at_a_time(rf, prompts, completions, fields)
-                errors += failed
+                    scores, failed, given, why = self._one_at_a_time(rf, prompts, completions, fields)
+                errors, first = errors + failed, first or why
             else:
                 scores = to_scores(rf.name, returned, len(completions), allow_none=True, label=rf.label)
                 given = Outcomes(returned.outcomes, returned.kinds) if isinstance(returned, Scored) else None
@@ -290,6 +308,7 @@ class RewardSet:
                         raise RewardError(f"{rf.label} gave {s} for completion {i}; rewards must be finite (or set "
                                           "reward.on_error=zero)")
                     scores[i], errors = 0.0, errors + 1
+                    first = first or f"{rf.label} gave {s} for completion {i}"
             per_fn[rf.name] = scores
         weights = {rf.name: rf.weight for rf in self.functions}
         totals = combine(weights, per_fn, self.aggregation, group_size)
@@ -298,7 +317,7 @@ class RewardSet:
             terms = ", ".join(f"{rf.name} {per_fn[rf.name][bad]} x weight {rf.weight:g}" for rf in self.functions)
             raise RewardError(f"the total reward of completion {bad} is {totals[bad]} ({terms}, reward.aggregation="
                               f"{self.aggregation}); rewards must sum to a finite number: lower the weights")
-        return Scoring(totals, per_fn, errors, outcomes)
+        return Scoring(totals, per_fn, errors, outcomes, first)
 
     def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
         if isinstance(failure, user_code.TimedOut):
@@ -308,10 +327,11 @@ class RewardSet:
         err = failure.error
         if isinstance(err, CompletionsFailed):
             return RewardError(f"{rf.label} could not score completion {err.failed[0]} ({len(err.failed)} of "
-                               f"{len(completions)} failed): {err}; fix it or set reward.on_error=zero")
+                               f"{len(completions)} failed){said(err)}; fix it or set reward.on_error=zero")
         index = self._first_failing(rf, prompts, completions, fields)
         where = f" on completion {index}" if index is not None else ""
-        return RewardError(f"{rf.label} raised {type(err).__name__}{where}: {err}; fix it or set reward.on_error=zero")
+        return RewardError(f"{rf.label} raised {type(err).__name__}{where}{said(err)}; fix it or set "
+                           "reward.on_error=zero")
 
     def _first_failing(self, rf: RewardFunction, prompts, completions, fields) -> int | None:
         """Re-run one completion at a time to name the one that makes the function raise."""
@@ -374,7 +394,7 @@ def check_option_names(prefix: str, target, options: dict) -> None:
             raise ConfigError(f"{prefix}.{key}={value} is invalid: {who} takes no option {key}{extra}{hint}")
 
 
-def _with_free_options(target, options: dict) -> dict:
+def with_free_options(target, options: dict) -> dict:
     """The options as keyword arguments: those under `kwargs` (for the target's **kwargs) among the others."""
     free = options.pop(FREE_OPTIONS, None) if isinstance(options.get(FREE_OPTIONS), Mapping) else None
     named = inspect.signature(target).parameters.get(FREE_OPTIONS)
@@ -389,7 +409,7 @@ def build_reward(name: str, spec: RewardFunctionConfig, **context):
     """The callable for one entry: the function with its options bound, or the class built with its options
     (plus `name`, `device`, `dtype` when its constructor takes them)."""
     target = resolve_callable(spec._target_)
-    options = _with_free_options(target, dict(spec.options))
+    options = with_free_options(target, dict(spec.options))
     if not inspect.isclass(target):
         return functools.partial(target, **options) if options else target
     accepted = inspect.signature(target).parameters
@@ -398,65 +418,6 @@ def build_reward(name: str, spec: RewardFunctionConfig, **context):
     except BaseException as err:  # user code: one line, exit 2, whatever it raised
         raise ConfigError(f"reward.functions.{name}: building {spec._target_} raised {raised(err)}; fix its "
                           "constructor or the entry's options") from None
-
-
-# ---- the data columns a reward needs ---------------------------------------------------------------
-TRAINER_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "environments", "messages")  # TRL's
-
-
-def _call_target(target, options: dict):
-    """What is called for each batch: the function with its options bound, or a class's __call__ (its options go
-    to the constructor)."""
-    if inspect.isclass(target):
-        return functools.partial(target.__call__, None)  # the unbound method, `self` taken
-    return functools.partial(target, **options) if options else target
-
-
-def missing_columns(target, options: dict, columns: list[str], rollout_fields: tuple[str, ...]) -> list[str]:
-    """The parameters of a reward entry without a default that its call as TRL makes it (`reward_arguments`: by
-    keyword, or its first two parameters by position) leaves unbound when the data rows have `columns` and the
-    rollout gives `rollout_fields`: columns the data lacks. The names the trainer passes (TRAINER_PASSED) are never
-    columns."""
-    fn = _call_target(target, _with_free_options(target, dict(options)))
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return []
-    free = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    given = {k for k in (*columns, *rollout_fields)
-             if k not in EXTRA_FIELDS or k in params or (free and k not in BY_NAME_ONLY)}
-    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-    def unbound(names: list[str], passed: set[str]) -> list[str]:
-        return [n for n in names if params[n].default is params[n].empty and n not in passed]
-
-    missing = unbound(named, {"prompts", "completions", *given})
-    if missing and "completions" not in params:  # `lambda p, c, **_`: by position, the first two take them
-        missing = unbound(named[2:], given)
-    return [n for n in missing if n not in TRAINER_PASSED]
-
-
-def check_columns(cfg_reward: RewardConfig, rows: list[dict], rollout_fields: tuple[str, ...] = ("completion_ids",),
-                  where: Callable[[dict], str] = repr) -> None:
-    """DataError, before the model loads, for a reward function's parameter that no column of the training rows gives
-    (a function called without it would raise at the first step), or that some rows lack (`where` names the first)."""
-    every = [k for k in rows[0] if all(k in row for row in rows)] if rows else []
-    some = list(dict.fromkeys(k for row in rows for k in row))
-    for name, spec in (cfg_reward.functions or {}).items():
-        try:
-            target = resolve_callable(spec._target_)
-        except (ImportError, AttributeError, ValueError):
-            continue  # said by the config's check
-        for column in missing_columns(target, dict(spec.options), every, rollout_fields):
-            who = f"reward.functions.{name} ({spec._target_})"
-            if column in some:
-                first = next(row for row in rows if column not in row)
-                raise DataError(f"{who} needs the column {column!r}, which {where(first)} lacks (and "
-                                f"{sum(column not in row for row in rows) - 1} more rows); give every row that column")
-            hint = " (data.answer_column=COLUMN names the column that arrives as answer)" if column == "answer" else ""
-            raise DataError(f"{who} needs the column {column!r}, which the data does not have (its columns: "
-                            f"{', '.join(k for k in every if k != 'messages') or 'none'}){hint}; add that column, "
-                            "or give the parameter a default")
 
 
 # ---- built before the model loads ----------------------------------------------------------------

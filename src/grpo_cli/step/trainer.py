@@ -30,8 +30,9 @@ from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.rules import is_on_policy
 from grpo_cli.config.schema import AlgoConfig, Config
 from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
-from grpo_cli.rewards import Outcomes, RewardSet, check_columns
+from grpo_cli.rewards import Outcomes, RewardSet
 from grpo_cli.rewards.aggregation import present_mean
+from grpo_cli.rewards.columns import check_columns
 from grpo_cli.rollout import (
     Generation,
     Rollout,
@@ -57,6 +58,7 @@ class Scores:
     per_function: dict[str, list[float]]
     errors: int                      # reward calls that raised (reward.on_error=zero)
     outcomes: dict[str, Outcomes] = field(default_factory=dict)  # of the functions that give them (rewards.Scored)
+    first_error: str | None = None   # what the first of those errors was
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Batch:
     reward_errors: int = row_ops.summed(default=0)
     stats: dict = field(default_factory=dict)
     outcomes: dict[str, Outcomes] = row_ops.per_row_dict(default_factory=dict)  # of the rewards that say them
+    reward_error: str | None = None  # the first of reward_errors (a joined batch: its first record's), for the console
 
     def select_groups(self, groups: list[int]) -> Batch:
         """The batch of the given groups, in that order (rows stay grouped)."""
@@ -152,7 +155,7 @@ def make_batch(generation: Generation, scores: Scores, algo: AlgoConfig, device)
     advantages = algorithm.advantages_of(algo.advantage, scores.totals, algo.num_generations, eps=algo.adv_eps,
                                          scale=algo.scale_rewards, lengths=mask.sum(1))
     return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(device), mask,
-                 scores.errors, stats=generation.stats, outcomes=scores.outcomes)
+                 scores.errors, stats=generation.stats, outcomes=scores.outcomes, reward_error=scores.first_error)
 
 
 def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:
@@ -256,7 +259,8 @@ class GRPOTrainer:
                                              group_size=G)
         except Interrupted:
             return None
-        return Scores(torch.tensor(scoring.totals), scoring.per_function, scoring.errors, scoring.outcomes)  # float32
+        return Scores(torch.tensor(scoring.totals), scoring.per_function, scoring.errors, scoring.outcomes,  # float32
+                      scoring.first_error)
 
     def make_batch(self, generation: Generation, scores: Scores) -> Batch:
         return make_batch(generation, scores, self.algo, self.lm.device)

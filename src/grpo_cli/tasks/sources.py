@@ -72,7 +72,7 @@ def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_args)
     except Exception as err:  # reasoning-gym raises several types for an unknown task or bad args
-        raise DataError(f"data.task={task} with {task_args} failed in reasoning-gym ({err}); "
+        raise DataError(f"data.task={task} with {task_args} failed in reasoning-gym ({error_line(err)}); "
                         "check the task name and args") from None
     return [{"messages": _messages(x["question"], system_prompt, suffix), "answer": str(x["answer"])} for x in dataset]
 
