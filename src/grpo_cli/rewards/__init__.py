@@ -33,6 +33,7 @@ May import: tasks, model, config, base.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -181,7 +182,11 @@ class Scoring:
     per_function: dict[str, list[float | None]]
     errors: int
     outcomes: dict[str, Outcomes]
-    first_error: str | None = None  # what the first of those `errors` was, for the step's line
+    failures: list[str | None] = dataclasses.field(default_factory=list)  # per completion: what failed, or None
+
+    @property
+    def first_error(self) -> str | None:
+        return next((text for text in self.failures if text), None)
 
 
 @dataclass
@@ -251,19 +256,20 @@ class RewardSet:
     def _one_at_a_time(self, rf: RewardFunction, prompts, completions,
                        fields) -> tuple[list[float], int, Outcomes | None, str | None]:
         """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero), and the
-        outcome "error" when the function gives outcomes; and what the first failure was."""
-        scores, errors, texts, kinds, first = [], 0, [], None, None
+        outcome "error" when the function gives outcomes; and what failed, per completion (None: nothing)."""
+        scores, errors, texts, kinds, failures = [], 0, [], None, []
         for i in range(len(completions)):
             try:
                 returned = self._call_one(rf, prompts, completions, fields, i)
             except user_code.FAILED as failure:
                 scores, errors, texts = [*scores, 0.0], errors + 1, [*texts, "error"]
-                first = first or self._failed(rf, failure, i)
+                failures.append(self._failed(rf, failure, i))
             else:
                 scores += to_scores(rf.name, returned, 1, allow_none=True, label=rf.label)
                 texts.append(returned.outcomes[0] if isinstance(returned, Scored) else None)
+                failures.append(None)
                 kinds = returned.kinds if isinstance(returned, Scored) else kinds
-        return scores, errors, None if kinds is None else Outcomes(texts, (*kinds, "error")), first
+        return scores, errors, None if kinds is None else Outcomes(texts, (*kinds, "error")), failures
 
     def _failed(self, rf: RewardFunction, failure: Exception, i: int) -> str:
         """What went wrong with completion `i` (on_error=zero says it in the step's line)."""
@@ -281,7 +287,7 @@ class RewardSet:
     def score_all(self, prompts: list, completions: list[str], fields: dict[str, list],
                   group_size: int | None = None) -> Scoring:
         """`score`, with the outcomes of the functions that give them."""
-        per_fn, errors, outcomes, first = {}, 0, {}, None
+        per_fn, errors, outcomes, failures = {}, 0, {}, [None] * len(completions)
         for rf in self.functions:
             try:
                 returned = self._call(rf, prompts, completions, fields)
@@ -293,10 +299,13 @@ class RewardSet:
                     zeroed = [0.0 if i in partial.failed else s for i, s in enumerate(partial.scores)]
                     scores = to_scores(rf.name, zeroed, len(completions), allow_none=True)
                     failed, given = len(partial.failed), None
-                    why = f"{rf.label} could not score completion {partial.failed[0]}{said(partial)}"
+                    why = [None] * len(completions)  # the exception's message is that of the first it names
+                    for i in partial.failed:
+                        why[i] = f"{rf.label} could not score completion {i}" + (
+                            said(partial) if i == partial.failed[0] else "")
                 else:
                     scores, failed, given, why = self._one_at_a_time(rf, prompts, completions, fields)
-                errors, first = errors + failed, first or why
+                errors, failures = errors + failed, [old or new for old, new in zip(failures, why, strict=True)]
             else:
                 scores = to_scores(rf.name, returned, len(completions), allow_none=True, label=rf.label)
                 given = Outcomes(returned.outcomes, returned.kinds) if isinstance(returned, Scored) else None
@@ -308,7 +317,7 @@ class RewardSet:
                         raise RewardError(f"{rf.label} gave {s} for completion {i}; rewards must be finite (or set "
                                           "reward.on_error=zero)")
                     scores[i], errors = 0.0, errors + 1
-                    first = first or f"{rf.label} gave {s} for completion {i}"
+                    failures[i] = failures[i] or f"{rf.label} gave {s} for completion {i}"
             per_fn[rf.name] = scores
         weights = {rf.name: rf.weight for rf in self.functions}
         totals = combine(weights, per_fn, self.aggregation, group_size)
@@ -317,7 +326,7 @@ class RewardSet:
             terms = ", ".join(f"{rf.name} {per_fn[rf.name][bad]} x weight {rf.weight:g}" for rf in self.functions)
             raise RewardError(f"the total reward of completion {bad} is {totals[bad]} ({terms}, reward.aggregation="
                               f"{self.aggregation}); rewards must sum to a finite number: lower the weights")
-        return Scoring(totals, per_fn, errors, outcomes, first)
+        return Scoring(totals, per_fn, errors, outcomes, failures)
 
     def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
         if isinstance(failure, user_code.TimedOut):
