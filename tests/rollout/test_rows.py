@@ -45,7 +45,8 @@ def batch(kind: type, groups: int, width: int, start: int) -> Batch:
     n = groups * G
     return Batch(roll, [f"q{start + i}" for i in range(n)], torch.arange(n, dtype=torch.float32) + start,
                  {"f": [float(start + i) for i in range(n)]}, torch.arange(n, dtype=torch.float32) - start,
-                 torch.ones(n, width) * (start + 1), reward_errors=start, stats={"from": start})
+                 torch.ones(n, width) * (start + 1), reward_errors=start, stats={"from": start},
+                 reward_failures=[f"failed {start + i}" if i % 2 else None for i in range(n)])
 
 
 def row_fields(record) -> dict[str, str]:

@@ -146,14 +146,9 @@ def _hydra_app(task, prog: str, config_name: str = "config"):
 
 def _quiet_libraries() -> None:
     """Library deprecation chatter and load progress bars would bury the one line that matters."""
-    import warnings
+    from grpo_cli.model.loading import quiet_libraries
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*past_key_values.*")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_libraries()
 
 
 def _validated(cfg) -> tuple[Config, list[str]]:

@@ -154,7 +154,7 @@ class Option:
             return None
         for rule in self.rules:
             if not rule.test(value):
-                message = rule.message(key.rpartition(".")[2])
+                message = rule.message(key)
                 return f"{message}, or null" if self.nullable else message
         return None
 
@@ -294,7 +294,7 @@ def composition_problem(err: BaseException, options: tuple[Option, ...]) -> Conf
         return None
     refusal = option.refusal(key, value)
     if refusal is None:  # it passes the rule but not the type: the rule's own words say what is wanted
-        refusal = option.rules[0].message(key.rpartition(".")[2])
+        refusal = option.rules[0].message(key)
     return ConfigError(f"{key}={shown(value)} is invalid: {refusal}")
 
 
@@ -391,6 +391,22 @@ class OptionTable:
                     fail(key, value, refusal)
         for key, value in self._undeclared(cfg, ""):
             fail(key, value, f"{self.no_such_option(key)}; `grpo-train --help` lists them")
+
+    def check_sections(self, cfg: DictConfig) -> None:
+        """ConfigError for a section (algo, model.lora, reward.functions.NAME) given one value (`algo=3` on the command
+        line, a top-level one null), naming that key: otherwise an option in it, or an interpolation into it, would be
+        the key the refusal names."""
+        keys = [o.key for o in self.options]  # in field order: the example is a section's first option
+        sections = dict.fromkeys(".".join(k.split(".")[:n]) for k in keys for n in range(1, k.count(".") + 1))
+        for section in (s for s in sections if s not in keys):
+            for key in _expand(cfg, section + "." if section.endswith(".*") else section):
+                key = key.rstrip(".")
+                value = OmegaConf.select(cfg, key, default=ABSENT, throw_on_missing=False)
+                if value is ABSENT or isinstance(value, DictConfig) or (value is None and "." in key):
+                    continue
+                example = next(k for k in keys if k.startswith(f"{section}.")).replace(section, key, 1)
+                fail(key, value, f"{key} is a section of options, not one value; set the options in it, e.g. "
+                                 f"{example.replace('*', 'NAME')}=... (`grpo-train --help` lists them)")
 
     def declares(self, key: str) -> bool:
         """`key` is an option's, lies above options (a section: model.lora) or below a `free` option (a reward's

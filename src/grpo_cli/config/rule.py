@@ -39,9 +39,11 @@ class Rule:
     def describe(self) -> str:
         return self.allowed() if callable(self.allowed) else self.allowed
 
-    def message(self, name: str) -> str:
-        """`{name}` in the text becomes the key's last part: `needs 0 < clip_eps < 1`."""
-        return (self.failure or f"{self.verb} {self.describe()}").replace("{name}", name)
+    def message(self, key: str) -> str:
+        """`{name}` in the text becomes the key's last part (`needs 0 < clip_eps < 1`), `{key}` the whole key: advice
+        names the key the user typed, whichever of the keys that share the rule it is."""
+        text = self.failure or f"{self.verb} {self.describe()}"
+        return text.replace("{name}", key.rpartition(".")[2]).replace("{key}", key)
 
 
 def is_int(value) -> bool:

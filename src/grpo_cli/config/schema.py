@@ -471,6 +471,7 @@ root_defaults = TABLE.root_defaults
 schema_node = TABLE.schema_node
 composition_problem = TABLE.composition_problem
 check_options = TABLE.check
+check_sections = TABLE.check_sections
 declares = TABLE.declares
 no_such_option = TABLE.no_such_option
 options_help = TABLE.help

@@ -83,10 +83,10 @@ def _dotted_paths(value) -> bool:
 UNIT_OPEN = number(0, 1, low_open=True, high_open=True)
 POSITIVE = number(0, low_open=True)
 STOP_STRINGS = Rule(_non_empty_texts, "a list of non-empty strings",
-                    failure="needs a list of non-empty strings, e.g. 'rollout.stop=[\"</answer>\"]' (quoted for "
+                    failure="needs a list of non-empty strings, e.g. '{key}=[\"</answer>\"]' (quoted for "
                             "the shell)")
 DEVICE = (Rule(_is_device, "auto, cpu, cuda or cuda:N", verb="use"),
-          Rule(_cuda_visible, "", failure="no CUDA device is visible here; use trainer.device=auto or cpu"))
+          Rule(_cuda_visible, "", failure="no CUDA device is visible here; use {key}=auto or cpu"))
 RESUME = Rule(lambda v: v == "auto" or _existing_path(v), "auto or a checkpoint / run dir",
               failure="no such checkpoint or run dir; use auto (with hydra.run.dir=RUN_DIR) or an existing path")
 DATA_PATH = Rule(_data_path, "an existing file, glob or dir",

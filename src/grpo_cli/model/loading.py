@@ -35,6 +35,19 @@ TINY = "tiny-random"
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
+
+def quiet_libraries() -> None:
+    """Library deprecation chatter and load progress bars would bury the one line that matters: off in every process
+    that loads a model (the commands, and the rollout worker, which a spawn starts without the commands' settings)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module  # peft model (adapter on = policy, adapter disabled = reference)

@@ -34,6 +34,7 @@ May import: tasks, model, config, base.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -106,7 +107,10 @@ def reward_arguments(fn, prompts, completions, fields: dict) -> tuple[tuple, dic
     passed = {k: v for k, v in fields.items()
               if k not in EXTRA_FIELDS or k in params or (free and k not in BY_NAME_ONLY)}
     keywords = {"prompts": prompts, "completions": completions, **passed}
-    for args, kwargs in (((), keywords), ((prompts, completions), passed)):
+    # by position only for a function that does not name `completions`: one that does and lacks another argument
+    # (a column the data does not have) would get the prompts as its completions
+    forms = [((), keywords)] + ([((prompts, completions), passed)] if "completions" not in params else [])
+    for args, kwargs in forms:
         try:
             signature.bind(*args, **kwargs)
         except TypeError:
@@ -130,6 +134,15 @@ class TrainerState:
     global_step: int
     max_steps: int
     epoch: float
+
+
+def said(err: BaseException) -> str:
+    """`: message` of an exception for the end of a line; for one without a message (MemoryError()) what it means,
+    never an empty `: `."""
+    text = " ".join(str(err).split())
+    if text:
+        return f": {text}"
+    return " (out of memory)" if isinstance(err, MemoryError) else " (with no message)"
 
 
 class Scored(list):
@@ -181,6 +194,11 @@ class Scoring:
     per_function: dict[str, list[float | None]]
     errors: int
     outcomes: dict[str, Outcomes]
+    failures: list[str | None] = dataclasses.field(default_factory=list)  # per completion: what failed, or None
+
+    @property
+    def first_error(self) -> str | None:
+        return next((text for text in self.failures if text), None)
 
 
 @dataclass
@@ -250,20 +268,28 @@ class RewardSet:
         return self._call(rf, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in fields.items()})
 
     def _one_at_a_time(self, rf: RewardFunction, prompts, completions,
-                       fields) -> tuple[list[float], int, Outcomes | None]:
+                       fields) -> tuple[list[float], int, Outcomes | None, str | None]:
         """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero), and the
-        outcome "error" when the function gives outcomes."""
-        scores, errors, texts, kinds = [], 0, [], None
+        outcome "error" when the function gives outcomes; and what failed, per completion (None: nothing)."""
+        scores, errors, texts, kinds, failures = [], 0, [], None, []
         for i in range(len(completions)):
             try:
                 returned = self._call_one(rf, prompts, completions, fields, i)
-            except user_code.FAILED:
+            except user_code.FAILED as failure:
                 scores, errors, texts = [*scores, 0.0], errors + 1, [*texts, "error"]
+                failures.append(self._failed(rf, failure, i))
             else:
                 scores += to_scores(rf.name, returned, 1, allow_none=True, label=rf.label)
                 texts.append(returned.outcomes[0] if isinstance(returned, Scored) else None)
+                failures.append(None)
                 kinds = returned.kinds if isinstance(returned, Scored) else kinds
-        return scores, errors, None if kinds is None else Outcomes(texts, (*kinds, "error"))
+        return scores, errors, None if kinds is None else Outcomes(texts, (*kinds, "error")), failures
+
+    def _failed(self, rf: RewardFunction, failure: Exception, i: int) -> str:
+        """What went wrong with completion `i` (on_error=zero says it in the step's line)."""
+        if isinstance(failure, user_code.TimedOut):
+            return f"{rf.label} did not return within reward.timeout_s={self.timeout_s} s on completion {i}"
+        return f"{rf.label} raised {type(failure.error).__name__} on completion {i}{said(failure.error)}"
 
     def score(self, prompts: list, completions: list[str], fields: dict[str, list],
               group_size: int | None = None) -> tuple[list[float], dict[str, list[float | None]], int]:
@@ -275,7 +301,7 @@ class RewardSet:
     def score_all(self, prompts: list, completions: list[str], fields: dict[str, list],
                   group_size: int | None = None) -> Scoring:
         """`score`, with the outcomes of the functions that give them."""
-        per_fn, errors, outcomes = {}, 0, {}
+        per_fn, errors, outcomes, failures = {}, 0, {}, [None] * len(completions)
         for rf in self.functions:
             try:
                 returned = self._call(rf, prompts, completions, fields)
@@ -287,9 +313,13 @@ class RewardSet:
                     zeroed = [0.0 if i in partial.failed else s for i, s in enumerate(partial.scores)]
                     scores = to_scores(rf.name, zeroed, len(completions), allow_none=True)
                     failed, given = len(partial.failed), None
+                    why = [None] * len(completions)  # the exception's message is that of the first it names
+                    for i in partial.failed:
+                        why[i] = f"{rf.label} could not score completion {i}" + (
+                            said(partial) if i == partial.failed[0] else "")
                 else:
-                    scores, failed, given = self._one_at_a_time(rf, prompts, completions, fields)
-                errors += failed
+                    scores, failed, given, why = self._one_at_a_time(rf, prompts, completions, fields)
+                errors, failures = errors + failed, [old or new for old, new in zip(failures, why, strict=True)]
             else:
                 scores = to_scores(rf.name, returned, len(completions), allow_none=True, label=rf.label)
                 given = Outcomes(returned.outcomes, returned.kinds) if isinstance(returned, Scored) else None
@@ -301,6 +331,7 @@ class RewardSet:
                         raise RewardError(f"{rf.label} gave {s} for completion {i}; rewards must be finite (or set "
                                           "reward.on_error=zero)")
                     scores[i], errors = 0.0, errors + 1
+                    failures[i] = failures[i] or f"{rf.label} gave {s} for completion {i}"
             per_fn[rf.name] = scores
         weights = {rf.name: rf.weight for rf in self.functions}
         totals = combine(weights, per_fn, self.aggregation, group_size)
@@ -309,7 +340,7 @@ class RewardSet:
             terms = ", ".join(f"{rf.name} {per_fn[rf.name][bad]} x weight {rf.weight:g}" for rf in self.functions)
             raise RewardError(f"the total reward of completion {bad} is {totals[bad]} ({terms}, reward.aggregation="
                               f"{self.aggregation}); rewards must sum to a finite number: lower the weights")
-        return Scoring(totals, per_fn, errors, outcomes)
+        return Scoring(totals, per_fn, errors, outcomes, failures)
 
     def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
         if isinstance(failure, user_code.TimedOut):
@@ -319,10 +350,11 @@ class RewardSet:
         err = failure.error
         if isinstance(err, CompletionsFailed):
             return RewardError(f"{rf.label} could not score completion {err.failed[0]} ({len(err.failed)} of "
-                               f"{len(completions)} failed): {err}; fix it or set reward.on_error=zero")
+                               f"{len(completions)} failed){said(err)}; fix it or set reward.on_error=zero")
         index = self._first_failing(rf, prompts, completions, fields)
         where = f" on completion {index}" if index is not None else ""
-        return RewardError(f"{rf.label} raised {type(err).__name__}{where}: {err}; fix it or set reward.on_error=zero")
+        return RewardError(f"{rf.label} raised {type(err).__name__}{where}{said(err)}; fix it or set "
+                           "reward.on_error=zero")
 
     def _first_failing(self, rf: RewardFunction, prompts, completions, fields) -> int | None:
         """Re-run one completion at a time to name the one that makes the function raise."""
@@ -385,7 +417,7 @@ def check_option_names(prefix: str, target, options: dict) -> None:
             raise ConfigError(f"{prefix}.{key}={value} is invalid: {who} takes no option {key}{extra}{hint}")
 
 
-def _with_free_options(target, options: dict) -> dict:
+def with_free_options(target, options: dict) -> dict:
     """The options as keyword arguments: those under `kwargs` (for the target's **kwargs) among the others."""
     free = options.pop(FREE_OPTIONS, None) if isinstance(options.get(FREE_OPTIONS), Mapping) else None
     named = inspect.signature(target).parameters.get(FREE_OPTIONS)
@@ -400,7 +432,7 @@ def build_reward(name: str, spec: RewardFunctionConfig, **context):
     """The callable for one entry: the function with its options bound, or the class built with its options
     (plus `name`, `device`, `dtype` when its constructor takes them)."""
     target = resolve_callable(spec._target_)
-    options = _with_free_options(target, dict(spec.options))
+    options = with_free_options(target, dict(spec.options))
     if not inspect.isclass(target):
         return functools.partial(target, **options) if options else target
     accepted = inspect.signature(target).parameters

@@ -304,6 +304,13 @@ def finish_episodes(episodes: list[Episode], G: int, pad_id: int, device, interr
 # ---- what the trainer and the evaluator use ---------------------------------------------------------
 TOOL_FORMATS = {"auto": None, "native": True, "hermes": False}
 
+def reward_field_names(runner: EpisodeRunner | None) -> tuple[str, ...]:
+    """What the rewards get of the rollout beside the rows' columns (Rollout.reward_fields, Episodes' with `runner`):
+    what a reward's parameters may name that no data column gives."""
+    if runner is None:
+        return ("completion_ids",)
+    return ("completion_ids", "messages", *(("environments",) if runner.environment_factory is not None else ()))
+
 
 @dataclass
 class EpisodeRunner:

@@ -163,9 +163,10 @@ def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: 
     try:
         from omegaconf import OmegaConf
 
-        from grpo_cli.model.loading import load_policy
+        from grpo_cli.model.loading import load_policy, quiet_libraries
         from grpo_cli.rollout import make_engine
 
+        quiet_libraries()  # as in the trainer: no library's deprecation lines among the run's
         cfg = Config.of(OmegaConf.create(composed))  # the trainer's config (its typed form does not pickle)
         torch.set_num_threads(threads)
         lm = load_policy(cfg.model, device, seed=cfg.trainer.seed,

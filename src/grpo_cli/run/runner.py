@@ -175,6 +175,10 @@ class Run:
         for line in self.monitors.observe(metrics):
             metrics["warning"] = f"{metrics['warning']}; {line}" if "warning" in metrics else line
             tracker.warn(line)
+        if metrics.get("reward_errors"):  # reward.on_error=zero: said at every step where it happens
+            n, first = int(metrics["reward_errors"]), next(filter(None, batch.reward_failures or []), None)
+            tracker.warn(f"step {step}: {n} reward score{'s' if n > 1 else ''} failed and count as 0 (reward.on_error="
+                         f"zero){f'; the first: {first}' if first else ''}")
         every = self.cfg.eval.every
         if every and (step + 1) % every == 0:
             try:

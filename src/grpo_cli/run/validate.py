@@ -20,6 +20,7 @@ from grpo_cli.config.schema import (
     RewardFunctionConfig,
     RolloutConfig,
     check_options,
+    check_sections,
     fail,
 )
 
@@ -90,6 +91,7 @@ def validate(cfg: DictConfig) -> list[str]:
     """Raise ConfigError on the first bad value; return warnings for legal but doubtful ones. What each key
     accepts is declared in schema.py (checked on the composed config); the rules here relate several keys (checked
     on its typed Config)."""
+    check_sections(cfg)  # `algo=3`: before an option in it, or an interpolation into it, is blamed
     check_interpolations(cfg)
     check_options(cfg)
     config = Config.of(cfg)

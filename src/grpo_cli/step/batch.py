@@ -25,6 +25,7 @@ class Scores:
     per_function: dict[str, list[float]]
     errors: int                      # reward calls that raised (reward.on_error=zero)
     outcomes: dict[str, Outcomes] = field(default_factory=dict)  # of the functions that give them (rewards.Scored)
+    failures: list[str | None] | None = None  # per completion: what failed under on_error=zero, or None
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Batch:
     reward_errors: int = row_ops.summed(default=0)
     stats: dict = field(default_factory=dict)
     outcomes: dict[str, Outcomes] = row_ops.per_row_dict(default_factory=dict)  # of the rewards that say them
+    reward_failures: list[str | None] | None = row_ops.per_row(default=None)  # what each of reward_errors was
 
     def select_groups(self, groups: list[int]) -> Batch:
         """The batch of the given groups, in that order (rows stay grouped)."""
@@ -69,7 +71,8 @@ def make_batch(generation: Generation, scores: Scores, algo: AlgoConfig, device)
     advantages = algorithm.advantages_of(algo.advantage, scores.totals, algo.num_generations, eps=algo.adv_eps,
                                          scale=algo.scale_rewards, lengths=mask.sum(1))
     return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(device), mask,
-                 scores.errors, stats=generation.stats, outcomes=scores.outcomes)
+                 scores.errors, stats=generation.stats, outcomes=scores.outcomes,
+                 reward_failures=scores.failures)
 
 
 def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:

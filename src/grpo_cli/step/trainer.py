@@ -32,6 +32,7 @@ from grpo_cli.config.rules import is_on_policy
 from grpo_cli.config.schema import Config
 from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
 from grpo_cli.rewards import RewardSet, TrainerState
+from grpo_cli.rewards.columns import check_columns
 from grpo_cli.rollout import Generation, completion_logprobs, episodes, make_engine, sampling_options, sampling_seed
 from grpo_cli.rollout.ahead import AheadOfTheUpdate, versions_as_tensors, versions_from_tensors
 from grpo_cli.rollout.placement import generating_ahead
@@ -40,7 +41,7 @@ from grpo_cli.step.batch import Batch, MiniBatch, Scores, make_batch, mini_batch
 from grpo_cli.step.evaluate import final_eval_on
 from grpo_cli.step.optim import LRSchedule, build_optimizer
 from grpo_cli.step.stats import StepStats, UpdateSums, check_first_update, check_invariants, metrics_row, over_ranks
-from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts
+from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts, where_of
 from grpo_cli.tasks.sources import PromptSampler, load_rows
 
 
@@ -73,6 +74,7 @@ class GRPOTrainer:
             rows = load_rows(data, split="train", seed=self.tcfg.seed)
         self.sampler = PromptSampler(rows, data.prompts_per_step, self.tcfg.seed)
         self.episodes = episodes.EpisodeRunner.from_config(cfg)  # None: single-turn; a bad tool fails before the load
+        check_columns(cfg.reward, rows, episodes.reward_field_names(self.episodes), where=where_of)  # before the load
         # eval.final resolved (auto: in a sweep) by the CLI, which knows; a trainer built by hand is a single run
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
@@ -146,7 +148,8 @@ class GRPOTrainer:
                                              group_size=G)
         except Interrupted:
             return None
-        return Scores(torch.tensor(scoring.totals), scoring.per_function, scoring.errors, scoring.outcomes)  # float32
+        return Scores(torch.tensor(scoring.totals), scoring.per_function, scoring.errors, scoring.outcomes,  # float32
+                      scoring.failures)
 
     def generation(self, step: int) -> Generation | None:
         """The step's completions: generated here, or by the generator ahead of the update (rollout.placement)."""

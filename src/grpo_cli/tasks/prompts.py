@@ -4,6 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grpo_cli.base.errors import DataError, error_line
+
+
+class Row(dict):
+    """A data row (a dict: its fields reach the rewards) that knows where it was read (`where`: FILE:LINE, FILE row
+    N), so that what fails on it later (the tokenizer) names that place; `where` is no field of the row."""
+
+    def __init__(self, fields: dict, where: str):
+        super().__init__(fields)
+        self.where = where
+
+
+def where_of(row: dict) -> str:
+    """How a message names a row: where it was read, else its prompt (a generated row)."""
+    if isinstance(row, Row):
+        return row.where
+    text = repr(row.get("messages"))
+    return f"the row whose prompt is {text[:60] + '...' if len(text) > 60 else text}"
+
 
 @dataclass
 class EncodedPrompts:
@@ -16,11 +35,16 @@ class EncodedPrompts:
 
 def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int, overlong: str = "truncate") -> EncodedPrompts:
     """Chat-template each row's messages; prompts longer than max_prompt_tokens lose their left end
-    (`truncate`) or are dropped (`drop`)."""
+    (`truncate`) or are dropped (`drop`). A prompt that the chat template or the tokenizer cannot take is a
+    DataError naming its row."""
     ids, texts, kept, truncated, dropped = [], [], [], 0, 0
     for i, row in enumerate(rows):
-        text = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
-        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        try:
+            text = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        except Exception as err:  # noqa: BLE001  jinja and the tokenizers raise many types for a prompt they refuse
+            raise DataError(f"{where_of(row)}: the tokenizer's chat template cannot take its prompt "
+                            f"({error_line(err)[:160]}); fix or drop that row") from None
         if len(tokens) > max_prompt_tokens:
             if overlong == "drop":
                 dropped += 1

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 from grpo_cli.base.errors import ConfigError, DataError, error_line, inform
 from grpo_cli.base.registry import Registry
 from grpo_cli.tasks import code_tasks
-from grpo_cli.tasks.prompts import encode_prompts
+from grpo_cli.tasks.prompts import Row, encode_prompts
+from grpo_cli.tasks.unreadable import lone_surrogate, read_problem
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import Config, DataConfig
@@ -80,7 +81,7 @@ def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_args)
     except Exception as err:  # reasoning-gym raises several types for an unknown task or bad args
-        raise DataError(f"data.task={task} with {task_args} failed in reasoning-gym ({err}); "
+        raise DataError(f"data.task={task} with {task_args} failed in reasoning-gym ({error_line(err)}); "
                         "check the task name and args") from None
     return [{"messages": _messages(x["question"], system_prompt, suffix), "answer": str(x["answer"])} for x in dataset]
 
@@ -104,8 +105,9 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "c
 
 def _chat(where: str, key: str, messages, system_prompt, suffix: str) -> list[dict]:
     """A chat prompt as given, checked, with the configured system prompt and question suffix added."""
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
+    if not isinstance(messages, list) or not messages or not all(  # content: text, a list of parts, or none
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+            and (m["content"] is None or isinstance(m["content"], (str, list))) for m in messages):
         raise DataError(f'{where}: "{key}" is not a list of chat messages like {{"role": "user", "content": "..."}}; '
                         f"every row needs {PROMPT_FORMS}")
     if messages[-1]["role"] == "assistant":
@@ -175,11 +177,16 @@ class Columns:
         fields = {k: v for k, v in row.items() if k not in (key, "prompt", "messages", self.answer)}
         if self.answer:
             fields["answer"] = row[self.answer]
-        return {**fields, "messages": messages}
+        for name, value in row.items():  # JSON's \ud800 escapes give strings that no tokenizer or file takes
+            if (found := lone_surrogate(value)) is not None:
+                raise DataError(f'{where}: "{name}" holds a lone surrogate ({found}), which is not text; remove it or '
+                                "give the whole character (a surrogate pair)")
+        return Row({**fields, "messages": messages}, where)
 
 
-def _read(label: str, load: Callable) -> Table:
-    """The rows of the datasets.Dataset `load()` returns; one line for what cannot be read."""
+def _read(label: str, load: Callable, files: list[Path] | None = None) -> Table:
+    """The rows of the datasets.Dataset `load()` returns; one line for what cannot be read (naming the line or byte of
+    the local `files` where a plain read of them finds it)."""
     try:
         dataset = load()
     except DataError:
@@ -187,6 +194,8 @@ def _read(label: str, load: Callable) -> Table:
     except Exception as err:  # datasets and pyarrow raise many types for an unreadable file or a missing dataset
         if "corresponds to no data" in str(err):  # datasets makes no split at all of files without rows
             return Table(label, [], [])
+        if files:
+            raise DataError(read_problem(files, err, f"give {LOCAL_FORMS}")) from None
         raise DataError(f"{label} could not be read ({error_line(err)[:200]}); give {LOCAL_FORMS}") from None
     return Table(label, [(f"{label} row {i}", row) for i, row in enumerate(dataset.to_list())], dataset.column_names)
 
@@ -232,7 +241,8 @@ def _local_table(key: str, path: str, split: str, split_key: str) -> Table:
     if all(_holds_no_rows(f) for f in files):  # datasets calls such files unreadable
         return Table(label, [], [])
     with _datasets_quiet():
-        return _read(label, lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"))
+        return _read(label, lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"),
+                     files)
 
 
 def _holds_no_rows(file: Path) -> bool:
