@@ -95,6 +95,9 @@ ACCUMULATION_CASES = {mode: next(name for name, lt in algorithm.LOSS_TYPES.items
 CASES = {
     **{f"{lt}-1": [*BASE, f"algo.loss_type={lt}", "optimizer.lr=1e-30", "data.prompts_per_step=2"]
        for lt in ACCUMULATION_CASES.values()},
+    # 1 prompt on rank 0, 2 on rank 1 (the worker cuts them so): 2 and 4 micro-batches of 4 rows; under fsdp rank 0
+    # makes 2 idle passes (the reference's too) to keep in step with rank 1's collectives
+    "uneven-1": [*BASE, "optimizer.lr=1e-30", "data.prompts_per_step=3"],
     **{f"{lt}-2": [*BASE, f"algo.loss_type={lt}", "optimizer.lr=1e-2", "data.prompts_per_step=4", "algo.mini_batches=2",
                    "algo.clip_eps=0.05"]
        for lt in ACCUMULATION_CASES.values()},
