@@ -215,7 +215,9 @@ def test_fsdp_two_mini_batches_equal_ddp_and_one_process(two_ranks_and_one, name
     fsdp0, fsdp1 = ranks[f"fsdp:{name}"]
     assert torch.equal(fsdp0["params"], fsdp1["params"])
     assert fsdp0["clip_fraction"] == pytest.approx(single[name]["clip_fraction"])
-    assert fsdp0["loss"] == pytest.approx(ranks[name][0]["loss"], rel=1e-6, abs=1e-9)
+    # the second update's loss reads weights that AdamW moved by rounding-sized gradient elements: as DDP's, above
+    assert fsdp0["loss"] == pytest.approx(single[name]["loss"], rel=1e-4, abs=1e-7)
+    assert fsdp0["loss"] == pytest.approx(ranks[name][0]["loss"], rel=1e-4, abs=1e-7)
     assert relative_error(fsdp0["grads"], single[name]["grads"]) < 1e-6
     # AdamW normalises away the size of a near-zero gradient element, where rounding shows: 1 % of one update, as above
     torch.testing.assert_close(fsdp0["params"], single[name]["params"], rtol=1e-4, atol=1e-4)
