@@ -278,3 +278,17 @@ def test_a_rank_that_dies_is_one_line_on_the_other_and_an_exit(tmp_path):
     assert ours[0].startswith("grpo-train: this rank lost the others of the job (") and \
         f"resume with the same command plus trainer.resume=auto hydra.run.dir={run}" in ours[0], ours[0]
     assert "grpo_cli/" not in text, text[-3000:]  # no traceback through our code (torchrun prints its own report)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(600)
+def test_fsdp_on_two_gpus_over_nccl_has_ddps_metrics(tmp_path):
+    """The GPU case (scripts/gpu_check.sh): 2 ranks on 2 GPUs over NCCL, the quickstart in fp32 for 2 steps, fsdp
+    against ddp with the same engine. Looser than on the CPU: CUDA's kernels and NCCL's reductions round apart."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices, {torch.cuda.device_count()} visible")
+    args = ["+recipe=quickstart", "trainer.nproc=2", "trainer.max_steps=2", "model.dtype=float32",
+            "rollout.engine=hf", "trainer.log_samples_every=0"]
+    ddp = train(tmp_path, "ddp", [*args, "trainer.parallel=ddp"], timeout=280)
+    fsdp = train(tmp_path, "fsdp", [*args, "trainer.parallel=fsdp"], timeout=280)
+    assert_same_metrics(fsdp, ddp, rel=1e-4)

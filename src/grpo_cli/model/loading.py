@@ -363,12 +363,13 @@ def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0, sharded
     device, dtype = resolve_device(device_name, cfg_model.dtype)
     tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed)
     lora, quantization = cfg_model.lora, cfg_model.quantization
-    model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules), device, quantization)
-    if sharded:
+    model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+    if sharded:  # from the CPU: the device receives each unit's shard only (a quantized base is on it already)
         from grpo_cli.model.sharding import shard
 
-        model = shard(model, tokenizer.pad_token_id)
+        model = shard(model, tokenizer.pad_token_id, device)
     else:
+        model = _on_device(model, device, quantization)
         _prepack(model, cfg_model, device, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization,
                        sharded=sharded)

@@ -26,20 +26,23 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(inner.get_decoder().layers)
 
 
-def shard(model, pad_token_id: int) -> torch.nn.Module:
-    """`model` sharded in place over the default process group: each decoder layer, then the root. A first forward
-    through the root (one token) makes it FSDP's root unit: the log-prob pass calls the decoder directly, and a
-    layer whose forward ran first would take that role."""
+def shard(model, pad_token_id: int, device: torch.device) -> torch.nn.Module:
+    """`model` sharded in place over the default process group onto `device` (the rank's: FSDP moves each unit's
+    shard there, so a base left on the CPU never reaches the device whole): each decoder layer, then the root. A first
+    forward through the root (one token) makes it FSDP's root unit: the log-prob pass calls the decoder directly, and
+    a layer whose forward ran first would take that role."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # the default would be CUDA wherever it exists
     for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     for unit in model.modules():  # each call acts on its own unit only, so every unit gets them
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
-    device = next(model.parameters()).device
     with torch.no_grad():
         model(input_ids=torch.tensor([[pad_token_id]], device=device), use_cache=False)
     model.reshard()
