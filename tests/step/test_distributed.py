@@ -39,7 +39,11 @@ WORKER = textwrap.dedent('''
     from grpo_cli.config.schema import Config
 
     out, cases, order_overrides = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    parallels = json.loads(sys.argv[4]) if len(sys.argv) > 4 else ["ddp"]
     register_recipes()
+
+    def full(t):  # a sharded parameter or gradient (trainer.parallel=fsdp), whole
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
 
     def composed(overrides):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -49,10 +53,10 @@ WORKER = textwrap.dedent('''
     seen = {}
     real_load_policy = trainer_module.load_policy
 
-    def recording_load_policy(cfg_model, device, seed=0):  # the real loader, with what held when it was called
+    def recording_load_policy(cfg_model, device, seed=0, **options):  # the real loader, and what held when called
         seen.update(group_ready=dist.is_initialized(), backend=dist.get_backend() if dist.is_initialized() else None,
                     device=device)
-        return real_load_policy(cfg_model, device, seed=seed)
+        return real_load_policy(cfg_model, device, seed=seed, **options)
 
     trainer_module.load_policy = recording_load_policy
     first = GRPOTrainer(composed(order_overrides))
@@ -62,21 +66,21 @@ WORKER = textwrap.dedent('''
         json.dump(seen, f)
     trainer_module.load_policy = real_load_policy
 
-    for name, overrides in cases.items():
-        trainer = GRPOTrainer(composed(overrides))
-        full = torch.load(f"{out}.{name}.batch.pt", weights_only=False)
+    for (name, overrides), parallel in [(case, parallel) for case in cases.items() for parallel in parallels]:
+        trainer = GRPOTrainer(composed([*overrides, f"trainer.parallel={parallel}"]))
+        whole = torch.load(f"{out}.{name}.batch.pt", weights_only=False)
         rank, world = trainer.dist.rank, trainer.dist.world_size
-        G, P = full.rollout.group_size, full.rollout.prompt_ids.shape[0]
+        G, P = whole.rollout.group_size, whole.rollout.prompt_ids.shape[0]
         p = slice(rank * P // world, (rank + 1) * P // world)
         r = slice(p.start * G, p.stop * G)
-        roll = full.rollout
+        roll = whole.rollout
         part = Batch(Rollout(roll.prompt_ids[p], roll.prompt_mask[p], roll.completion_ids[r], roll.completion_mask[r],
-                             roll.truncated[r], roll.texts[r], G), full.prompts[r], full.rewards[r], {},
-                     full.advantages[r], full.mask[r])
+                             roll.truncated[r], roll.texts[r], G), whole.prompts[r], whole.rewards[r], {},
+                     whole.advantages[r], whole.mask[r])
         stats = trainer.update(0, part)
-        torch.save({"grads": torch.cat([q.grad.flatten() for q in trainer.params]),
-                    "params": torch.cat([q.detach().flatten() for q in trainer.params]),
-                    "clip_fraction": stats.clip_fraction, "loss": stats.loss}, f"{out}.{name}.rank{rank}")
+        torch.save({"grads": torch.cat([full(q.grad).flatten() for q in trainer.params]),
+                    "params": torch.cat([full(q.detach()).flatten() for q in trainer.params]),
+                    "clip_fraction": stats.clip_fraction, "loss": stats.loss}, f"{out}.{name}.{parallel}.rank{rank}")
     dist.destroy_process_group()
 ''')
 
@@ -91,6 +95,9 @@ ACCUMULATION_CASES = {mode: next(name for name, lt in algorithm.LOSS_TYPES.items
 CASES = {
     **{f"{lt}-1": [*BASE, f"algo.loss_type={lt}", "optimizer.lr=1e-30", "data.prompts_per_step=2"]
        for lt in ACCUMULATION_CASES.values()},
+    # 1 prompt on rank 0, 2 on rank 1 (the worker cuts them so): 2 and 4 micro-batches of 4 rows; under fsdp rank 0
+    # makes 2 idle passes (the reference's too) to keep in step with rank 1's collectives
+    "uneven-1": [*BASE, "optimizer.lr=1e-30", "data.prompts_per_step=3"],
     **{f"{lt}-2": [*BASE, f"algo.loss_type={lt}", "optimizer.lr=1e-2", "data.prompts_per_step=4", "algo.mini_batches=2",
                    "algo.clip_eps=0.05"]
        for lt in ACCUMULATION_CASES.values()},
@@ -127,6 +134,9 @@ def order_overrides(device: str) -> list[str]:
 ORDER = order_overrides("cpu" if torch.cuda.is_available() else "auto")
 
 
+PARALLELS = ["ddp", "fsdp"]  # each case under trainer.parallel=ddp, then under fsdp (the frozen base sharded)
+
+
 @pytest.fixture(scope="module")
 def two_ranks_and_one(tmp_path_factory):
     """Every case on one rank (in this process) and on two ranks (one torchrun for all of them, which first builds
@@ -135,10 +145,11 @@ def two_ranks_and_one(tmp_path_factory):
     single = {name: single_rank_batch_and_update(name, tmp_path) for name in CASES}
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "grads"
-    proc = subprocess.run([*torchrun(), str(tmp_path / "worker.py"), str(out), json.dumps(CASES), json.dumps(ORDER)],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([*torchrun(), str(tmp_path / "worker.py"), str(out), json.dumps(CASES), json.dumps(ORDER),
+                           json.dumps(PARALLELS)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = {name: [torch.load(f"{out}.{name}.rank{r}") for r in (0, 1)] for name in CASES}
+    ranks = {name: [torch.load(f"{out}.{name}.ddp.rank{r}") for r in (0, 1)] for name in CASES}
+    ranks |= {f"fsdp:{name}": [torch.load(f"{out}.{name}.fsdp.rank{r}") for r in (0, 1)] for name in CASES}
     ranks["order"] = [json.loads(open(f"{out}.order.rank{r}").read()) for r in (0, 1)]
     return single, ranks
 
@@ -173,6 +184,44 @@ def test_two_mini_batches_over_two_ranks_equal_two_on_one_rank(two_ranks_and_one
     torch.testing.assert_close(rank0["params"], single[name]["params"], rtol=1e-4, atol=1e-4)
 
 
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CASES if n.endswith("-1")])
+def test_fsdp_gradients_equal_ddp_and_one_process(two_ranks_and_one, name):
+    """trainer.parallel=fsdp, the frozen base sharded over 2 ranks: the summed LoRA gradient of one update (each rank
+    holds its shard; gathered here) equals the one-process gradient over both ranks' rows and DDP's, to 1e-6 of its
+    norm (fp32; the passes differ only in summation order), for each way micro-batch losses add up."""
+    single, ranks = two_ranks_and_one
+    fsdp0, fsdp1 = ranks[f"fsdp:{name}"]
+    assert torch.equal(fsdp0["grads"], fsdp1["grads"])
+    one, ddp = single[name]["grads"], ranks[name][0]["grads"]
+    assert one.abs().max() > 0
+    assert relative_error(fsdp0["grads"], one) < 1e-6
+    assert relative_error(fsdp0["grads"], ddp) < 1e-6
+    assert relative_error(ddp, one) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CASES if n.endswith("-2")])
+def test_fsdp_two_mini_batches_equal_ddp_and_one_process(two_ranks_and_one, name):
+    """Two optimizer updates (the second off-policy, clipping) under fsdp: the trained LoRA weights (gathered) and the
+    step's loss and clip fraction equal the one-process run's and DDP's, as test_two_mini_batches_... holds DDP."""
+    single, ranks = two_ranks_and_one
+    fsdp0, fsdp1 = ranks[f"fsdp:{name}"]
+    assert torch.equal(fsdp0["params"], fsdp1["params"])
+    assert fsdp0["clip_fraction"] == pytest.approx(single[name]["clip_fraction"])
+    # the second update's loss reads weights that AdamW moved by rounding-sized gradient elements: as DDP's, above
+    assert fsdp0["loss"] == pytest.approx(single[name]["loss"], rel=1e-4, abs=1e-7)
+    assert fsdp0["loss"] == pytest.approx(ranks[name][0]["loss"], rel=1e-4, abs=1e-7)
+    assert relative_error(fsdp0["grads"], single[name]["grads"]) < 1e-6
+    # AdamW normalises away the size of a near-zero gradient element, where rounding shows: 1 % of one update, as above
+    torch.testing.assert_close(fsdp0["params"], single[name]["params"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fsdp0["params"], ranks[name][0]["params"], rtol=1e-4, atol=1e-4)
 
 
 # ---- placement: each rank owns cuda:LOCAL_RANK, bound before its model loads ------------------------------------

@@ -195,6 +195,9 @@ class TrainerConfig:
     max_skipped: int = option("stop after this many non-finite updates in a row", 3, integer(1))
     log_samples_every: int = option("write sample completions every K steps; 0 = never", 10, integer(0))
     nproc: int = option("processes; > 1 relaunches under torchrun", 1, integer(1))
+    parallel: Literal["ddp", "fsdp"] = option("over ranks: ddp = every rank holds the whole base, LoRA gradients "
+                                              "summed; fsdp = the frozen base sharded over the ranks (FSDP2), for a "
+                                              "base one device cannot hold (docs/usage.md, Past one GPU)", "ddp")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     quantization: str | None = None  # model.quantization: the frozen base is a bitsandbytes model
+    sharded: bool = False  # trainer.parallel=fsdp: the base is sharded over the ranks (model/sharding.py)
 
     @property
     def context_length(self) -> int | None:
@@ -381,20 +382,29 @@ def _on_device(model, device: torch.device, quantization: str | None):
     return model if quantization is not None else model.to(device)
 
 
-def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0, chat_template_kwargs=None) -> LoadedModel:
-    """Tokenizer, base model and a fresh LoRA adapter (`model.lora`) to train.
+def load_policy(cfg_model: ModelConfig, device_name: str, seed: int = 0, chat_template_kwargs=None,
+                sharded: bool = False) -> LoadedModel:
+    """Tokenizer, base model and a fresh LoRA adapter (`model.lora`) to train; `sharded` (trainer.parallel=fsdp):
+    then sharded over the ranks of the process group (model/sharding.py), nothing prepacked.
 
     With a quantized base, peft's prepare_model_for_kbit_training is not needed: peft freezes the base anyway,
     the run's dtype is kept (its fp32 upcast of norms and embeddings would change the bf16 path), and activation
-    checkpointing is trainer.gradient_checkpointing's (non-reentrant, so inputs need no grad)."""
+    checkpointing is trainer.gradient_checkpointing's (non-reentrant, so inputs need no grad). The adapter is drawn
+    from the seeded RNG, the same on every rank: sharding keeps each rank's own rows of it and broadcasts nothing."""
     device, dtype = resolve_device(device_name, cfg_model.dtype)
     tokenizer, base = _tokenizer_and_base(cfg_model, device, dtype, seed, chat_template_kwargs)
     lora, quantization = cfg_model.lora, cfg_model.quantization
-    model = _on_device(attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules, use_dora=lora.use_dora,
-                                   use_rslora=lora.use_rslora, modules_to_save=lora.modules_to_save),
-                       device, quantization)
-    _prepack(model, cfg_model, device, dtype)
-    return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization)
+    model = attach_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules, use_dora=lora.use_dora,
+                        use_rslora=lora.use_rslora, modules_to_save=lora.modules_to_save)
+    if sharded:  # from the CPU: the device receives each unit's shard only (a quantized base is on it already)
+        from grpo_cli.model.sharding import shard
+
+        model = shard(model, tokenizer.pad_token_id, device)
+    else:
+        model = _on_device(model, device, quantization)
+        _prepack(model, cfg_model, device, dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, dtype=dtype, quantization=quantization,
+                       sharded=sharded)
 
 
 def load_trained(cfg_model: ModelConfig, device_name: str, adapter: str | Path | None, seed: int = 0,

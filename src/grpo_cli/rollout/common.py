@@ -265,14 +265,15 @@ class Engine:
 
 @ENGINES.register("auto")
 class AutoEngine:
-    """`rollout.engine=auto`: `compiled` on CUDA (where it pays), `merged` on the CPU, `hf` for a quantized base and
-    for an adapter the inference copy cannot merge (both other engines generate from merged plain weights)."""
+    """`rollout.engine=auto`: `compiled` on CUDA (where it pays), `merged` on the CPU, `hf` for a quantized or
+    sharded base and for an adapter the inference copy cannot merge (both other engines generate from merged plain
+    weights)."""
 
     @staticmethod
     def from_config(cfg_rollout, lm, max_prompt_tokens: int | None = None) -> Engine:
         name = "compiled" if lm.device.type == "cuda" else "merged"
-        if getattr(lm, "quantization", None) is not None or (hasattr(lm.model, "get_base_model")
-                                                            and merge_obstacle(lm.model)):
+        if getattr(lm, "quantization", None) is not None or getattr(lm, "sharded", False) or (
+                hasattr(lm.model, "get_base_model") and merge_obstacle(lm.model)):
             name = "hf"  # no plain weights to merge into, or an adapter (DoRA, modules_to_save) with no plain merge
         return ENGINES[name].from_config(cfg_rollout, lm, max_prompt_tokens)
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from grpo_cli.model import sharding
 from grpo_cli.rollout.common import (
     ENGINES,
     Engine,
@@ -39,18 +40,22 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, num_generations: 
     criteria, fired = stop_criteria(stop, stop_strings, tokenizer, ids.shape[1])
     was_training = model.training
     model.eval()
+    # a sharded base (trainer.parallel=fsdp): every decode step all-gathers each layer, a collective, so the ranks
+    # step together to the longest (synced_gpus) and agree on the prefill; peft's generate bypasses the root unit
+    sharded = sharding.is_sharded(model)
     try:
-        cache = {}
-        if ids.shape[1] > 1:
+        cache, sync = {}, {"synced_gpus": True} if sharded else {}
+        if (sharding.smallest(ids.shape[1]) if sharded else ids.shape[1]) > 1:
             _, kv = prefill(model, ids[:, :-1], mask[:, :-1])
             kv.batch_repeat_interleave(num_generations)
             cache = {cache_kwarg(model): reserve(kv, max_new_tokens)}
-        out = model.generate(
-            input_ids=ids.repeat_interleave(num_generations, dim=0),
-            attention_mask=mask.repeat_interleave(num_generations, dim=0), **cache,
-            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos, stopping_criteria=criteria, **sampling_kwargs(**sampling, device=device),
-        )
+        with sharding.root_unsharded(model):
+            out = model.generate(
+                input_ids=ids.repeat_interleave(num_generations, dim=0),
+                attention_mask=mask.repeat_interleave(num_generations, dim=0), **cache, **sync,
+                max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=eos, stopping_criteria=criteria, **sampling_kwargs(**sampling, device=device),
+            )
     finally:
         model.train(was_training)
     return finish_rollout(tokenizer, eos, ids, mask, out[:, ids.shape[1]:], num_generations, fired(), stop_strings)

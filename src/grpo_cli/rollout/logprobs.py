@@ -7,6 +7,8 @@ so the logits `[rows, T, V]` of the batch never exist, neither in the forward no
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from grpo_cli import algorithm
@@ -174,16 +176,37 @@ def unpadded_pays(model, rollout: Rollout, rows: slice) -> bool:
     return unpadded < shared
 
 
+def full_sequence_hidden(model, rollout: Rollout, rows: slice) -> torch.Tensor:
+    """What `completion_hidden` gives, from one decoder call over each row's prompt and completion (no KV cache)."""
+    ids, mask, pos = full_sequence(rollout, rows)
+    out = hf_model(model).get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    return out.last_hidden_state[:, rollout.prompt_ids.shape[1] - 1:]
+
+
+def widened(rollout: Rollout) -> Rollout:
+    """The rollout with one more completion column, masked out: the same log-probs at its real tokens."""
+    pad = torch.nn.functional.pad
+    return dataclasses.replace(rollout, completion_ids=pad(rollout.completion_ids, (0, 1)),
+                               completion_mask=pad(rollout.completion_mask, (0, 1)))
+
+
 def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float, chunk_size: int | None,
-                        with_entropy: bool = False,
-                        unpadded: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        with_entropy: bool = False, unpadded: bool | None = None,
+                        uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [R, T] (and entropy, else None) of the completion tokens of `rows` under `model`
     (a peft model answers for the policy, or for the reference inside `disable_adapter()`); padding positions hold
     0 in the unpadded pass and a padded token's value in the shared-prompt pass: masks leave them out.
 
     `unpadded`: run `unpadded_hidden` (True), the shared-prompt pass (False), or whichever `unpadded_pays` (None);
     under gradient checkpointing always the unpadded pass (it needs no KV cache). The head, log-softmax and gather
-    run on the real completion tokens only in the unpadded pass; both give the same numbers to rounding."""
+    run on the real completion tokens only in the unpadded pass; both give the same numbers to rounding.
+    `uniform` (a sharded base, whose every decoder call is a collective): the same calls whatever the rows, on every
+    rank: the shared-prompt pass (two calls: a one-column completion is widened) or under gradient checkpointing one
+    call over prompt and completion."""
+    if uniform and rollout.completion_ids.shape[1] == 1:
+        logp, entropy = completion_logprobs(model, widened(rollout), rows, temperature, chunk_size, with_entropy,
+                                            uniform=True)
+        return logp[:, :1], None if entropy is None else entropy[:, :1]
     tokens = rollout.completion_ids[rows]
     head = plain_head(model)
     if head is None:
@@ -191,6 +214,10 @@ def completion_logprobs(model, rollout: Rollout, rows: slice, temperature: float
         if with_entropy:
             return algorithm.token_logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=chunk_size)
         return algorithm.token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size), None
+    if uniform:
+        hidden = full_sequence_hidden(model, rollout, rows) if checkpointing(model) else \
+            completion_hidden(model, rollout, rows)
+        return _head_logprobs(head, hidden, tokens, temperature, chunk_size, with_entropy)
     if checkpointing(model) or (unpadded if unpadded is not None else unpadded_pays(model, rollout, rows)):
         real = rollout.completion_mask[rows].bool()
         hidden = unpadded_hidden(model, rollout, rows)[None]

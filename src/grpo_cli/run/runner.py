@@ -82,7 +82,7 @@ class Run:
         either way the state after the last complete step is checkpointed."""
         stop = self.stop = trainer.stop if trainer is not None else stop or StopRequest()
         # the CLI installs the handlers for the whole run (model load included); a program's run does it here
-        with contextlib.nullcontext() if stop.installed_now else stop.installed():
+        with contextlib.nullcontext() if stop.installed_now else stop.installed(), self.one_line_if_ranks_part():
             if trainer is None:
                 from grpo_cli.step.trainer import GRPOTrainer
 
@@ -130,10 +130,25 @@ class Run:
     def out_of_memory(self, error: OutOfMemory) -> RunError:
         """The step's out-of-memory line, with the newest checkpoint on disk (kept) and the command that resumes
         from it: nothing of the failed step is saved (an update may have begun)."""
-        kept = "no checkpoint was written yet" if self.last_checkpoint is None else (
+        return RunError(f"{error}; {self.kept()}")
+
+    def kept(self) -> str:
+        """What a run that cannot save now leaves to resume from."""
+        return "no checkpoint was written yet" if self.last_checkpoint is None else (
             f"the checkpoint after {self.last_checkpoint[0]} step(s), {self.last_checkpoint[1]}, is kept; resume "
             f"with the same command plus trainer.resume=auto hydra.run.dir={self.run_dir}")
-        return RunError(f"{error}; {kept}")
+
+    @contextlib.contextmanager
+    def one_line_if_ranks_part(self):
+        """A collective that failed (another rank of the job died or stopped answering) ends this rank in one line,
+        with the newest checkpoint, instead of a traceback: the other rank's own output says why it went."""
+        try:
+            yield
+        except RuntimeError as error:
+            if (reason := distributed.collective_failure(error)) is None:
+                raise
+            raise RunError(f"this rank lost the others of the job ({reason}): another rank died or stopped answering, "
+                           f"its own output says why; {self.kept()}") from None
 
     def keeping_the_last_state(self, failed: UserCodeError | WorkerError, done: int) -> UserCodeError | WorkerError:
         """`failed`, its line extended by the checkpoint of the state after `done` complete steps and how to go on

@@ -87,6 +87,39 @@ def _validate_placement(config: Config, n_ranks: int) -> None:
             fail("rollout.placement", rollout.placement, f"does not run {what} yet; use rollout.placement=local")
 
 
+def _validate_parallel(config: Config, n_ranks: int) -> None:
+    """trainer.parallel=fsdp: what a sharded base does not run, refused before anything loads. Every pass through a
+    sharded model is a collective, so whatever makes the ranks take different passes is refused too."""
+    if config.trainer.parallel != "fsdp":
+        return
+    model, rollout, trainer = config.model, config.rollout, config.trainer
+    refused = [
+        (n_ranks < 2, "trainer.parallel", "fsdp", "shards the base over the ranks and this job has 1; launch it "
+         "under torchrun or add trainer.nproc=2 (or more), or use trainer.parallel=ddp"),
+        (model.quantization == "int8", "model.quantization", "int8", "does not run under trainer.parallel=fsdp "
+         "(bitsandbytes' 8-bit weights lose their state when sharded); use model.quantization=nf4 or "
+         "trainer.parallel=ddp"),
+        (model.prepack is True, "model.prepack", True, "packs whole weights, and under trainer.parallel=fsdp a rank "
+         "holds a shard of each; use model.prepack=auto (off under fsdp)"),
+        (rollout.engine in ("merged", "compiled", "vllm"), "rollout.engine", rollout.engine, "generates from the "
+         "whole base (merged into a copy, or its own), which no rank holds under trainer.parallel=fsdp; use "
+         "rollout.engine=hf (or auto), or trainer.parallel=ddp"),
+        (trainer.memory_budget_gb is not None, "trainer.memory_budget_gb", trainer.memory_budget_gb, "plans for the "
+         "whole base on each rank, not for trainer.parallel=fsdp's shards; set trainer.micro_batch_tokens (and "
+         "trainer.gradient_checkpointing) instead"),
+        (model.lora.use_dora, "model.lora.use_dora", True, "is not tested under trainer.parallel=fsdp (DoRA's "
+         "magnitude vectors over sharded weights); use trainer.parallel=ddp"),
+        (bool(model.lora.modules_to_save), "model.lora.modules_to_save", model.lora.modules_to_save, "trains whole "
+         "copies of modules, which trainer.parallel=fsdp does not gather for the adapter; use trainer.parallel=ddp"),
+        (bool(rollout.tools or config.env._target_), "rollout.tools" if rollout.tools else "env._target_",
+         rollout.tools or config.env._target_, "takes a different number of turns on each rank, and under "
+         "trainer.parallel=fsdp the ranks generate in step; use trainer.parallel=ddp"),
+    ]
+    for present, key, value, why in refused:
+        if present:
+            fail(key, value, why)
+
+
 def validate(cfg: DictConfig) -> list[str]:
     """Raise ConfigError on the first bad value; return warnings for legal but doubtful ones. What each key
     accepts is declared in schema.py (checked on the composed config); the rules here relate several keys (checked
@@ -116,6 +149,7 @@ def validate(cfg: DictConfig) -> list[str]:
     precision_warnings = check_precision(config)
     _validate_vllm(config)
     _validate_placement(config, n_ranks)
+    _validate_parallel(config, n_ranks)
     quantization = config.model.quantization
     if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
         fail("model.quantization", quantization, "needs bitsandbytes, which is not installed; pip install "

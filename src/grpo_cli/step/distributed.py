@@ -10,6 +10,7 @@ an error instead of a hang. Each rank binds cuda:LOCAL_RANK and joins the group 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -111,6 +112,16 @@ def any_rank(flag: bool) -> bool:
     votes = torch.tensor([float(flag)], device=device)
     dist.all_reduce(votes)
     return bool(votes.item() > 0)
+
+
+def collective_failure(error: BaseException) -> str | None:
+    """What a failed collective says, in a few words, when `error` is one (another rank died, hung past TIMEOUT or
+    closed its connection: gloo's RuntimeError, NCCL's and the store's DistError); None for any other error."""
+    text = str(error)
+    if not (isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in text)):
+        return None
+    text = re.sub(r"^\[[^\]]*\] ?", "", text.strip().splitlines()[0] if text.strip() else type(error).__name__)
+    return text.split(". ")[0].rstrip(".")[:160]
 
 
 def barrier() -> None:

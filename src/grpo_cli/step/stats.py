@@ -34,6 +34,20 @@ class UpdateSums:
     def __add__(self, other: UpdateSums) -> UpdateSums:
         return UpdateSums(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
+    def add(self, loss: float, stats: dict, weight: float, micro_total: float, entropy, mask, first_pass: bool) -> None:
+        """One micro-batch's share: its loss (`policy_loss`'s, with its stats) at its accumulation `weight`."""
+        k = float(stats["num_tokens"])
+        bonus = float(stats["entropy_bonus"])  # already in loss; accumulated weighs it by 1 / micro-batches
+        self.loss += loss * weight + bonus * (weight - 1 / max(1.0, micro_total))
+        self.all_entropy += float((entropy.detach() * mask).sum()) if entropy is not None else 0.0
+        self.tokens += k
+        self.ratio += float(stats["ratio_mean"]) * k
+        self.clip_low += float(stats["clip_fraction/low"]) * k
+        self.clip_high += float(stats["clip_fraction/high"]) * k
+        if first_pass:
+            self.kl += float(stats["kl"]) * k
+            self.entropy += float((entropy.detach() * mask).sum())
+
     def mean(self, name: str) -> float:
         """Token mean of a token-weighted sum (without tokens: 1 for the ratio, 0 for the rest)."""
         return getattr(self, name) / self.tokens if self.tokens else (1.0 if name == "ratio" else 0.0)

@@ -23,20 +23,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from peft import set_peft_model_state_dict
 
 from grpo_cli import algorithm
 from grpo_cli.base.errors import Interrupted, InvariantError, OutOfMemory
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.rules import is_on_policy
 from grpo_cli.config.schema import Config
+from grpo_cli.model import sharding
 from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
 from grpo_cli.rewards import RewardSet, TrainerState
 from grpo_cli.rewards.columns import check_columns
 from grpo_cli.rollout import Generation, completion_logprobs, episodes, make_engine, sampling_options, sampling_seed
 from grpo_cli.rollout.ahead import AheadOfTheUpdate, versions_as_tensors, versions_from_tensors
 from grpo_cli.rollout.placement import generating_ahead
-from grpo_cli.step import distributed, dynamic_sampling, memory
+from grpo_cli.step import distributed, dynamic_sampling, memory, parallel
 from grpo_cli.step.batch import Batch, MiniBatch, Scores, make_batch, mini_batch_layout
 from grpo_cli.step.evaluate import final_eval_on
 from grpo_cli.step.optim import LRSchedule, build_optimizer
@@ -68,6 +68,7 @@ class GRPOTrainer:
         self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
         # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
         self.dist, device = distributed.setup(self.tcfg.device if lm is None else str(lm.device))
+        self.parallel = parallel.of(self.tcfg.parallel, self.dist)
         self.stop = stop or StopRequest()
         seed_everything(self.tcfg.seed)
         if rows is None:  # bad data fails before the model loads
@@ -79,7 +80,8 @@ class GRPOTrainer:
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
-        self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
+        self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(
+            cfg.model, device, seed=self.tcfg.seed, sharded=self.parallel.sharded))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=data.max_prompt_tokens)
         self.memory = memory.plan(self.tcfg, self.lm, self.engine, chunk_size=self.tcfg.logprob_chunk_size,
@@ -168,28 +170,38 @@ class GRPOTrainer:
         return self.memory.micro_batches(batch.rollout, rows, self.tcfg.micro_batch_size)
 
     def _logprobs(self, batch: Batch, rows: slice, *, grad: bool, with_entropy: bool = False):
-        with torch.set_grad_enabled(grad):
+        """Under fsdp: the root unit gathered (with grad: until the backward), the same decoder calls on every rank."""
+        with torch.set_grad_enabled(grad), sharding.root_unsharded(self.model, reshard=not grad):
             return completion_logprobs(self.model, batch.rollout, rows, self.roll.temperature,
-                                       self.memory.head_chunk or self.tcfg.logprob_chunk_size, with_entropy)
+                                       self.memory.head_chunk or self.tcfg.logprob_chunk_size, with_entropy,
+                                       uniform=self.lm.sharded)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, batch: Batch, parts: list[slice], adapter: bool) -> torch.Tensor:
-        """Old (adapter on) or reference (adapter off: the frozen base) log-probs of the whole batch."""
+        """Old (adapter on) or reference (adapter off: the frozen base) log-probs of the whole batch (under fsdp as
+        many passes as any rank makes: the idle ones on the first row, their result dropped)."""
+        idle = [slice(0, 1)] * (self.parallel.passes([len(parts)])[0] - len(parts))
         with contextlib.nullcontext() if adapter else self.model.disable_adapter():
-            return torch.cat([self._logprobs(batch, s, grad=False)[0] for s in parts])
+            return torch.cat([self._logprobs(batch, s, grad=False)[0] for s in parts + idle])[:batch.mask.shape[0]]
 
     def mini_batch_layout(self, batch: Batch) -> tuple[Batch, list[MiniBatch]]:
         return mini_batch_layout(batch, self.algo, self.micro_batches, self.dist, self.lm.device)
 
     def backward(self, batch: Batch, mini: MiniBatch, old: torch.Tensor | None, ref: torch.Tensor | None,
-                 first_pass: bool) -> tuple[UpdateSums, float]:
-        """Accumulate the gradient of one mini-batch on this rank, micro-batch by micro-batch; returns this
-        rank's sums and the largest completion log-prob it saw (entropy and KL on the first pass only)."""
+                 first_pass: bool, passes: int) -> tuple[UpdateSums, float]:
+        """Accumulate the gradient of one mini-batch on this rank, micro-batch by micro-batch, in `passes` passes
+        (under fsdp any rank's most: the rest idle, of weight 0); returns this rank's sums and the largest completion
+        log-prob it saw (entropy and KL on the first pass only)."""
         sums, max_logp = UpdateSums(), -math.inf
         sampler = batch.rollout.sampler_logprobs  # the engine's own log-probs (vllm), None where it gives none
         settings = self.loss_settings if self.entropy_control is None else dataclasses.replace(
             self.loss_settings, entropy_coef=self.entropy_control.applied)
-        for rows in mini.micro:
+        for k in range(passes):
+            self.parallel.before_pass(self.model, last=k == passes - 1)
+            if k >= len(mini.micro):
+                (self._logprobs(batch, slice(0, 1), grad=True)[0].sum() * 0.0).backward()
+                continue
+            rows = mini.micro[k]
             logp, entropy = self._logprobs(batch, rows, grad=True,
                                            with_entropy=first_pass or algorithm.needs_entropy(self.algo))
             mask = batch.mask[rows]
@@ -201,22 +213,10 @@ class GRPOTrainer:
                 total_tokens=mini.tokens_total, settings=settings))
             weight = algorithm.accumulation_weight(settings.loss_type, rows=rows.stop - rows.start,
                                                    rows_total=mini.rows_total, micro_batches_total=mini.micro_total)
-            total = algorithm.accumulated(loss, stats, weight, mini.micro_total)
-            total.backward()
-            k = float(stats["num_tokens"])
-            bonus = float(stats["entropy_bonus"])  # already in loss; accumulated weighs it by 1 / micro-batches
-            sums.loss += float(loss.detach()) * weight + bonus * (weight - 1 / max(1.0, mini.micro_total))
-            sums.all_entropy += float((entropy.detach() * mask).sum()) if entropy is not None else 0.0
-            sums.tokens += k
-            sums.ratio += float(stats["ratio_mean"]) * k
-            sums.clip_low += float(stats["clip_fraction/low"]) * k
-            sums.clip_high += float(stats["clip_fraction/high"]) * k
-            if first_pass:
-                sums.kl += float(stats["kl"]) * k
-                sums.entropy += float((entropy.detach() * mask).sum())
-                real = mask.bool()
-                if real.any():
-                    max_logp = max(max_logp, float(logp.detach()[real].max()))
+            algorithm.accumulated(loss, stats, weight, mini.micro_total).backward()
+            sums.add(float(loss.detach()), stats, weight, mini.micro_total, entropy, mask, first_pass)
+            if first_pass and (real := mask.bool()).any():
+                max_logp = max(max_logp, float(logp.detach()[real].max()))
         return sums, max_logp
 
     def optimizer_step(self, step: int, loss: float) -> float:
@@ -248,14 +248,15 @@ class GRPOTrainer:
             ref = self._no_grad_logprobs(ordered, parts, adapter=False)
         old = self._no_grad_logprobs(ordered, parts, adapter=True) if not is_on_policy(self.algo) else None
         totals, first, max_logp, losses, grad_norms = UpdateSums(), None, -math.inf, [], []
+        passes = self.parallel.passes([len(mini.micro) for mini in minis])
         for iteration in range(self.algo.num_iterations):
-            for mini in minis:
+            for mini, n in zip(minis, passes, strict=True):
                 if not mini.rows_total:  # all its groups were dropped (data.overlong=drop): nothing to learn
                     self.lr_schedule.step()
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                local, local_max_logp = self.backward(ordered, mini, old, ref, first_pass=iteration == 0)
-                distributed.sum_gradients(self.params, self.dist)
+                local, local_max_logp = self.backward(ordered, mini, old, ref, iteration == 0, n)
+                self.parallel.reduce_gradients(self.params)
                 sums = local.reduced(self.dist, self.lm.device)
                 if first is None:
                     first = sums
@@ -305,9 +306,9 @@ class GRPOTrainer:
         """What a checkpoint keeps of the state after `steps_done` steps: the adapter (whole on every rank), optimizer
         and schedule states, the step's counters, the policy versions in-flight batches need (rollout.placement)."""
         ahead = self.ahead
-        return {"step": self.steps_done,
-                "adapter": {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad},
-                "optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
+        return {"step": self.steps_done, "adapter": self.parallel.adapter(self.model),  # fsdp: gathered, whole
+                "optimizer": self.parallel.optimizer_state(self.optimizer),
+                "lr_schedule": self.lr_schedule.state_dict(),
                 "counters": {"skipped_updates": self.skipped_updates,
                              **(self.entropy_control.state() if self.entropy_control else {})},
                 "rollout_versions": versions_as_tensors(ahead.versions_to_keep(self.steps_done)) if ahead else None}
@@ -315,9 +316,8 @@ class GRPOTrainer:
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` gave (the adapter as peft saves it). The configured optimizer hyperparameters win
         over the saved ones: a change that the run allowed is applied (unchanged: they are the same numbers)."""
-        set_peft_model_state_dict(self.model, {k: v.to(self.lm.device) for k, v in state["adapter"].items()})
         configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.parallel.restore(self.model, self.optimizer, state["adapter"], state["optimizer"], self.lm.device)
         for group, values in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(values)
         self.lr_schedule.load_state_dict(state["lr_schedule"])  # the rate the configured schedule gives there
@@ -333,7 +333,7 @@ class GRPOTrainer:
         """The LoRA weights into `folder` as peft saves them, on rank 0: `adapter` (a state_dict's, as a checkpoint
         keeps it), else the trained one, called on every rank and refused on each when a weight is not finite."""
         if adapter is None:
-            adapter = self.state_dict()["adapter"]
+            adapter = self.parallel.adapter(self.model)  # under fsdp a collective: gathered on every rank
             if not all(torch.isfinite(t).all() for t in adapter.values()):
                 raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
         if self.dist.is_main:  # LoRA weights only; the base is not resized
@@ -342,14 +342,14 @@ class GRPOTrainer:
     def evaluate(self, final: bool = False, say: Callable[[str], None] = print) -> dict | None:
         """The greedy held-out eval of the policy after `steps_done` steps (eval.every; `final`: eval.final's, which
         reuses an eval.every eval of the same weights), said with `say` when it runs; on rank 0, None elsewhere and
-        where there is none to run. A stop request during it raises Interrupted."""
-        if self.evaluator is None or (final and not self.final_eval) or not self.dist.is_main:
+        where there is none to run (under fsdp every rank takes part). A stop request during it raises Interrupted."""
+        if self.evaluator is None or (final and not self.final_eval) or not self.parallel.evaluates():
             return None
         if self.last_eval is None or self.last_eval[0] != self.steps_done:
             say("final evaluation on the held-out prompts (eval.final)" if final else
                 f"evaluating after step {self.steps_done - 1} on the held-out prompts")
             self.last_eval = (self.steps_done, self.evaluator(self.engine, stop=self.stop))
-        return self.last_eval[1]
+        return self.last_eval[1] if self.dist.is_main else None
 
     def close(self) -> None:
         """Stop the generator ahead of the update, if one runs."""
