@@ -55,9 +55,9 @@ from grpo_cli.config.option_table import (
 __all__ = [
     "ABSENT", "OPTIONS", "TABLE", "AlgoConfig", "Config", "DataConfig", "EnvConfig", "EvalConfig", "LoggerConfig",
     "LoraConfig", "ModelConfig", "Option", "OptimizerConfig", "RewardConfig", "RewardFunctionConfig",
-    "RolloutConfig", "Rule", "SweepConfig", "TinyConfig", "TrainerConfig", "WandbConfig", "check_options",
-    "composition_problem", "declares", "default_of", "fail", "markdown_rows", "no_such_option", "options_help",
-    "options_markdown", "raw_value", "registry_names", "root_defaults", "schema_node", "shown", "typed",
+    "RolloutConfig", "Rule", "SweepConfig", "TinyConfig", "TrainerConfig", "WandbConfig",
+    "check_options", "composition_problem", "declares", "default_of", "fail", "markdown_rows", "no_such_option",
+    "options_help", "options_markdown", "raw_value", "registry_names", "root_defaults", "schema_node", "shown", "typed",
 ]
 
 
@@ -113,6 +113,10 @@ def _betas(value) -> bool:
     return isinstance(value, ListConfig) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)
 
 
+def _http_url(value) -> bool:
+    return isinstance(value, str) and value.startswith(("http://", "https://")) and len(value) > 8
+
+
 def _dotted_paths(value) -> bool:
     return isinstance(value, ListConfig) and all(isinstance(t, str) and "." in t for t in value)
 
@@ -139,8 +143,11 @@ DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
 DOTTED_PATHS = Rule(_dotted_paths, "a list of pkg.module.fn",
                     failure="needs a list of dotted paths of callables, e.g. "
                             "'rollout.tools=[grpo_cli.calculator.calculator]'")
-HTTP_URL = Rule(lambda v: isinstance(v, str) and v.startswith(("http://", "https://")) and len(v) > 8,
-                "an http(s):// URL", failure="needs an http(s):// base URL, e.g. http://127.0.0.1:8000/v1")
+HTTP_URLS = Rule(lambda v: _http_url(v) or (isinstance(v, ListConfig) and len(v) > 0 and all(map(_http_url, v))
+                                            and len(set(v)) == len(v)),
+                 "an http(s):// URL or a list of them",
+                 failure="needs an http(s):// base URL or a list of different ones, e.g. http://127.0.0.1:8000/v1 or "
+                         "'[http://node1:8000/v1,http://node2:8000/v1]'")
 AUTO_OR_COUNT = Rule(lambda v: v == "auto" or (is_int(v) and v >= 1), "auto or an integer >= 1", verb="use")
 MODEL_NAME = Rule(TEXT.test, "hub id, dir, embedded:NAME, tiny-random",
                   failure="give a hub id, a local directory, embedded:NAME or tiny-random")
@@ -294,12 +301,21 @@ class RolloutConfig:
         row="worker")
     max_staleness: int = option("K: batches are generated up to K policy versions ahead of the update that uses "
                                 "them (needs placement=worker or server); 0 = on-policy", 0, integer(0), row="worker")
-    server_url: str | None = option("placement=server: the base URL (http://HOST:PORT/v1) of a running vLLM server "
-                                    "of the base model, started with --enable-lora and "
-                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; null = grpo-train starts `vllm serve` "
-                                    "and stops it at the end", None, HTTP_URL, row="worker")
+    server_url: str | tuple[str, ...] | None = option(
+        "placement=server: the base URL (http://HOST:PORT/v1) of a running vLLM server of the base model, started "
+        "with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or a list of them (replicas, each given every "
+        "adapter version); null = grpo-train starts rollout.servers `vllm serve` and stops them at the end", None,
+        HTTP_URLS, row="worker")
+    servers: int = option("placement=server without server_url: the vLLM servers grpo-train starts, each given every "
+                          "adapter version; on the CPU each pinned to cores of its own (rollout.worker_threads each), "
+                          "on CUDA spread over the visible GPUs", 1, integer(1), row="worker")
+    server_timeout_s: float = option("placement=server: seconds a server may take to answer a call; past it (or on "
+                                     "an error) that server is taken out, its requests sent to the others, and it "
+                                     "is tried again at the next policy version", 600.0, POSITIVE, row="worker")
     worker_threads: int | None = option("placement=worker on the CPU: the worker's torch threads, the trainer "
-                                        "keeps the rest; null = half of the trainer's (at least 1 each)", None,
+                                        "keeps the rest; null = half of the trainer's (at least 1 each); "
+                                        "placement=server: the threads (and cores) of each server grpo-train "
+                                        "starts; null = half of the trainer's, shared by the servers", None,
                                         integer(1), row="worker")
     worker_device: str = option("placement=worker: the device the worker generates on, e.g. cuda:1 beside a trainer "
                                 "on cuda:0 (one device: the engine runs on one); auto = the trainer's", "auto", DEVICE,
