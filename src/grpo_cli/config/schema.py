@@ -55,7 +55,7 @@ from grpo_cli.config.option_table import (
 __all__ = [
     "ABSENT", "OPTIONS", "TABLE", "AlgoConfig", "Config", "DataConfig", "EnvConfig", "EvalConfig", "LoggerConfig",
     "LoraConfig", "ModelConfig", "Option", "OptimizerConfig", "RewardConfig", "RewardFunctionConfig",
-    "RolloutConfig", "Rule", "SweepConfig", "TinyConfig", "TrainerConfig", "WandbConfig",
+    "RolloutConfig", "Rule", "SlurmConfig", "SweepConfig", "TinyConfig", "TrainerConfig", "WandbConfig",
     "check_options", "composition_problem", "declares", "default_of", "fail", "markdown_rows", "no_such_option",
     "options_help", "options_markdown", "raw_value", "registry_names", "root_defaults", "schema_node", "shown", "typed",
 ]
@@ -394,6 +394,24 @@ class SweepConfig:
     seeds: int = option("seeds per Optuna trial (only 1 for now)", 1, ONE_SEED)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SlurmConfig:
+    """slurm: the SLURM batch job `slurm.write_job=PATH` writes for this run instead of training (docs/usage.md
+    "Many nodes with SLURM"): a training node, and inference nodes running vLLM's servers."""
+
+    write_job: str | None = option("write this run as a SLURM batch script to this path and exit without training "
+                                   "(submit it with sbatch); null = train here", None, TEXT)
+    inference_nodes: int = option("nodes of the job that run vLLM's servers, one per GPU, given to the training node "
+                                  "as rollout.server_url (needs rollout.placement=server); 0 = the training node "
+                                  "alone", 1, integer(0))
+    gpus_per_node: int = option("GPUs of each node of the job", 8, integer(1))
+    partition: str | None = option("the job's partition; null = the cluster's default", None, TEXT)
+    account: str | None = option("the job's account; null = yours by default", None, TEXT)
+    time_min: int = option("the job's time limit in minutes", 240, integer(1))
+    port: int = option("the port of the first vLLM server of each inference node (then port + 1, ...)", 8000,
+                       integer(1024))
+
+
 # ---- the config groups ---------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:
@@ -567,6 +585,7 @@ class Config:
     trainer: TrainerConfig = section(TrainerConfig)
     eval: EvalConfig = section(EvalConfig)
     sweep: SweepConfig = section(SweepConfig)
+    slurm: SlurmConfig = section(SlurmConfig)
     model: ModelConfig = section()
     data: DataConfig = section()
     optimizer: OptimizerConfig = section()
