@@ -22,7 +22,7 @@ from test_vllm_server import SERVER, STARTED, assert_no_server, served_models
 pytest.importorskip("vllm")
 
 TWO = [*SERVER, "rollout.servers=2", "trainer.log_samples_every=1"]
-TAKEN_OUT = re.compile(r"warning: vLLM's server (\d) of 2 \((\S+)\) is taken out: ")
+TAKEN_OUT = re.compile(r"warning: vLLM's server (\d) of 2 \((\S+)\) is taken out at ")
 
 
 def started(stderr: str) -> list[tuple[int, str, str]]:

@@ -218,11 +218,14 @@ class ServerRollouts(AheadOfTheUpdate):
                     f"rollout.placement=server failed: {error_line(err)}")))
 
     def _take_out(self, replica: Replica, why: str) -> None:
-        """`replica` takes no more requests until it loads a later version; one warning when it was up."""
+        """`replica` takes no more requests until it loads a later version; one warning when it was up. The one
+        server of a run is not taken out: its failure stops the run, in its line."""
+        if len(self.replicas) == 1:
+            raise WorkerError(f"{replica.who} at {replica.api.url} failed {why}")
         if replica.up:
             replica.up = False
             others = "the other servers" if len(self.replicas) > 2 else "the other server"
-            warn(f"{replica.who} is taken out: {why}; its requests go to {others}, and it is tried again at the next "
+            warn(f"{replica.who} is taken out {why}; its requests go to {others}, and it is tried again at the next "
                  "policy version")
 
     def _load_everywhere(self, version: int, folder: Path) -> None:
@@ -239,7 +242,7 @@ class ServerRollouts(AheadOfTheUpdate):
         probes = {}
         for replica, outcome in zip(self.replicas, outcomes, strict=True):
             if isinstance(outcome, Unreachable):
-                self._take_out(replica, f"at the load of policy version {version}, {error_line(outcome)}")
+                self._take_out(replica, f"at the load of policy version {version}: {outcome}")
                 continue
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -332,7 +335,7 @@ class ServerRollouts(AheadOfTheUpdate):
         try:
             choice = done.result()
         except Unreachable as err:
-            self._take_out(replica, f"at step {batch.step}, {error_line(err)}")
+            self._take_out(replica, f"at step {batch.step}: {err}")
             group = i // batch.group_size
             if not batch.group_replica[group].up:
                 batch.group_replica[group] = pick(self.replicas, batch.version)
