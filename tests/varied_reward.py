@@ -10,11 +10,11 @@ def by_length(prompts, completions, **_):
 
 def by_length_with_a_signal(prompts, completions, **_):
     """`by_length`, and at its call number $SIGNAL_AT_CALL (the step's scoring: one call a step) a signal, for the
-    rollout-worker tests: SIGNAL_TO=worker SIGKILLs the rollout worker (the grpo-train process's child that
+    rollout-worker and server tests: SIGNAL_TO=worker SIGKILLs the rollout worker (the grpo-train process's child that
     multiprocessing spawned), SIGNAL_TO=self SIGTERMs grpo-train, SIGNAL_TO=kill SIGKILLs it, SIGNAL_TO=server
     SIGKILLs the first vLLM server grpo-train started (its process group: the server and its engine), SIGNAL_TO=servers
-    every one; the worker's pid (the servers' pids) is written to $SIGNAL_RECORD first. Without SIGNAL_AT_CALL it is
-    `by_length`."""
+    every one, SIGNAL_TO=server-stop SIGSTOPs the first (a server that hangs); the worker's pid (the servers' pids) is
+    written to $SIGNAL_RECORD first. Without SIGNAL_AT_CALL it is `by_length`."""
     import os
     import signal
     from pathlib import Path
@@ -28,8 +28,9 @@ def by_length_with_a_signal(prompts, completions, **_):
                          if p.name.isdigit() and _spawned_by(p, os.getpid(), marker))
         Path(os.environ["SIGNAL_RECORD"]).write_text(" ".join(map(str, workers)))
         if to.startswith("server"):
-            for server in workers[:1] if to == "server" else workers:
-                os.killpg(server, signal.SIGKILL)
+            signum = signal.SIGSTOP if to == "server-stop" else signal.SIGKILL
+            for server in workers if to == "servers" else workers[:1]:
+                os.killpg(server, signum)
         elif to == "worker":
             os.kill(workers[0], signal.SIGKILL)
         elif to == "kill":

@@ -93,6 +93,28 @@ def test_a_server_killed_mid_run_is_taken_out_and_the_run_finishes_on_the_other(
 
 @pytest.mark.slow
 @pytest.mark.timeout(450)
+def test_a_server_that_hangs_is_taken_out_after_the_timeout_and_the_run_finishes_on_the_other(tmp_path):
+    """SIGSTOP of server 1 (its process group) during step 1's scoring: its next call gets no answer within
+    rollout.server_timeout_s=10, one warning names it and the timeout, the run ends its 4 steps on server 2 (the
+    stopped server does not answer the later versions' retries within 5 s), and grpo-train's exit takes the stopped
+    server down too."""
+    run, record = tmp_path / "run", tmp_path / "servers"
+    proc = run_cli([*TWO, "rollout.server_timeout_s=10", f"hydra.run.dir={run}"], tmp_path, timeout=400,
+                   env=signal_at(1, "server-stop", record))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    servers = started(proc.stderr)
+    assert int(record.read_text().split()[0]) == servers[0][0]
+    output = proc.stdout + proc.stderr
+    assert TAKEN_OUT.findall(output) == [("1", servers[0][1])], output[-3000:]
+    assert "timed out" in next(line for line in output.splitlines() if TAKEN_OUT.search(line))
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[-1]["rollout/completions/server2"] == 8
+    for pid, _, _ in servers:
+        assert_no_server(pid)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
 def test_with_every_server_gone_the_run_stops_in_one_line_with_its_checkpoint(tmp_path):
     """kill -9 of both servers during step 1's scoring: the next version reaches no server, and the run stops in one
     line before step 2's update, the state after 2 steps checkpointed; exit 1."""

@@ -263,6 +263,8 @@ class ServerRollouts(AheadOfTheUpdate):
         """On one server: unload the versions it holds, load `version`'s adapter under its name; its probe log-probs
         under it, or the exception (the caller sorts them: this runs in a thread of its own)."""
         try:
+            if not replica.up and not replica.api.answers():  # one that hangs costs 5 s a version, not the timeout
+                raise Unreachable(f"{replica.api.url} does not answer GET /models within 5 s")
             for old in list(replica.loaded):
                 try:
                     replica.api.unload_adapter(replica.loaded.pop(old))

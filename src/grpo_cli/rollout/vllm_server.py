@@ -185,7 +185,7 @@ class ServerAPI:
 
     def load_adapter(self, name: str, folder: Path) -> None:
         try:
-            self.call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, timeout=120)
+            self.call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
         except WorkerError as err:
             if "HTTP 404" in str(err) or "HTTP 405" in str(err) or "not enabled" in str(err).lower():
                 raise WorkerError(f"vLLM's server at {self.url} does not load LoRA adapters at run time ({err}); "
@@ -193,7 +193,7 @@ class ServerAPI:
                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True") from None
             raise
 
-    def unload_adapter(self, name: str, timeout: float = 60) -> None:
+    def unload_adapter(self, name: str, timeout: float | None = None) -> None:
         self.call("POST", "/unload_lora_adapter", {"lora_name": name}, timeout=timeout)
 
     def completion(self, body: dict) -> dict:
