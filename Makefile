@@ -44,10 +44,10 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $(VLLM_STAMP)
 
-# the tests that need vLLM (tests/rollout/test_vllm.py, tests/rollout/test_vllm_server.py; skipped in the main venv), with its
+# the tests that need vLLM (tests/rollout/test_vllm.py, test_vllm_server.py, test_vllm_fleet.py; skipped in the main venv), with its
 # libiomp5 preloaded
 test-vllm: $(VLLM_STAMP)
-	LD_PRELOAD=$$(ls $(VLLM_VENV)/lib/libiomp5.so 2>/dev/null) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 0 tests/rollout/test_vllm.py tests/rollout/test_vllm_server.py
+	LD_PRELOAD=$$(ls $(CURDIR)/$(VLLM_VENV)/lib/libiomp5.so 2>/dev/null) $(VLLM_PY) -m pytest -q -p no:cacheprovider -n 0 tests/rollout/test_vllm.py tests/rollout/test_vllm_server.py tests/rollout/test_vllm_fleet.py
 
 # Two pytest workers (pytest-xdist) of one torch thread each (tests/conftest.py): alone, a worker leaves a core
 # idle while the grpo-train it started imports torch; two threads each, they would wait on each other.

@@ -14,6 +14,8 @@
 #      (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_24_x86_64
 #      bitsandbytes==0.50.2 -d .gpu_bnb`, 43 MB: too big to travel with the other carries, so a call of its own
 #      first: run(command="ls .gpu_bnb", carry=[".gpu_bnb"], timeout_s=60)); without it the nf4 row says skipped.
+#   5. scripts/bench_fleet.py, where a vLLM is found: 1 vs 2 vLLM servers that grpo-train starts over the GPUs
+#      (rollout.servers=2; the bare image has no vLLM: skipped, one line), its lines in env.txt.
 # Everything it reports goes to $OUT (set by the device tool; default bench_out/gpu_check), at most 8 files: env.txt,
 # pytest.txt, compare-16x8x256.{txt,json}, compare-2x8x64.{txt,json}, memory-qlora.txt, worker-logs.tar.gz.
 #
@@ -170,6 +172,24 @@ step "bench memory: $DEVICE $MODEL, bf16 vs nf4 base (QLoRA)" | tee "$OUT/memory
 timeout "$(left 150)" "$PY" scripts/bench.py --mode memory --device "$DEVICE" --model "$MODEL" --precisions bf16,nf4 \
   "${MEMORY[@]}" --steps 1 --log-dir "$LOGS/memory" 2>&1 | tee -a "$OUT/memory-qlora.txt"
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "bench memory failed (exit $rc)"
+
+# 5. generation on a fleet (issue 64): the same on-policy run on 1 and on 2 vLLM servers that grpo-train starts (on
+# CUDA the servers take the visible GPUs in turn; two on one GPU share it), where a vLLM is found (grpo-train's python,
+# a .venv-vllm beside it, or `vllm` on PATH; the bare GPU image has none: then skipped). Its lines go to env.txt.
+if "$PY" -c 'import vllm' 2>/dev/null || [ -x "$REPO/.venv-vllm/bin/python" ] || command -v vllm >/dev/null; then
+  if [ "$(left 120)" -lt 120 ]; then
+    echo "gpu_check: skipping the fleet bench: under 120 s of the budget left" | tee -a "$OUT/env.txt"
+  else
+    step "bench fleet: 1 vs 2 vLLM servers, $DEVICE" | tee -a "$OUT/env.txt"
+    if [ "$DRY_RUN" = 1 ]; then FLEET=(--model tiny --prompts 2 --G 2 --max-new-tokens 4 --steps 1 --rounds 1)
+    else FLEET=(--model tiny --prompts 16 --G 8 --max-new-tokens 256 --steps 2 --rounds 1); fi
+    timeout "$(left 300)" "$PY" scripts/bench_fleet.py --device "$DEVICE" "${FLEET[@]}" --log-dir "$LOGS/fleet" \
+      --json-out "$LOGS/fleet.json" 2>&1 | tee -a "$OUT/env.txt"
+    rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "bench fleet failed (exit $rc)"
+  fi
+else
+  echo "gpu_check: no vLLM here (not in $PY, no .venv-vllm, no vllm on PATH): the fleet bench is skipped" | tee -a "$OUT/env.txt"
+fi
 
 if [ "$SCALING" != 0 ] && [ "$(left 90)" -lt 90 ]; then
   echo "gpu_check: skipping the scaling grid: under 90 s of the budget left" | tee -a "$OUT/env.txt"

@@ -330,7 +330,33 @@ def _train(argv: list[str]) -> None:
             if cfg is not None:  # every bad value is one line here, not one per rank inside a torchrun traceback
                 _validated(cfg)
             _relaunch_under_torchrun(nproc, argv)
+        if _writes_a_job(argv):
+            return
         _hydra_app(_train_task, "grpo-train")()
+
+
+def _writes_a_job(argv: list[str]) -> bool:
+    """`slurm.write_job=PATH` on the command line: the run, validated, written as a SLURM batch script instead of
+    trained (grpo_cli/commands/slurm.py); True when it was."""
+    if not any(override_key(a) == "slurm.write_job" for a in argv) or _HYDRA_INFO_FLAGS.intersection(argv):
+        return False
+    if "-m" in argv or "--multirun" in argv:
+        raise ConfigError("slurm.write_job with -m is not supported: write the job of one run")
+    from grpo_cli.commands.slurm import write_job
+    from grpo_cli.config.compose import register_recipes
+
+    register_recipes()
+    cfg = _precheck("grpo-train", argv)
+    config, _ = _validated(cfg)
+    if config.slurm.write_job is None:
+        return False
+    run_dir = next((a.split("=", 1)[1] for a in argv if override_key(a) == "hydra.run.dir"), None)
+    path, run_dir = write_job(config, argv, run_dir)
+    roles = (f"node 0 trains, nodes 1-{config.slurm.inference_nodes} run {config.slurm.gpus_per_node} vLLM servers "
+             "each" if config.slurm.inference_nodes else "one node trains")
+    print(f"grpo-train: wrote the SLURM job {path} ({roles}, run dir {run_dir}); submit it with: sbatch {path}",
+          flush=True)
+    return True
 
 
 # Hydra prints (config, help, info) and exits for these: one process does that, no torchrun

@@ -50,7 +50,7 @@ from grpo_cli.config.values import (
     DOTTED_PATH,
     DOTTED_PATHS,
     DTYPE,
-    HTTP_URL,
+    HTTP_URLS,
     MODEL_NAME,
     MODULE_NAMES,
     ONE_SEED,
@@ -65,9 +65,9 @@ from grpo_cli.config.values import (
 __all__ = [
     "ABSENT", "OPTIONS", "TABLE", "AlgoConfig", "Config", "DataConfig", "EnvConfig", "EvalConfig", "LoggerConfig",
     "LoraConfig", "ModelConfig", "Option", "OptimizerConfig", "RewardConfig", "RewardFunctionConfig",
-    "RolloutConfig", "Rule", "SweepConfig", "TinyConfig", "TrainerConfig", "WandbConfig", "check_options",
-    "composition_problem", "declares", "default_of", "fail", "markdown_rows", "no_such_option", "options_help",
-    "options_markdown", "raw_value", "registry_names", "root_defaults", "schema_node", "shown", "typed",
+    "RolloutConfig", "Rule", "SlurmConfig", "SweepConfig", "TinyConfig", "TrainerConfig", "WandbConfig",
+    "check_options", "composition_problem", "declares", "default_of", "fail", "markdown_rows", "no_such_option",
+    "options_help", "options_markdown", "raw_value", "registry_names", "root_defaults", "schema_node", "shown", "typed",
 ]
 
 
@@ -133,12 +133,21 @@ class RolloutConfig:
         row="worker")
     max_staleness: int = option("K: batches are generated up to K policy versions ahead of the update that uses "
                                 "them (needs placement=worker or server); 0 = on-policy", 0, integer(0), row="worker")
-    server_url: str | None = option("placement=server: the base URL (http://HOST:PORT/v1) of a running vLLM server "
-                                    "of the base model, started with --enable-lora and "
-                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; null = grpo-train starts `vllm serve` "
-                                    "and stops it at the end", None, HTTP_URL, row="worker")
+    server_url: str | tuple[str, ...] | None = option(
+        "placement=server: the base URL (http://HOST:PORT/v1) of a running vLLM server of the base model, started "
+        "with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or a list of them (replicas, each given every "
+        "adapter version); null = grpo-train starts rollout.servers `vllm serve` and stops them at the end", None,
+        HTTP_URLS, row="worker")
+    servers: int = option("placement=server without server_url: the vLLM servers grpo-train starts, each given every "
+                          "adapter version; on the CPU each pinned to cores of its own (rollout.worker_threads each), "
+                          "on CUDA spread over the visible GPUs", 1, integer(1), row="worker")
+    server_timeout_s: float = option("placement=server: seconds a server may take to answer a call; past it (or on "
+                                     "an error) that server is taken out, its requests sent to the others, and it "
+                                     "is tried again at the next policy version", 600.0, POSITIVE, row="worker")
     worker_threads: int | None = option("placement=worker on the CPU: the worker's torch threads, the trainer "
-                                        "keeps the rest; null = half of the trainer's (at least 1 each)", None,
+                                        "keeps the rest; null = half of the trainer's (at least 1 each); "
+                                        "placement=server: the threads (and cores) of each server grpo-train "
+                                        "starts; null = half of the trainer's, shared by the servers", None,
                                         integer(1), row="worker")
     worker_device: str = option("placement=worker: the device the worker generates on, e.g. cuda:1 beside a trainer "
                                 "on cuda:0 (one device: the engine runs on one); auto = the trainer's", "auto", DEVICE,
@@ -225,6 +234,24 @@ class SweepConfig:
                          "where every job has it, else mean_reward", "auto",
                          registered("grpo_cli.sweep.summary", "RANK_METRICS", auto=True))
     seeds: int = option("seeds per Optuna trial (only 1 for now)", 1, ONE_SEED)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmConfig:
+    """slurm: the SLURM batch job `slurm.write_job=PATH` writes for this run instead of training (docs/usage.md
+    "Many nodes with SLURM"): a training node, and inference nodes running vLLM's servers."""
+
+    write_job: str | None = option("write this run as a SLURM batch script to this path and exit without training "
+                                   "(submit it with sbatch); null = train here", None, TEXT)
+    inference_nodes: int = option("nodes of the job that run vLLM's servers, one per GPU, given to the training node "
+                                  "as rollout.server_url (needs rollout.placement=server); 0 = the training node "
+                                  "alone", 1, integer(0))
+    gpus_per_node: int = option("GPUs of each node of the job", 8, integer(1))
+    partition: str | None = option("the job's partition; null = the cluster's default", None, TEXT)
+    account: str | None = option("the job's account; null = yours by default", None, TEXT)
+    time_min: int = option("the job's time limit in minutes", 240, integer(1))
+    port: int = option("the port of the first vLLM server of each inference node (then port + 1, ...)", 8000,
+                       integer(1024))
 
 
 # ---- the config groups ---------------------------------------------------------------------------------
@@ -440,6 +467,7 @@ class Config:
     trainer: TrainerConfig = section(TrainerConfig)
     eval: EvalConfig = section(EvalConfig)
     sweep: SweepConfig = section(SweepConfig)
+    slurm: SlurmConfig = section(SlurmConfig)
     model: ModelConfig = section()
     data: DataConfig = section()
     optimizer: OptimizerConfig = section()

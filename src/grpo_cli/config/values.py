@@ -76,6 +76,10 @@ def _betas(value) -> bool:
     return isinstance(value, ListConfig) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)
 
 
+def _http_url(value) -> bool:
+    return isinstance(value, str) and value.startswith(("http://", "https://")) and len(value) > 8
+
+
 def _dotted_paths(value) -> bool:
     return isinstance(value, ListConfig) and all(isinstance(t, str) and "." in t for t in value)
 
@@ -102,8 +106,11 @@ DOTTED_PATH = Rule(lambda v: isinstance(v, str) and "." in v, "pkg.module.fn",
 DOTTED_PATHS = Rule(_dotted_paths, "a list of pkg.module.fn",
                     failure="needs a list of dotted paths of callables, e.g. "
                             "'rollout.tools=[grpo_cli.calculator.calculator]'")
-HTTP_URL = Rule(lambda v: isinstance(v, str) and v.startswith(("http://", "https://")) and len(v) > 8,
-                "an http(s):// URL", failure="needs an http(s):// base URL, e.g. http://127.0.0.1:8000/v1")
+HTTP_URLS = Rule(lambda v: _http_url(v) or (isinstance(v, ListConfig) and len(v) > 0 and all(map(_http_url, v))
+                                            and len(set(v)) == len(v)),
+                 "an http(s):// URL or a list of them",
+                 failure="needs an http(s):// base URL or a list of different ones, e.g. http://127.0.0.1:8000/v1 or "
+                         "'[http://node1:8000/v1,http://node2:8000/v1]'")
 AUTO_OR_COUNT = Rule(lambda v: v == "auto" or (is_int(v) and v >= 1), "auto or an integer >= 1", verb="use")
 MODEL_NAME = Rule(TEXT.test, "hub id, dir, embedded:NAME, tiny-random",
                   failure="give a hub id, a local directory, embedded:NAME or tiny-random")

