@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from peft import set_peft_model_state_dict
 
 from grpo_cli import algorithm
 from grpo_cli.base.errors import Interrupted, InvariantError, OutOfMemory
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.rules import is_on_policy
 from grpo_cli.config.schema import Config
+from grpo_cli.model import adapters
 from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
 from grpo_cli.rewards import RewardSet, TrainerState
 from grpo_cli.rollout import Generation, completion_logprobs, episodes, make_engine, sampling_options, sampling_seed
@@ -57,12 +57,14 @@ class GRPOTrainer:
 
     The config is validated before (run.validate: under torchrun it knows the real number of ranks).
     `make_evaluator(lm)` builds the evaluator of `eval.every` and `eval.final` from the loaded model. `log_dir`:
-    where a vLLM server that rollout.placement=server starts writes its log. Warnings go through errors.warn (the
-    run's console while it logs)."""
+    where a vLLM server that rollout.placement=server starts writes its log. `load_model` loads the policy where `lm`
+    is not given (load_policy's arguments; a sweep on one base adds its job's adapter to the shared one). Warnings go
+    through errors.warn (the run's console while it logs)."""
 
     def __init__(self, cfg: Config, *, lm: LoadedModel | None = None, rows: list[dict] | None = None,
                  stop: StopRequest | None = None, make_evaluator: Callable[[LoadedModel], Callable] | None = None,
-                 final_eval: bool | None = None, log_dir: Path | None = None):
+                 final_eval: bool | None = None, log_dir: Path | None = None,
+                 load_model: Callable[..., LoadedModel] = load_policy):
         self.cfg, data = cfg, cfg.data
         self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
         # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
@@ -77,7 +79,7 @@ class GRPOTrainer:
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
-        self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(cfg.model, device, seed=self.tcfg.seed))
+        self.lm = load_within_context(cfg, lengths, lambda: lm or load_model(cfg.model, device, seed=self.tcfg.seed))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=data.max_prompt_tokens)
         self.memory = memory.plan(self.tcfg, self.lm, self.engine, chunk_size=self.tcfg.logprob_chunk_size,
@@ -303,7 +305,7 @@ class GRPOTrainer:
         and schedule states, the step's counters, the policy versions in-flight batches need (rollout.placement)."""
         ahead = self.ahead
         return {"step": self.steps_done,
-                "adapter": {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad},
+                "adapter": adapters.trainable_state(self.model, self.lm.adapter),
                 "optimizer": self.optimizer.state_dict(), "lr_schedule": self.lr_schedule.state_dict(),
                 "counters": {"skipped_updates": self.skipped_updates,
                              **(self.entropy_control.state() if self.entropy_control else {})},
@@ -312,7 +314,8 @@ class GRPOTrainer:
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` gave (the adapter as peft saves it). The configured optimizer hyperparameters win
         over the saved ones: a change trainer.resume_allow_changes let through is applied (unchanged: the same)."""
-        set_peft_model_state_dict(self.model, {k: v.to(self.lm.device) for k, v in state["adapter"].items()})
+        adapters.load_trainable_state(self.model, {k: v.to(self.lm.device) for k, v in state["adapter"].items()},
+                                      self.lm.adapter)
         configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
         for group, values in zip(self.optimizer.param_groups, configured, strict=True):
@@ -333,8 +336,8 @@ class GRPOTrainer:
             adapter = self.state_dict()["adapter"]
             if not all(torch.isfinite(t).all() for t in adapter.values()):
                 raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
-        if self.dist.is_main:  # LoRA weights only; the base is not resized
-            self.model.save_pretrained(folder, state_dict=adapter, save_embedding_layers=False)
+        if self.dist.is_main:
+            adapters.save_adapter(self.model, folder, adapter, self.lm.adapter)
 
     def evaluate(self, final: bool = False, say: Callable[[str], None] = print) -> dict | None:
         """The greedy held-out eval of the policy after `steps_done` steps (eval.every; `final`: eval.final's, which
