@@ -81,6 +81,8 @@ def test_a_jobs_adapter_is_kept_and_written_as_a_runs_default_one(tmp_path):
     assert (tmp_path / "job" / "adapter_config.json").read_text() == \
         (tmp_path / "alone" / "adapter_config.json").read_text()
 
-    adapters.load_trainable_state(lm.model, default, name)  # a checkpoint of `default` into job 1's adapter
+    adapters.load_trainable_state(lm.model, default, name)  # `default`'s weights into job 1's adapter
     lm.model.set_adapter(name)
     assert all(torch.equal(v, default[k]) for k, v in adapters.trainable_state(lm.model, name).items())
+    adapters.load_trainable_state(lm.model, job, name)  # and back, as a checkpoint holds them (peft's names)
+    assert all(torch.equal(v, state[k]) for k, v in adapters.trainable_state(lm.model, name).items())

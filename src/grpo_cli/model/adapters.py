@@ -76,17 +76,14 @@ def trainable_state(model, adapter: str = DEFAULT) -> dict[str, torch.Tensor]:
     return {renamed(n, adapter, DEFAULT): p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@torch.no_grad()
 def load_trainable_state(model, state: dict[str, torch.Tensor], adapter: str = DEFAULT) -> None:
-    """`state` (trainable_state's, `default` names) into adapter `adapter` of `model`."""
+    """`state` into adapter `adapter` of `model`: as a checkpoint holds it (peft's saved names, without an adapter's)
+    or as trainable_state gives it (`default` names)."""
     from peft import set_peft_model_state_dict
 
-    if adapter == DEFAULT:
-        set_peft_model_state_dict(model, state)
-        return
-    params = dict(model.named_parameters())
-    for key, value in state.items():
-        params[renamed(key, DEFAULT, adapter)].copy_(value)
+    if adapter != DEFAULT:  # peft puts the adapter's name into saved names, not in place of another's
+        state = {key.replace(f".{DEFAULT}.", "."): value for key, value in state.items()}
+    set_peft_model_state_dict(model, state, adapter_name=adapter)
 
 
 def save_adapter(model, folder: Path, state: dict[str, torch.Tensor], adapter: str = DEFAULT) -> None:

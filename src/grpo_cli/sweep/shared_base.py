@@ -193,11 +193,10 @@ class SharedSweep:
 
         name = adapter_name(num)
         if self.lm is None:
-            print(f"grpo-train: loading {cfg_model.name_or_path} once for the sweep's jobs ({LAUNCHER})",
-                  file=sys.stderr, flush=True)
             lm = self.lm = load_shared_base(cfg_model, device_name, name, seed, chat_template_kwargs)
             self.generation = SharedGeneration(lm, cfg.rollout, cfg.data.max_prompt_tokens)
-            log.info(f"generation on the shared base: {self.generation.kind}")
+            print(f"grpo-train: loading {cfg_model.name_or_path} once for the sweep's jobs ({LAUNCHER}); "
+                  f"generation: {self.generation.kind}", file=sys.stderr, flush=True)
         else:
             lm = add_adapter(self.lm, cfg_model.lora, name)
         self.adapters[num] = name
