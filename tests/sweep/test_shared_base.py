@@ -33,6 +33,7 @@ def sweep(tmp_path_factory, label: str, *extra: str) -> Path:
     proc = run_cli([*GRID, *extra, f"hydra.sweep.dir={cwd / 'sweep'}"], cwd, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (cwd / "stderr.txt").write_text(proc.stderr)
+    (cwd / "stdout.txt").write_text(proc.stdout)
     return cwd / "sweep"
 
 
@@ -85,7 +86,7 @@ def test_each_job_on_one_base_equals_the_job_run_by_the_basic_launcher(basic, sh
     stderr = (shared.parent / "stderr.txt").read_text()
     assert stderr.count("grpo-train: loading tiny-random once for the sweep's jobs") == 1
     assert "generation: one pass per job on one merged engine" in stderr
-    assert "job 3: step 2 done (3/3)" in stderr  # each job's console lines are labelled
+    assert "job 3: step 2 done (3/3)" in (shared.parent / "stdout.txt").read_text()  # each job's lines, labelled
     cells = [{k: v for k, v in row.items() if "time" not in k} for row in read_csv(shared / "sweep_cells.csv")]
     assert cells == [{k: v for k, v in row.items() if "time" not in k} for row in read_csv(basic / "sweep_cells.csv")]
     for job in range(4):  # Hydra's own records of each job, as the basic launcher writes them
