@@ -115,3 +115,38 @@ def test_generate_polls_stop_every_decode_step():
     assert not full.interrupted and full.completion_ids.shape == (4, 20)
     assert torch.equal(full.completion_ids[:, :3], cut.completion_ids)  # polling changes nothing else
     assert not generate(model, tokenizer, prompts, num_generations=2, max_new_tokens=2).interrupted
+
+
+def test_a_request_installed_in_another_thread_follows_the_main_threads(capfd):
+    """A sweep job in a thread of its own (hydra/launcher=shared_base) cannot own the signal handlers: its request
+    follows the main thread's, which passes a signal on once (announced once), and one that came before it was
+    installed reaches it at once."""
+    import threading
+
+    leader = StopRequest("prog", effect="every job stops")
+    seen: dict[str, object] = {}
+
+    def job(name: str, ready: threading.Event, go: threading.Event) -> None:
+        follower = StopRequest("prog")
+        with follower.installed():
+            ready.set()
+            go.wait(10)
+            seen[name] = follower.signum
+        seen[name + " after"] = len(leader.followers)
+
+    with leader.installed():
+        ready, go = threading.Event(), threading.Event()
+        first = threading.Thread(target=job, args=("first", ready, go))
+        first.start()
+        assert ready.wait(10)
+        os.kill(os.getpid(), signal.SIGTERM)  # the main thread's handler takes it
+        late_ready = threading.Event()
+        late = threading.Thread(target=job, args=("late", late_ready, go))
+        late.start()
+        assert late_ready.wait(10)
+        go.set()
+        first.join(10)
+        late.join(10)
+    assert seen["first"] == seen["late"] == signal.SIGTERM
+    assert capfd.readouterr().err.count("SIGTERM received") == 1
+    assert leader.followers == []

@@ -208,3 +208,14 @@ def send_warnings_to(listener: Callable[[str], None] | None, say: Callable[[str]
 
 def warnings_listener() -> Callable[[str], None] | None:
     return _listener
+
+
+def warnings_route() -> tuple:
+    """Where warnings and lines of information go now, to put back with `route_warnings` (a sweep's jobs that share
+    the process each keep their own: sweep.shared_base)."""
+    return _listener, _say
+
+
+def route_warnings(route: tuple) -> None:
+    global _listener, _say
+    _listener, _say = route

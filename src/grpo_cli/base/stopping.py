@@ -13,11 +13,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Iterator
 
 from grpo_cli.base.ranks import is_rank_zero
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# the requests installed by the main thread, innermost last: a request installed in another thread (a sweep job of
+# hydra/launcher=shared_base) follows the innermost one, which passes its signal on
+_installed: list[StopRequest] = []
 
 
 class StopRequest:
@@ -28,6 +32,7 @@ class StopRequest:
         self.prog, self.effect = prog, effect
         self.signum: int | None = None
         self.installed_now = False
+        self.followers: list[StopRequest] = []  # requests of other threads that this one's signal reaches
         # under torchrun every rank gets the signal; one line from rank 0 is enough
         self.announce = is_rank_zero() if announce is None else announce
 
@@ -42,28 +47,55 @@ class StopRequest:
         if self.signum is not None:
             return  # already stopping (a repeated SIGTERM); a second SIGINT never gets here
         self.signum = signum
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        if signum == signal.SIGHUP:
-            discard_dead_outputs()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if signum == signal.SIGHUP:
+                discard_dead_outputs()
         if self.announce:
             # os.write, not print: the main thread may be inside a write to stderr right now
             with contextlib.suppress(OSError):
                 os.write(2, f"{self.prog}: {signal.Signals(signum).name} received: stopping now ({self.effect}); "
                             "Ctrl-C again to exit at once\n".encode())
+        for follower in list(self.followers):
+            follower.request(signum)
 
     def _on_signal(self, signum, _frame) -> None:
         self.request(signum)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
+        """The signal handlers for the block. Outside the main thread (signals reach only that one) the request
+        follows the main thread's innermost installed one instead: its signal, one that came already included."""
+        if threading.current_thread() is not threading.main_thread():
+            with self._following():
+                yield self
+            return
         previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         self.installed_now = True
+        _installed.append(self)
         try:
             yield self
         finally:
             self.installed_now = False
+            _installed.remove(self)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    @contextlib.contextmanager
+    def _following(self) -> Iterator[None]:
+        leader = _installed[-1] if _installed else None
+        self.installed_now = True
+        if leader is not None:
+            self.announce = False  # the leader said it once for every thread
+            leader.followers.append(self)
+            if leader.signum is not None:
+                self.request(leader.signum)
+        try:
+            yield
+        finally:
+            self.installed_now = False
+            if leader is not None:
+                leader.followers.remove(self)
 
 
 @contextlib.contextmanager

@@ -214,10 +214,19 @@ def _train_task(cfg) -> float:
                     return plan.result
                 with _claimed(config, run_dir, plan, warnings) as run:  # leaving it releases the dir and the ranks
                     summary = run.train(stop=stop, make_evaluator=_evaluator_factory(config),
-                                        final_eval=_final_eval(config))
+                                        final_eval=_final_eval(config), load_model=_shared_base_loader(config))
         except Interrupted as stopped:
             _on_stop(stopped, run_dir)
     return float(summary["final_reward"])
+
+
+def _shared_base_loader(config: Config):
+    """In a job of hydra/launcher=shared_base: how it loads its policy (its adapter on the sweep's one base)."""
+    if not _is_multirun():
+        return None
+    from grpo_cli.sweep.shared_base import job_loader
+
+    return job_loader(config)
 
 
 def _validated_job(cfg):

@@ -56,6 +56,9 @@ class LoadedModel:
     dtype: torch.dtype
     quantization: str | None = None  # model.quantization: the frozen base is a bitsandbytes model
     sharded: bool = False  # trainer.parallel=fsdp: the base is sharded over the ranks (model/sharding.py)
+    # the peft adapter this run trains: `default`, or in a sweep on one base (hydra/launcher=shared_base) its job's
+    # among the others' (model.adapters)
+    adapter: str = "default"
 
     @property
     def context_length(self) -> int | None:
@@ -347,21 +350,33 @@ def load_quantized(source: str, quantization: str, dtype: torch.dtype, device: t
     return model
 
 
-def attach_lora(model, r: int, alpha: float, dropout: float, target_modules, *, use_dora: bool = False,
+def lora_config(r: int, alpha: float, dropout: float, target_modules, *, use_dora: bool = False,
                 use_rslora: bool = False, modules_to_save=()):
-    """Wrap the base in a fresh LoRA adapter (B = 0, so the policy starts equal to the reference); peft's DoRA,
-    rank-stabilised scaling and whole trainable modules (modules_to_save) as model.lora asks."""
-    from peft import LoraConfig, get_peft_model
+    """peft's LoraConfig of a fresh adapter: peft's DoRA, rank-stabilised scaling and whole trainable modules
+    (modules_to_save) as model.lora asks."""
+    from peft import LoraConfig
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
-                        use_dora=use_dora, use_rslora=use_rslora, modules_to_save=list(modules_to_save) or None)
-    peft_model = get_peft_model(model, config)
-    # peft keeps the matched layer names as a set, saved in hash order: identical runs would write different
-    # adapter_config.json files; a sorted list names the same layers
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
+                      use_dora=use_dora, use_rslora=use_rslora, modules_to_save=list(modules_to_save) or None)
+
+
+def sort_target_modules(peft_model) -> None:
+    """peft keeps the matched layer names as a set, saved in hash order: identical runs would write different
+    adapter_config.json files; a sorted list names the same layers."""
     for adapter in peft_model.peft_config.values():
         if isinstance(adapter.target_modules, (set, frozenset)):
             adapter.target_modules = sorted(adapter.target_modules)
+
+
+def attach_lora(model, r: int, alpha: float, dropout: float, target_modules, *, use_dora: bool = False,
+                use_rslora: bool = False, modules_to_save=()):
+    """Wrap the base in a fresh LoRA adapter (B = 0, so the policy starts equal to the reference)."""
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, lora_config(r, alpha, dropout, target_modules, use_dora=use_dora,
+                                                   use_rslora=use_rslora, modules_to_save=modules_to_save))
+    sort_target_modules(peft_model)
     return peft_model
 
 

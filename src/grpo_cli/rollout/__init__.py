@@ -35,6 +35,7 @@ from grpo_cli.rollout.hf import HFEngine, generate
 from grpo_cli.rollout.inference_copy import InferenceCopy
 from grpo_cli.rollout.logprobs import completion_hidden, completion_logits, completion_logprobs
 from grpo_cli.rollout.merged import MergedEngine
+from grpo_cli.rollout.shared import job_engine
 from grpo_cli.rollout.vllm import VLLMEngine  # rollout.engine=vllm; imports vllm only when an engine is built
 
 __all__ = [
@@ -49,8 +50,9 @@ __all__ = [
 
 def make_engine(cfg_rollout: RolloutConfig, lm, *, max_prompt_tokens: int | None = None) -> Engine:
     """The engine `rollout.engine` names (default auto), for `lm` (a models.LoadedModel or anything with model,
-    tokenizer, device)."""
-    return ENGINES.lookup(cfg_rollout.engine).from_config(cfg_rollout, lm, max_prompt_tokens)
+    tokenizer, device); for a sweep job's adapter on a shared base (rollout.shared.JobModel) the engine that hands its
+    calls to the sweep."""
+    return job_engine(lm) or ENGINES.lookup(cfg_rollout.engine).from_config(cfg_rollout, lm, max_prompt_tokens)
 
 
 def as_engine(engine_or_model, tokenizer, device=None) -> Engine:

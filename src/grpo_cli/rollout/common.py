@@ -207,11 +207,12 @@ def stop_criteria(stop: StopFn | None, stop_strings: Sequence[str] = (), tokeniz
     return criteria, lambda: criterion.fired
 
 
-def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **forward_args):
     """One forward over the P prompts; returns (logits at each prompt's last position [P, 1, V], KV cache).
-    Gradients flow through the cache when grad is enabled, so G completions can share one prompt pass."""
+    Gradients flow through the cache when grad is enabled, so G completions can share one prompt pass.
+    `forward_args`: more for the model's forward (peft's adapter_names: each prompt's adapter)."""
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
-                use_cache=True, logits_to_keep=1)
+                use_cache=True, logits_to_keep=1, **forward_args)
     return out.logits, output_cache(out)
 
 
@@ -279,7 +280,8 @@ class AutoEngine:
 
 
 def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                    min_p: float = 0.0, repetition_penalty: float = 1.0, *, device: torch.device | None = None) -> dict:
+                    min_p: float = 0.0, repetition_penalty: float = 1.0, *, device: torch.device | None = None,
+                    draw=None) -> dict:
     """transformers' generate arguments for our sampling, each one given even when off, so that a model's own
     generation_config (a hub model's top_k=20 or repetition_penalty) never adds to it. Greedy is the argmax of
     the model's distribution, unpenalised.
@@ -287,10 +289,11 @@ def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float
     On the CPU the draw itself is `GumbelSample`'s: transformers' own warpers (temperature, top_k, top_p, min_p, in
     generate's order) then the argmax of scores plus Gumbel noise, the same distribution as generate's
     `torch.multinomial`, whose CPU kernel draws an exponential per vocabulary entry: a few times slower at a 49k
-    vocabulary (docs/results/step-phases.md)."""
+    vocabulary (docs/results/step-phases.md). `draw`: a processor that draws in GumbelSample's place, on any device
+    (rollout.shared's: each sweep job's rows from its own generator)."""
     if greedy:
         return {"do_sample": False, "repetition_penalty": 1.0}
-    if device is None or device.type != "cpu":
+    if draw is None and (device is None or device.type != "cpu"):
         return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k or 0,
                 "min_p": min_p or None, "repetition_penalty": repetition_penalty}
     from transformers import (
@@ -306,7 +309,7 @@ def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float
     warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
     warpers += [MinPLogitsWarper(min_p)] if min_p else []
     return {"do_sample": False, "repetition_penalty": repetition_penalty,
-            "logits_processor": LogitsProcessorList([*warpers, GumbelSample()])}
+            "logits_processor": LogitsProcessorList([*warpers, draw or GumbelSample()])}
 
 
 class GumbelSample:

@@ -75,11 +75,13 @@ class Run:
     # ---- the run --------------------------------------------------------------------------------
     def train(self, trainer: GRPOTrainer | None = None, *, lm: LoadedModel | None = None,
               rows: list[dict] | None = None, stop: StopRequest | None = None,
-              make_evaluator: Callable[[LoadedModel], Callable] | None = None, final_eval: bool | None = None) -> dict:
+              make_evaluator: Callable[[LoadedModel], Callable] | None = None, final_eval: bool | None = None,
+              load_model: Callable[..., LoadedModel] | None = None) -> dict:
         """The whole run with `trainer`, or one built here from the config and the other arguments (see
-        GRPOTrainer). A stop request (SIGINT/SIGTERM) before the first step leaves the dir as if the run never
-        started; during generation it discards the step in progress; during the update the step finishes;
-        either way the state after the last complete step is checkpointed."""
+        GRPOTrainer; `load_model`: how it loads the policy, load_policy unless given). A stop request (SIGINT/SIGTERM)
+        before the first step leaves the dir as if the run never started; during generation it discards the step in
+        progress; during the update the step finishes; either way the state after the last complete step is
+        checkpointed."""
         stop = self.stop = trainer.stop if trainer is not None else stop or StopRequest()
         # the CLI installs the handlers for the whole run (model load included); a program's run does it here
         with contextlib.nullcontext() if stop.installed_now else stop.installed(), self.one_line_if_ranks_part():
@@ -88,9 +90,11 @@ class Run:
 
                 self.built_trainer = True
                 model = f"{self.cfg.model.name_or_path} and its rollout engine"
-                with loading(model) if is_rank_zero() and lm is None else contextlib.nullcontext():
+                loads = is_rank_zero() and lm is None and load_model is None
+                with loading(model) if loads else contextlib.nullcontext():
                     trainer = GRPOTrainer(self.cfg, lm=lm, rows=rows, stop=stop, make_evaluator=make_evaluator,
-                                          final_eval=final_eval, log_dir=self.run_dir)
+                                          final_eval=final_eval, log_dir=self.run_dir,
+                                          **({"load_model": load_model} if load_model else {}))
             self.trainer = trainer
             start = self.resume()
             if self.claim.decision.checkpoint is None and distributed.any_rank(stop()):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from grpo_cli.model import sharding
+from grpo_cli.model import adapters, sharding
 from grpo_cli.step import distributed
 
 
@@ -42,18 +42,18 @@ class DataParallel:
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         distributed.sum_gradients(params, self.ranks)
 
-    def adapter(self, model) -> dict[str, torch.Tensor]:
-        """The LoRA weights, whole, under the model's parameter names."""
-        return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    def adapter(self, model, name: str = adapters.DEFAULT) -> dict[str, torch.Tensor]:
+        """The trainable weights of adapter `name`, whole, under their `default` names (what a checkpoint keeps)."""
+        return adapters.trainable_state(model, name)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return optimizer.state_dict()
 
-    def restore(self, model, optimizer: torch.optim.Optimizer, adapter: dict, optimizer_state: dict, device) -> None:
-        """The adapter (as peft saves it) and the optimizer state of a checkpoint into `model` and `optimizer`."""
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, {k: v.to(device) for k, v in adapter.items()})
+    def restore(self, model, optimizer: torch.optim.Optimizer, adapter: dict, optimizer_state: dict, device,
+                name: str = adapters.DEFAULT) -> None:
+        """The adapter (as peft saves it) and the optimizer state of a checkpoint into `model`'s adapter `name` and
+        `optimizer`."""
+        adapters.load_trainable_state(model, {k: v.to(device) for k, v in adapter.items()}, name)
         optimizer.load_state_dict(optimizer_state)
 
 
@@ -82,13 +82,14 @@ class FullyShardedDataParallel(DataParallel):
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Done: FSDP reduce-scattered them in the last pass's backward."""
 
-    def adapter(self, model) -> dict[str, torch.Tensor]:
-        return sharding.gathered_adapter(model)
+    def adapter(self, model, name: str = adapters.DEFAULT) -> dict[str, torch.Tensor]:
+        return sharding.gathered_adapter(model)  # one adapter: a sweep on one base is refused under fsdp
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return sharding.gathered_optimizer_state(optimizer)
 
-    def restore(self, model, optimizer: torch.optim.Optimizer, adapter: dict, optimizer_state: dict, device) -> None:
+    def restore(self, model, optimizer: torch.optim.Optimizer, adapter: dict, optimizer_state: dict, device,
+                name: str = adapters.DEFAULT) -> None:
         sharding.load_adapter(model, adapter)
         optimizer.load_state_dict(sharding.sharded_optimizer_state(optimizer, optimizer_state))
 

@@ -29,7 +29,7 @@ from grpo_cli.base.errors import Interrupted, InvariantError, OutOfMemory
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.rules import is_on_policy
 from grpo_cli.config.schema import Config
-from grpo_cli.model import sharding
+from grpo_cli.model import adapters, sharding
 from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
 from grpo_cli.rewards import RewardSet, TrainerState
 from grpo_cli.rewards.columns import check_columns
@@ -58,12 +58,14 @@ class GRPOTrainer:
 
     The config is validated before (run.validate: under torchrun it knows the real number of ranks).
     `make_evaluator(lm)` builds the evaluator of `eval.every` and `eval.final` from the loaded model. `log_dir`:
-    where a vLLM server that rollout.placement=server starts writes its log. Warnings go through errors.warn (the
-    run's console while it logs)."""
+    where a vLLM server that rollout.placement=server starts writes its log. `load_model` loads the policy where `lm`
+    is not given (load_policy's arguments; a sweep on one base adds its job's adapter to the shared one). Warnings go
+    through errors.warn (the run's console while it logs)."""
 
     def __init__(self, cfg: Config, *, lm: LoadedModel | None = None, rows: list[dict] | None = None,
                  stop: StopRequest | None = None, make_evaluator: Callable[[LoadedModel], Callable] | None = None,
-                 final_eval: bool | None = None, log_dir: Path | None = None):
+                 final_eval: bool | None = None, log_dir: Path | None = None,
+                 load_model: Callable[..., LoadedModel] = load_policy):
         self.cfg, data = cfg, cfg.data
         self.algo, self.roll, self.tcfg = cfg.algo, cfg.rollout, cfg.trainer
         # this rank's GPU is bound and the process group joined before anything touches CUDA or loads a model
@@ -80,8 +82,9 @@ class GRPOTrainer:
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
-        self.lm = load_within_context(cfg, lengths, lambda: lm or load_policy(
-            cfg.model, device, seed=self.tcfg.seed, sharded=self.parallel.sharded))
+        sharded = {"sharded": True} if self.parallel.sharded else {}  # hydra/launcher=shared_base: refused under fsdp
+        self.lm = load_within_context(cfg, lengths, lambda: lm or load_model(cfg.model, device, seed=self.tcfg.seed,
+                                                                             **sharded))
         self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=data.max_prompt_tokens)
         self.memory = memory.plan(self.tcfg, self.lm, self.engine, chunk_size=self.tcfg.logprob_chunk_size,
@@ -306,7 +309,8 @@ class GRPOTrainer:
         """What a checkpoint keeps of the state after `steps_done` steps: the adapter (whole on every rank), optimizer
         and schedule states, the step's counters, the policy versions in-flight batches need (rollout.placement)."""
         ahead = self.ahead
-        return {"step": self.steps_done, "adapter": self.parallel.adapter(self.model),  # fsdp: gathered, whole
+        return {"step": self.steps_done,
+                "adapter": self.parallel.adapter(self.model, self.lm.adapter),  # fsdp: gathered, whole
                 "optimizer": self.parallel.optimizer_state(self.optimizer),
                 "lr_schedule": self.lr_schedule.state_dict(),
                 "counters": {"skipped_updates": self.skipped_updates,
@@ -315,9 +319,10 @@ class GRPOTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` gave (the adapter as peft saves it). The configured optimizer hyperparameters win
-        over the saved ones: a change that the run allowed is applied (unchanged: they are the same numbers)."""
+        over the saved ones: a change trainer.resume_allow_changes let through is applied (unchanged: the same)."""
         configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        self.parallel.restore(self.model, self.optimizer, state["adapter"], state["optimizer"], self.lm.device)
+        self.parallel.restore(self.model, self.optimizer, state["adapter"], state["optimizer"], self.lm.device,
+                              self.lm.adapter)
         for group, values in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(values)
         self.lr_schedule.load_state_dict(state["lr_schedule"])  # the rate the configured schedule gives there
@@ -333,11 +338,11 @@ class GRPOTrainer:
         """The LoRA weights into `folder` as peft saves them, on rank 0: `adapter` (a state_dict's, as a checkpoint
         keeps it), else the trained one, called on every rank and refused on each when a weight is not finite."""
         if adapter is None:
-            adapter = self.parallel.adapter(self.model)  # under fsdp a collective: gathered on every rank
+            adapter = self.parallel.adapter(self.model, self.lm.adapter)  # under fsdp a collective: gathered on every rank
             if not all(torch.isfinite(t).all() for t in adapter.values()):
                 raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
-        if self.dist.is_main:  # LoRA weights only; the base is not resized
-            self.model.save_pretrained(folder, state_dict=adapter, save_embedding_layers=False)
+        if self.dist.is_main:
+            adapters.save_adapter(self.model, folder, adapter, self.lm.adapter)
 
     def evaluate(self, final: bool = False, say: Callable[[str], None] = print) -> dict | None:
         """The greedy held-out eval of the policy after `steps_done` steps (eval.every; `final`: eval.final's, which

@@ -48,6 +48,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import traceback
 import uuid
 from pathlib import Path
@@ -316,9 +317,12 @@ class SweepSummary(Callback):
         self._end_sweep(str(stopped), stopped.signum)
 
     def _end_sweep(self, line: str, signum: int) -> NoReturn:
-        """Exit 128 + signal: a SystemExit passes Hydra's callback guard and its launcher, so no later job starts."""
-        self._handlers.close()
-        self._release()
+        """Exit 128 + signal: a SystemExit passes Hydra's callback guard and its launcher, so no later job starts.
+        In a job's own thread (hydra/launcher=shared_base) the launcher raises it once every job has stopped, and the
+        handlers and the sweep's lock stay with the main thread until then."""
+        if threading.current_thread() is threading.main_thread():
+            self._handlers.close()
+            self._release()
         print(f"{program()}: {line}", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 

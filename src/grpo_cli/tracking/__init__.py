@@ -64,7 +64,8 @@ from grpo_cli.tracking.wandb_sink import (  # importing it registers the wandb l
 __all__ = [
     "LOGGERS", "REDACTED", "REWARD_WINDOW", "WANDB_ID_FILE", "WANDB_MODES", "ConsoleView", "JsonlSink", "MetricSink",
     "NullSink", "RunInfo", "TensorBoardSink", "Tracker", "WandbSink", "_hydra_names", "has_wandb_credentials",
-    "is_secret_key", "loading", "open_tracker", "redact", "resolve_wandb_mode", "scrub_secrets", "secret_values",
+    "console_label", "is_secret_key", "label_console", "loading", "open_tracker", "redact", "resolve_wandb_mode",
+    "scrub_secrets", "secret_values",
     "wandb_run_id", "wandb_sink",
 ]
 
@@ -113,15 +114,31 @@ class _EtaColumn(ProgressColumn):
         return Text("eta " + ("?" if finish is None else _duration(max(0.0, finish - self.clock()))))
 
 
+_console_label: str | None = None  # the job a console line is of, while a sweep's jobs share the process
+
+
+def label_console(label: str | None) -> None:
+    """The consoles opened from now on start each line with `label: ` and draw no live bar (several jobs' lines
+    interleave: hydra/launcher=shared_base); None: as alone."""
+    global _console_label
+    _console_label = label
+
+
+def console_label() -> str | None:
+    return _console_label
+
+
 class ConsoleView(NullSink):
     """The console sink: a live progress bar on a terminal; one plain line per step otherwise (CI, scheduler logs);
-    the summary table at the end. `clock` tells the time (seconds; time.time)."""
+    the summary table at the end. `clock` tells the time (seconds; time.time). Labelled (label_console): plain
+    lines, each starting with the label."""
 
     def __init__(self, total_steps: int, start_step: int, console: Console | None = None,
                  clock: Callable[[], float] = time.time):
         self.console = console or _default_console()
+        self.job_label = _console_label
         # a dumb terminal (TERM=dumb: editors' shells, some CI) cannot redraw in place: plain lines there too
-        self.live = self.console.is_terminal and not self.console.is_dumb_terminal
+        self.live = self.console.is_terminal and not self.console.is_dumb_terminal and self.job_label is None
         self.total, self.start_step = total_steps, start_step
         self.clock = clock
         self.start = clock()
@@ -166,7 +183,7 @@ class ConsoleView(NullSink):
         step_time = row.get("step_time_s")
         step_time = f"{step_time:.1f}s" if isinstance(step_time, (int, float)) else "-"
         line = f"step {row['step']} done ({done}/{self.total})  {stats}  {step_time}  eta {_duration(left)}"
-        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        self.say(line)
 
     def seconds_left(self, done: int) -> float:
         """What the steps left take at the mean pace of this attempt's steps so far."""
@@ -174,6 +191,7 @@ class ConsoleView(NullSink):
         return per_step * max(0, self.total - done)
 
     def say(self, text: str) -> None:
+        text = text if self.job_label is None else f"{self.job_label}: {text}"
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def phase(self, step: int, text: str) -> None:
@@ -183,7 +201,8 @@ class ConsoleView(NullSink):
             self.progress.update(self.task, phase=f"step {step}: {text}")
 
     def warn(self, text: str) -> None:
-        self.console.print(f"[yellow]warning:[/] {escape(redact(text))}", highlight=False, soft_wrap=True)
+        label = "" if self.job_label is None else f"{escape(self.job_label)}: "
+        self.console.print(f"{label}[yellow]warning:[/] {escape(redact(text))}", highlight=False, soft_wrap=True)
 
     def end_live(self) -> None:
         """The live bar stops and gives the terminal back: what is printed after it is not redrawn under the bar (and
@@ -203,7 +222,8 @@ class ConsoleView(NullSink):
 
     def close(self, summary: dict) -> None:
         self.end_live()
-        table = Table(title="grpo-train", show_header=False)
+        table = Table(title="grpo-train" if self.job_label is None else f"grpo-train, {self.job_label}",
+                      show_header=False)
         table.add_column(style="bold")
         table.add_column(overflow="fold")
         for key, value in summary.items():

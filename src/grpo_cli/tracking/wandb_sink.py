@@ -188,8 +188,10 @@ class WandbSink(NullSink):
                 run.say(f"W&B: {self.location}")
 
     def _init(self, mode: str):
+        # reinit=create_new: a sweep's jobs that share the process (hydra/launcher=shared_base) each have their run
+        # open at once; W&B would otherwise hand every job the first one's run
         settings = self.wandb.Settings(silent=True, console="off", init_timeout=self.init_timeout,
-                                       finish_timeout=self.finish_timeout)
+                                       finish_timeout=self.finish_timeout, reinit="create_new")
         argv = sys.argv
         sys.argv = [redact(arg) for arg in argv]  # W&B records the command line: a key typed there is blanked out
         try:
