@@ -86,3 +86,15 @@ def check_budget(budget_gb: float | None, device_type: str) -> None:
         raise ConfigError(f"trainer.memory_budget_gb={budget_gb:g}: the budget plans with glibc's allocator, and this "
                           f"process runs on TCMalloc; give the budget on the command line (grpo-train then stays on "
                           f"glibc's) or set {ENV}=system")
+
+
+def release_free_memory() -> None:
+    """Give the pages the allocator holds free back to the system: after a whole base was cut into shards on the CPU,
+    its freed bytes would otherwise stay in this process's RSS (TCMalloc keeps them for later allocations; glibc's
+    malloc_trim returns what its heap top allows)."""
+    process = ctypes.CDLL(None)
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None) if in_use() == "tcmalloc" else None
+    if release is not None:
+        release()
+    elif hasattr(process, "malloc_trim"):
+        process.malloc_trim(0)

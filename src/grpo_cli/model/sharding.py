@@ -46,6 +46,10 @@ def shard(model, pad_token_id: int, device: torch.device) -> torch.nn.Module:
     with torch.no_grad():
         model(input_ids=torch.tensor([[pad_token_id]], device=device), use_cache=False)
     model.reshard()
+    if device.type == "cpu":  # the whole weights are freed now: their pages go back, not kept by the allocator
+        from grpo_cli.model.allocator import release_free_memory
+
+        release_free_memory()
     return model
 
 
