@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""One vLLM server against several (issue 64): the same grpo-train run with rollout.placement=server on 1 and on N
+"""One vLLM server against several (issue 64; docs/results/fleet.md): the same grpo-train run with
+rollout.placement=server on 1 and on N
 servers that grpo-train starts, each server on cores of its own (rollout.worker_threads each: on the CPU each is
 pinned), generation tokens/s and the step time read from metrics.jsonl.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What sharding the base buys on the CPU (issue 63; docs/results-fsdp.md): the quickstart's GRPO step (the embedded
+"""What sharding the base buys on the CPU (issue 63; docs/results/fsdp.md): the quickstart's GRPO step (the embedded
 SmolLM2-135M, fp32, 4 prompts x 8 completions of 8 tokens) in one process, on 2 ranks under DDP and on 2 ranks under
 FSDP (trainer.parallel), gloo, one thread per rank, the hf engine and no prepacked weights in every mode (what FSDP
 runs; the CPU defaults pack weights and merge a copy, which costs memory of its own). Per rank: the bytes of frozen
