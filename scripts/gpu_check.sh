@@ -15,7 +15,9 @@
 #      bitsandbytes==0.50.2 -d .gpu_bnb`, 43 MB: too big to travel with the other carries, so a call of its own
 #      first: run(command="ls .gpu_bnb", carry=[".gpu_bnb"], timeout_s=60)); without it the nf4 row says skipped.
 #   5. scripts/bench_fleet.py, where a vLLM is found: 1 vs 2 vLLM servers that grpo-train starts over the GPUs
-#      (rollout.servers=2; the bare image has no vLLM: skipped, one line), its lines in env.txt.
+#      (rollout.servers=2; the bare image has no vLLM: skipped, one line), its lines in env.txt;
+#   6. scripts/bench_sweeps.py: 8 jobs on one base (hydra/launcher=shared_base) against the basic launcher, model=tiny,
+#      on the GPU, its lines in env.txt.
 # Everything it reports goes to $OUT (set by the device tool; default bench_out/gpu_check), at most 8 files: env.txt,
 # pytest.txt, compare-16x8x256.{txt,json}, compare-2x8x64.{txt,json}, memory-qlora.txt, worker-logs.tar.gz.
 #
@@ -189,6 +191,18 @@ if "$PY" -c 'import vllm' 2>/dev/null || [ -x "$REPO/.venv-vllm/bin/python" ] ||
   fi
 else
   echo "gpu_check: no vLLM here (not in $PY, no .venv-vllm, no vllm on PATH): the fleet bench is skipped" | tee -a "$OUT/env.txt"
+fi
+
+# 6. a sweep on one base (issue 65): 8 jobs with hydra/launcher=shared_base against basic on the GPU, model=tiny (the
+# recipe's embedded model when its GGUF is real is for a longer budget), wall time, peak RSS of the process tree,
+# each job's numbers against basic's. Its lines go to env.txt.
+if [ "$(left 120)" -lt 120 ]; then
+  echo "gpu_check: skipping the sweep bench: under 120 s of the budget left" | tee -a "$OUT/env.txt"
+else
+  step "bench sweeps: shared_base vs basic, $DEVICE" | tee -a "$OUT/env.txt"
+  timeout "$(left 240)" "$PY" scripts/bench_sweeps.py --launchers shared_base,basic --model tiny --device "$DEVICE" \
+    --steps 2 --eval-prompts 8 --json-out "$LOGS/sweeps.json" 2>&1 | tee -a "$OUT/env.txt"
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "bench sweeps failed (exit $rc)"
 fi
 
 if [ "$SCALING" != 0 ] && [ "$(left 90)" -lt 90 ]; then
