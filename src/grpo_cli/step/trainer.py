@@ -319,7 +319,7 @@ class GRPOTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` gave (the adapter as peft saves it). The configured optimizer hyperparameters win
-        over the saved ones: a change trainer.resume_allow_changes let through is applied (unchanged: the same)."""
+        over the saved ones: a change that the run allowed is applied (unchanged: the same)."""
         configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         self.parallel.restore(self.model, self.optimizer, state["adapter"], state["optimizer"], self.lm.device,
                               self.lm.adapter)
@@ -338,7 +338,7 @@ class GRPOTrainer:
         """The LoRA weights into `folder` as peft saves them, on rank 0: `adapter` (a state_dict's, as a checkpoint
         keeps it), else the trained one, called on every rank and refused on each when a weight is not finite."""
         if adapter is None:
-            adapter = self.parallel.adapter(self.model, self.lm.adapter)  # under fsdp a collective: gathered on every rank
+            adapter = self.parallel.adapter(self.model, self.lm.adapter)  # fsdp: gathered, on every rank
             if not all(torch.isfinite(t).all() for t in adapter.values()):
                 raise InvariantError("the adapter holds non-finite weights; it was not written (lower optimizer.lr)")
         if self.dist.is_main:
