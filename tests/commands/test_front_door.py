@@ -275,7 +275,8 @@ def test_the_live_line_shows_what_the_step_under_way_is_doing():
     from grpo_cli.tracking import ConsoleView
 
     out = io.StringIO()
-    view = ConsoleView(3, 0, Console(file=out, force_terminal=True, width=140))
+    # a capable terminal whatever TERM the suite runs under (TERM=dumb in CI: tests/tracking/test_console.py)
+    view = ConsoleView(3, 0, Console(file=out, force_terminal=True, width=140, _environ={"TERM": "xterm-256color"}))
     view.phase(0, "generating")
     view.progress.refresh()
     assert "step 0: generating" in out.getvalue()
@@ -296,7 +297,8 @@ def test_loading_shows_a_spinner_on_a_terminal_and_a_line_off_it():
     from grpo_cli.tracking import loading
 
     live = io.StringIO()
-    with loading("tiny-random and its rollout engine", Console(file=live, force_terminal=True, width=120)):
+    terminal = Console(file=live, force_terminal=True, width=120, _environ={"TERM": "xterm-256color"})
+    with loading("tiny-random and its rollout engine", terminal):
         pass
     assert "loading tiny-random and its rollout engine" in live.getvalue()
     assert "loaded tiny-random and its rollout engine in " in live.getvalue()
@@ -305,3 +307,7 @@ def test_loading_shows_a_spinner_on_a_terminal_and_a_line_off_it():
         plain.write("[the model loads here]\n")
     assert plain.getvalue().splitlines()[:2] == ["loading tiny-random", "[the model loads here]"]
     assert plain.getvalue().splitlines()[2].startswith("loaded tiny-random in ")
+    dumb = io.StringIO()  # TERM=dumb cannot redraw a spinner in place: the plain lines
+    with loading("tiny-random", Console(file=dumb, force_terminal=True, width=120, _environ={"TERM": "dumb"})):
+        pass
+    assert dumb.getvalue().splitlines()[0] == "loading tiny-random"

@@ -49,7 +49,10 @@ def test_a_two_role_job_from_one_config_renders_runs_and_trains_on_its_servers(t
                       "#SBATCH --gpus-per-node=4", "#SBATCH --time=90", "#SBATCH --partition=a100",
                       f"#SBATCH --output={run}/slurm-%j.out"]
     serve = next(line for line in text.splitlines() if "CUDA_VISIBLE_DEVICES=$gpu" in line)
-    for flag in ("--model Qwen/Qwen2.5-0.5B-Instruct", "--served-model-name grpo-base", "--dtype bfloat16",
+    # the server's head is vLLM's beside grpo-train (`python -m vllm.entrypoints.openai.api_server --model M`) where
+    # make setup-vllm made one, else the nodes' own `vllm serve M`
+    assert "--model Qwen/Qwen2.5-0.5B-Instruct " in serve or "vllm serve Qwen/Qwen2.5-0.5B-Instruct " in serve, serve
+    for flag in ("--served-model-name grpo-base", "--dtype bfloat16",
                  "--enable-lora", "--max-lora-rank 16", "--max-loras 2", "--logprobs-mode processed_logprobs",
                  "--host 0.0.0.0", "--port $((8000 + gpu))"):
         assert flag in serve, (flag, serve)

@@ -23,6 +23,7 @@ batch again (rewards.CompletionsFailed).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import queue
@@ -195,6 +196,8 @@ class RemoteVerifier:
     def __call__(self, prompts: list, completions: list, messages: list | None = None, **fields: Any) -> list[float]:
         if messages is not None:
             fields = {**fields, "messages": messages}
-        bodies = [{"prompt": prompt, "completion": completion, **{k: v[i] for k, v in fields.items()}}
+        state = fields.pop("trainer_state", None)  # the step's, one for every completion (the others: one each)
+        whole = {} if state is None else {"trainer_state": dataclasses.asdict(state)}
+        bodies = [{"prompt": prompt, "completion": completion, **{k: v[i] for k, v in fields.items()}, **whole}
                   for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True))]
         return score_each(bodies, lambda body: score_of(self.service.post(body)), self.concurrency)

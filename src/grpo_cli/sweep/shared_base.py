@@ -242,7 +242,9 @@ def launch(config: DictConfig, hydra_context, task_function, job_overrides: Sequ
         with open_dict(job):
             job.hydra.job.id = job.hydra.job.num = initial_job_idx + index
         configs.append(job)
-        names.append(" ".join(filter_overrides(overrides)))
+        names.append(filter_overrides(overrides))
+    common = set.intersection(*(set(n) for n in names)) if names else set()
+    names = [" ".join(o for o in n if o not in common) for n in names]  # a job by what the sweep varies in it
     try:
         check_shareable(configs, names)
     except ConfigError as err:

@@ -282,7 +282,7 @@ def loading(what: str, console: Console | None = None) -> Iterator[None]:
     terminal, a plain line otherwise; then how long it took."""
     console = console or _default_console()
     start = time.monotonic()
-    if console.is_terminal:
+    if console.is_terminal and not console.is_dumb_terminal:  # TERM=dumb cannot redraw a spinner in place
         spinner = Progress(SpinnerColumn(), TextColumn(f"loading {escape(what)}"), TimeElapsedColumn(),
                            console=console, transient=True)
         with spinner:
