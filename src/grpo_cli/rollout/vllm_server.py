@@ -166,8 +166,10 @@ class ServerAPI:
         import urllib3
 
         where = f"{method} {self.url}{path}"
+        # no `timeout` keeps the pool's (rollout.server_timeout_s): urllib3 takes timeout=None as none at all
+        deadline = {} if timeout is None else {"timeout": timeout}
         try:
-            response = self.pool.request(method, self.url + path, timeout=timeout,
+            response = self.pool.request(method, self.url + path, **deadline,
                                          body=None if body is None else json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         except urllib3.exceptions.HTTPError as err:
