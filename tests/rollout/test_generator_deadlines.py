@@ -14,10 +14,6 @@ from test_reliability import start, stderr_lines_after_signal, wait_for
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.xfail(reason="intermittent (3 of 5 fresh-clone runs on 2026-12-04 hung past the test's 360 s): a worker "
-                          "SIGSTOPped while it writes a large message may leave the trainer blocked reading the rest "
-                          "of it, where multiprocessing.Queue.get has no timeout (suspected, not yet shown); the "
-                          "deadline of rollout.generator_timeout_s holds only between messages", strict=False)
 def test_a_stopped_worker_is_one_line_and_a_stop_with_the_checkpoint(tmp_path):
     """SIGSTOP to the worker during step 1's scoring: step 2 waits for its batch; 30 s without a message and the run
     stops in one line with the state after 2 steps checkpointed, the worker gone."""

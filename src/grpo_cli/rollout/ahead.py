@@ -251,10 +251,10 @@ class AheadOfTheUpdate:
                                       f"{limit:g}) before it {what}: it is stopped or hangs; raise "
                                       "rollout.generator_timeout_s if its batches take longer") from None
                 continue
-            except (OSError, EOFError):  # a message whose shared-memory tensors the worker took along as it died
+            if isinstance(message, (OSError, EOFError)):  # a message whose tensors the worker took along as it died
                 self._settle()
                 self._check_alive(what)
-                raise
+                raise message
             self._take(message)
             deadline = None if limit is None else time.monotonic() + limit  # progress: the clock starts again
             if done(message):

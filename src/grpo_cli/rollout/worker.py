@@ -33,6 +33,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -113,12 +114,15 @@ class RolloutWorker(AheadOfTheUpdate):
         # makes it
         reference = plan if reference_in_the_worker(cfg, lm.device, device) else None
         context = mp.get_context("spawn")
-        self.requests, self.results = context.Queue(), context.Queue()
+        self.requests, from_worker = context.Queue(), context.Queue()
         self.process = context.Process(target=serve, name="grpo-rollout-worker", daemon=True,
                                        args=(dict(cfg.composed), str(device), self.buffers, self.probe,
-                                             self.requests, self.results, worker_threads, os.getpid(),
+                                             self.requests, from_worker, worker_threads, os.getpid(),
                                              reference))
         self.process.start()
+        self.results = queue.Queue()
+        threading.Thread(target=relay, args=(from_worker, self.results), name="grpo-rollout-relay",
+                         daemon=True).start()
         self.begin("loaded its policy")
 
     def close(self) -> None:
@@ -146,6 +150,21 @@ class RolloutWorker(AheadOfTheUpdate):
         if not self.process.is_alive():
             raise WorkerError(f"the rollout worker (pid {self.process.pid}) ended with exit code "
                               f"{self.process.exitcode} before it {what}") from None
+
+
+def relay(source, sink: queue.Queue) -> None:
+    """Move the worker's messages from its multiprocessing queue to `sink`, in a thread of their own: taking one may
+    block without a deadline (a message half written, or a tensor whose file descriptor torch fetches from the sending
+    process, which blocks while that process is stopped), and the trainer's waits must keep theirs
+    (rollout.generator_timeout_s, the stop request). A failure to take one (the worker died with it) goes to `sink`
+    as the exception, and the relay ends."""
+    while True:
+        try:
+            message = source.get()
+        except (OSError, EOFError) as err:
+            sink.put(err)
+            return
+        sink.put(message)
 
 
 # ---- the worker's side ----------------------------------------------------------------------------------
