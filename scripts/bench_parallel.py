@@ -82,8 +82,10 @@ def gathered_once(model):
 
 def generation_extras(trainer) -> dict:
     """The step's completions (greedy) generated per layer sharded, then gathered once: seconds, RSS, same tokens."""
+    from grpo_cli.rollout import SamplingParams
+
     rows, enc = trainer.prompts(0)
-    options = dict(max_new_tokens=trainer.roll.max_new_tokens, greedy=True)
+    sampling = SamplingParams(max_new_tokens=trainer.roll.max_new_tokens, greedy=True)
     out = {}
     for name, context in (("sharded", contextlib.nullcontext), ("gathered", lambda: gathered_once(trainer.model))):
         before = rss_mb()
@@ -91,7 +93,7 @@ def generation_extras(trainer) -> dict:
         with context():
             gathered_s = time.perf_counter() - t0
             during = rss_mb()
-            roll = trainer.engine.generate(enc.ids, trainer.algo.num_generations, **options)
+            roll = trainer.engine.generate(enc.ids, trainer.algo.num_generations, sampling)
         out[name] = {"s": round(time.perf_counter() - t0, 3), "gather_s": round(gathered_s, 3),
                      "rss_before_mb": round(before), "rss_during_mb": round(max(during, rss_mb())),
                      "tokens": roll.completion_ids.tolist()}

@@ -76,13 +76,13 @@ class KnownAnswers(Engine):
         super().__init__(None, tokenizer)
         self.solved, self.tasks = solved, {t.question: t for t in code_tasks.all_generated()}
 
-    def generate(self, prompt_ids, num_generations, *, greedy=False, **_):
+    def generate(self, prompt_ids, num_generations, sampling, stop=None):
         texts = []
         for ids in prompt_ids:
             asked = re.search(r"Write a Python function .*?\.(?= Reply)", self.tokenizer.decode(ids)).group(0)
             task = self.tasks[asked]
             right, wrong = fenced(task.solution), fenced(f"def {task.entry_point}(*args):\n    return None\n")
-            if greedy:
+            if sampling.greedy:
                 texts.append(right if task.question in self.solved else wrong)
             else:
                 texts += [right] + [wrong] * (num_generations - 1)

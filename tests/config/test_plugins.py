@@ -29,10 +29,10 @@ TOY_PLUGINS = textwrap.dedent('''
     class ToyEngine(Engine):
         """Answers every prompt with ANSWER, then EOS."""
 
-        def generate(self, prompt_ids, num_generations, *, max_new_tokens, stop=None, **sampling):
+        def generate(self, prompt_ids, num_generations, sampling, stop=None):
             ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, self.device)
             eos = eos_ids(self.model, self.tokenizer)
-            tokens = (self.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + eos[:1])[:max_new_tokens]
+            tokens = (self.tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + eos[:1])[:sampling.max_new_tokens]
             completion = torch.tensor([tokens] * (len(prompt_ids) * num_generations), device=self.device)
             return finish_rollout(self.tokenizer, eos, ids, mask, completion, num_generations, False)
 

@@ -17,7 +17,7 @@ from grpo_cli.base.errors import ConfigError
 from grpo_cli.config.schema import Config
 from grpo_cli.model.loading import attach_lora, load_base_model, load_policy, load_tokenizer
 from grpo_cli.model.precision import auto_dtype, fast_cpu_bf16, resolve_dtype
-from grpo_cli.rollout import HFEngine, completion_logprobs
+from grpo_cli.rollout import HFEngine, SamplingParams, completion_logprobs
 
 CPU = torch.device("cpu")
 
@@ -83,7 +83,7 @@ def bf16_policy():
     randomise_lora(model)
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("What is 2 + 3? Answer:", "Hi")]
     torch.manual_seed(0)
-    roll = HFEngine(model, tokenizer).generate(prompts, 3, max_new_tokens=9, temperature=1.0)
+    roll = HFEngine(model, tokenizer).generate(prompts, 3, SamplingParams(max_new_tokens=9, temperature=1.0))
     roll.completion_mask[1, 4:] = 0
     return model, copy.deepcopy(model).float(), roll
 

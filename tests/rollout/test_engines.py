@@ -14,7 +14,7 @@ from conftest import TINY_LORA_SHAPE, fixed_batch, randomise_lora, read_jsonl, r
 from grpo_cli.base.errors import ConfigError
 from grpo_cli.config.schema import Config
 from grpo_cli.model.loading import load_policy
-from grpo_cli.rollout import HFEngine, make_engine
+from grpo_cli.rollout import HFEngine, SamplingParams, make_engine
 from grpo_cli.rollout.compiled import CompiledEngine
 from grpo_cli.run.validate import validate
 from grpo_cli.step.evaluate import Evaluator
@@ -71,8 +71,8 @@ def test_config_refuses_bad_engine_keys(compose, override, message):
 def test_greedy_compiled_equals_hf_on_the_tiny_model(tiny):
     hf, compiled = engines(tiny)
     prompts = chat_prompts(tiny.tokenizer)
-    assert_same_rollout(compiled.generate(prompts, 3, max_new_tokens=12, greedy=True),
-                        hf.generate(prompts, 3, max_new_tokens=12, greedy=True))
+    assert_same_rollout(compiled.generate(prompts, 3, SamplingParams(max_new_tokens=12, greedy=True)),
+                        hf.generate(prompts, 3, SamplingParams(max_new_tokens=12, greedy=True)))
 
 
 @pytest.mark.slow
@@ -81,8 +81,8 @@ def test_greedy_compiled_equals_hf_on_the_embedded_model(config):
     randomise_lora(lm.model, scale=0.01)
     hf, compiled = engines(lm)
     prompts = chat_prompts(lm.tokenizer)
-    a = hf.generate(prompts, 2, max_new_tokens=16, greedy=True)
-    assert_same_rollout(compiled.generate(prompts, 2, max_new_tokens=16, greedy=True), a)
+    a = hf.generate(prompts, 2, SamplingParams(max_new_tokens=16, greedy=True))
+    assert_same_rollout(compiled.generate(prompts, 2, SamplingParams(max_new_tokens=16, greedy=True)), a)
     assert any(len(t.strip()) > 3 for t in a.texts)
 
 
@@ -91,13 +91,13 @@ def test_sampling_is_the_same_under_the_same_seed(tiny):
     """Temperature, top_p and min_new_tokens mean the same in both engines: same seed, same samples."""
     hf, compiled = engines(tiny)
     prompts = chat_prompts(tiny.tokenizer)[:2]
-    kwargs = {"max_new_tokens": 10, "min_new_tokens": 10, "temperature": 0.8, "top_p": 0.9}
+    sampling = SamplingParams(max_new_tokens=10, min_new_tokens=10, temperature=0.8, top_p=0.9)
     torch.manual_seed(7)
-    a = hf.generate(prompts, 4, **kwargs)
+    a = hf.generate(prompts, 4, sampling)
     torch.manual_seed(7)
-    b = compiled.generate(prompts, 4, **kwargs)
+    b = compiled.generate(prompts, 4, sampling)
     torch.manual_seed(8)
-    c = compiled.generate(prompts, 4, **kwargs)
+    c = compiled.generate(prompts, 4, sampling)
     assert_same_rollout(b, a)
     assert not torch.equal(b.completion_ids, c.completion_ids)
     assert b.completion_ids.shape == (8, 10) and bool(b.completion_mask.all())  # min_new_tokens: no EOS early
@@ -107,18 +107,18 @@ def test_a_decode_step_that_fails_to_compile_costs_the_speed_up_not_the_run(tiny
     """rollout.compile=auto: a compile failure (here a real one: a backend torch does not have) is one warning, and
     the engine generates uncompiled, exactly as with rollout.compile=false; rollout.compile=true raises it."""
     prompts = chat_prompts(tiny.tokenizer)
-    expected = engines(tiny)[1].generate(prompts, 2, max_new_tokens=5, greedy=True)
+    expected = engines(tiny)[1].generate(prompts, 2, SamplingParams(max_new_tokens=5, greedy=True))
     broken = CompiledEngine(tiny.model, tiny.tokenizer, tiny.device, compile=True, max_prompt_tokens=64,
                             compile_fallback=True, compile_backend="no_such_backend")
     for _ in range(2):
-        assert_same_rollout(broken.generate(prompts, 2, max_new_tokens=5, greedy=True), expected)
+        assert_same_rollout(broken.generate(prompts, 2, SamplingParams(max_new_tokens=5, greedy=True)), expected)
     warned = [line.split(": ", 1)[1] for line in capsys.readouterr().err.splitlines() if ": warning: " in line]
     assert len(warned) == 1 and warned[0].startswith("warning: rollout.compile=auto: compiling the decode step failed")
     assert "rollout.compile=false" in warned[0] and not broken.compile
     strict = CompiledEngine(tiny.model, tiny.tokenizer, tiny.device, compile=True, max_prompt_tokens=64,
                             compile_backend="no_such_backend")
     with pytest.raises(Exception, match="no_such_backend"):
-        strict.generate(prompts, 2, max_new_tokens=5, greedy=True)
+        strict.generate(prompts, 2, SamplingParams(max_new_tokens=5, greedy=True))
 
 
 @pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
@@ -126,12 +126,12 @@ def test_compiled_engine_sizes_its_cache_once(tiny):
     """A smaller call reuses the first call's static cache (spare rows are padding) and still gives hf's tokens."""
     hf, compiled = engines(tiny, max_prompt_tokens=64)
     prompts = chat_prompts(tiny.tokenizer)
-    compiled.generate(prompts, 3, max_new_tokens=8, greedy=True)
+    compiled.generate(prompts, 3, SamplingParams(max_new_tokens=8, greedy=True))
     assert list(compiled.caches) == [(9, 64 + 8)]
-    small = compiled.generate(prompts[1:], 2, max_new_tokens=8, greedy=True)
+    small = compiled.generate(prompts[1:], 2, SamplingParams(max_new_tokens=8, greedy=True))
     assert list(compiled.caches) == [(9, 64 + 8)]
-    assert_same_rollout(small, hf.generate(prompts[1:], 2, max_new_tokens=8, greedy=True))
-    compiled.generate(prompts[:1], 1, max_new_tokens=20, greedy=True)  # longer: a second cache
+    assert_same_rollout(small, hf.generate(prompts[1:], 2, SamplingParams(max_new_tokens=8, greedy=True)))
+    compiled.generate(prompts[:1], 1, SamplingParams(max_new_tokens=20, greedy=True))  # longer: a second cache
     assert len(compiled.caches) == 2
     compiled.close()
     assert not compiled.caches
@@ -142,10 +142,11 @@ def test_compiled_engine_sizes_its_cache_once(tiny):
 def test_stop_ends_generation_early(tiny, which):
     engine = dict(zip(("hf", "compiled"), engines(tiny), strict=True))[which]
     prompts = chat_prompts(tiny.tokenizer)[:2]
-    full = engine.generate(prompts, 2, max_new_tokens=40, min_new_tokens=40, greedy=True, stop=lambda: False)
+    sampling = SamplingParams(max_new_tokens=40, min_new_tokens=40, greedy=True)
+    full = engine.generate(prompts, 2, sampling, stop=lambda: False)
     assert full.completion_ids.shape[1] == 40 and not full.interrupted
     polls = itertools.count()
-    cut = engine.generate(prompts, 2, max_new_tokens=40, min_new_tokens=40, greedy=True, stop=lambda: next(polls) >= 3)
+    cut = engine.generate(prompts, 2, sampling, stop=lambda: next(polls) >= 3)
     assert cut.interrupted and cut.completion_ids.shape[1] < 40
     assert torch.equal(cut.completion_ids, full.completion_ids[:, :cut.completion_ids.shape[1]])
 
@@ -287,9 +288,9 @@ def test_cuda_compiled_engine_in_training(config, tmp_path):
         err_merged = float((trainer.engine.inference_model()(input_ids=ids).logits.float() - want).abs().max())
     assert err_merged <= 2 * err_policy + 1e-2 * float(want.abs().max()), (err_merged, err_policy)
     prompts = chat_prompts(trainer.tokenizer)
-    roll = trainer.engine.generate(prompts, 2, max_new_tokens=16, greedy=True)
-    hf_roll = HFEngine(trainer.model, trainer.tokenizer, trainer.lm.device).generate(prompts, 2, max_new_tokens=16,
-                                                                                      greedy=True)
+    greedy = SamplingParams(max_new_tokens=16, greedy=True)
+    roll = trainer.engine.generate(prompts, 2, greedy)
+    hf_roll = HFEngine(trainer.model, trainer.tokenizer, trainer.lm.device).generate(prompts, 2, greedy)
     assert teacher_forced_gap(trainer.model, roll) <= max(0.1, 4 * teacher_forced_gap(trainer.model, hf_roll))
 
 
@@ -314,8 +315,9 @@ def test_cuda_embedded_model_greedy_through_compiled(config):
     engine = make_engine(cfg.rollout, lm, max_prompt_tokens=128)
     assert isinstance(engine, CompiledEngine)
     prompts = chat_prompts(lm.tokenizer)
-    roll = engine.generate(prompts, 2, max_new_tokens=24, greedy=True)
-    hf_roll = HFEngine(lm.model, lm.tokenizer, lm.device).generate(prompts, 2, max_new_tokens=24, greedy=True)
+    greedy = SamplingParams(max_new_tokens=24, greedy=True)
+    roll = engine.generate(prompts, 2, greedy)
+    hf_roll = HFEngine(lm.model, lm.tokenizer, lm.device).generate(prompts, 2, greedy)
     assert torch.equal(roll.completion_ids[:, 0], hf_roll.completion_ids[:, 0])
     assert teacher_forced_gap(lm.model, roll) <= max(0.1, 4 * teacher_forced_gap(lm.model, hf_roll))
 
@@ -384,7 +386,7 @@ def test_merged_samples_what_hf_samples_and_follows_the_policy():
         out = []
         for engine in (hf, merged):
             torch.manual_seed(5)
-            out.append(engine.generate(prompts, 3, max_new_tokens=10, **options))
+            out.append(engine.generate(prompts, 3, SamplingParams(max_new_tokens=10, **options)))
         return out
 
     for options in ({"greedy": True}, {"temperature": 0.9, "top_p": 0.95}):
@@ -409,7 +411,7 @@ def test_compiled_times_its_refresh_as_the_steps_sync():
     lm = tiny_lora_policy()
     _, compiled = engines(lm)
     prompts = chat_prompts(lm.tokenizer)
-    compiled.generate(prompts, 2, max_new_tokens=4, greedy=True)
+    compiled.generate(prompts, 2, SamplingParams(max_new_tokens=4, greedy=True))
     refreshed = compiled.sync_s
-    compiled.generate(prompts, 2, max_new_tokens=4, greedy=True)
+    compiled.generate(prompts, 2, SamplingParams(max_new_tokens=4, greedy=True))
     assert 0 < compiled.sync_s < refreshed

@@ -22,8 +22,8 @@ from grpo_cli import algorithm
 from grpo_cli.base.errors import ConfigError, Interrupted, RunError
 from grpo_cli.model.loading import load_tokenizer
 from grpo_cli.rollout import HFEngine, completion_logprobs, positions
-from grpo_cli.rollout.common import Engine, finish_rollout, left_pad
-from grpo_cli.rollout.episodes import Episodes, run_episodes
+from grpo_cli.rollout.common import Engine, SamplingParams, finish_rollout, left_pad
+from grpo_cli.rollout.episodes import Episodes, EpisodeSetup, run_episodes
 from grpo_cli.rollout.tools import (
     ToolCall,
     ToolFormat,
@@ -123,8 +123,8 @@ class ScriptedPolicy(Engine):
         super().__init__(None, tokenizer, torch.device("cpu"))
         self.calls: list[int] = []  # rows per generate call
 
-    def generate(self, prompt_ids, num_generations, *, max_new_tokens, stop_strings=(), stop=None, **sampling):
-        tok, rows = self.tokenizer, []
+    def generate(self, prompt_ids, num_generations, sampling, stop=None):
+        tok, rows, max_new_tokens = self.tokenizer, [], sampling.max_new_tokens
         for ids in prompt_ids:
             text = tok.decode(ids)
             script = text.split("SCRIPT:", 1)[1].split(tok.eos_token, 1)[0].split("|||")
@@ -136,7 +136,8 @@ class ScriptedPolicy(Engine):
         completion = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
         ids, mask = left_pad(prompt_ids, tok.pad_token_id, None)
         fired = stop is not None and stop()  # polled once per call: enough to stand for a stop mid-generation
-        return finish_rollout(tok, [tok.eos_token_id], ids, mask, completion, num_generations, fired, stop_strings)
+        return finish_rollout(tok, [tok.eos_token_id], ids, mask, completion, num_generations, fired,
+                              sampling.stop_strings)
 
     def turn_tokens(self, line: str, max_new_tokens: int) -> list[int]:
         """What it writes for a turn whose script line is `line`: the chosen text and EOS, cut at max_new_tokens."""
@@ -171,9 +172,10 @@ def script(*turns: str) -> dict:
     return {"messages": [{"role": "user", "content": "SCRIPT:" + "|||".join(turns)}]}
 
 
-def episodes(tokenizer, rows, G=1, **options) -> Episodes:
-    options = {"max_new_tokens": 128, "max_tool_calls": 4, "tools": TOOLS, "tool_timeout_s": 0.5, **options}
-    return run_episodes(ScriptedPolicy(tokenizer), ToolFormat(tokenizer), rows, G, **options)
+def episodes(tokenizer, rows, G=1, *, max_new_tokens=128, stop=None, **setup) -> Episodes:
+    setup = {"max_tool_calls": 4, "tools": TOOLS, "tool_timeout_s": 0.5, **setup}
+    return run_episodes(ScriptedPolicy(tokenizer), rows, G, SamplingParams(max_new_tokens),
+                        EpisodeSetup(ToolFormat(tokenizer), **setup), stop)
 
 
 def decoded(tokenizer, roll: Episodes, i: int, mask: torch.Tensor) -> str:
@@ -247,8 +249,8 @@ def test_a_template_with_tool_support_gets_them_natively_and_its_parser_reads_th
     fmt = ToolFormat(native)
     assert fmt.native and fmt.parser is NATIVE_RESPONSE
     written = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": "4"}}\n</tool_call>'
-    roll = run_episodes(ScriptedPolicy(native), fmt, [script(written, "The answer is 12.")], 1, max_new_tokens=64,
-                        max_tool_calls=2, tools=TOOLS)
+    roll = run_episodes(ScriptedPolicy(native), [script(written, "The answer is 12.")], 1, SamplingParams(64),
+                        EpisodeSetup(fmt, max_tool_calls=2, tools=TOOLS))
     assert native.decode(roll.prompt_ids[0]).count("# Tools") == 1
     assert roll.tool_calls.item() == 1 and roll.failed_calls.item() == 0  # "4" typed to 4 by the tool's schema
     assert roll.messages[0][1]["tool_calls"] == [{"type": "function", "function": {
@@ -312,9 +314,8 @@ def test_the_sequence_is_prompt_plus_sampled_plus_tool_tokens_never_retokenized(
         return original(prompt_ids, *args, **kwargs)
 
     policy.generate = recording
-    roll = run_episodes(policy, ToolFormat(tokenizer), [script(call("multiply", a=2, b=5), call("multiply", a=10, b=1),
-                                                               "Done.")], 1, max_new_tokens=128, max_tool_calls=4,
-                        tools=TOOLS)
+    roll = run_episodes(policy, [script(call("multiply", a=2, b=5), call("multiply", a=10, b=1), "Done.")], 1,
+                        SamplingParams(128), EpisodeSetup(ToolFormat(tokenizer), max_tool_calls=4, tools=TOOLS))
     prompt = roll.prompt_ids[0][roll.prompt_mask[0].bool()].tolist()
     full = prompt + roll.completion_ids[0][roll.completion_mask[0].bool()].tolist()
     assert len(seen) == 3
@@ -419,9 +420,9 @@ def test_the_context_ends_an_episode(tokenizer):
 
 def test_a_stop_request_ends_the_loop_without_running_more_tools(tokenizer):
     policy = ScriptedPolicy(tokenizer)
-    roll = run_episodes(policy, ToolFormat(tokenizer), [script(call("multiply", a=1, b=2), call("multiply", a=3, b=4),
-                                                               "End.")], 1, max_new_tokens=128, max_tool_calls=4,
-                        tools=TOOLS, stop=lambda: len(policy.calls) > 1)
+    roll = run_episodes(policy, [script(call("multiply", a=1, b=2), call("multiply", a=3, b=4), "End.")], 1,
+                        SamplingParams(128), EpisodeSetup(ToolFormat(tokenizer), max_tool_calls=4, tools=TOOLS),
+                        stop=lambda: len(policy.calls) > 1)
     assert roll.interrupted and policy.calls == [1, 1] and roll.tool_calls.item() == 1
 
 
@@ -443,15 +444,15 @@ def test_the_loss_mask_excludes_tool_tokens_from_every_count(tokenizer):
     turn = call("multiply", a=3, b=4) + "12."
     sampled = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in (turn,))
     assert int(mask[0].sum()) == sampled  # the call, the answer and one EOS: nothing of the tool message
-    plain = run_episodes(ScriptedPolicy(tokenizer), ToolFormat(tokenizer), [script("Hi.")], 1, max_new_tokens=8,
-                         max_tool_calls=0)
+    plain = run_episodes(ScriptedPolicy(tokenizer), [script("Hi.")], 1, SamplingParams(8),
+                         EpisodeSetup(ToolFormat(tokenizer), max_tool_calls=0))
     assert torch.equal(plain.loss_mask(), plain.completion_mask)
 
 
 def test_one_generate_call_per_turn_batches_the_running_episodes(tokenizer):
     policy = ScriptedPolicy(tokenizer)
     rows = [script(call("multiply", a=1, b=1), "A."), script("B."), script(call("multiply", a=2, b=2), "C.")]
-    run_episodes(policy, ToolFormat(tokenizer), rows, 2, max_new_tokens=64, max_tool_calls=2, tools=TOOLS)
+    run_episodes(policy, rows, 2, SamplingParams(64), EpisodeSetup(ToolFormat(tokenizer), 2, tools=TOOLS))
     assert policy.calls == [6, 4]  # all six episodes, then the four that called a tool, in one call each
 
 
@@ -682,8 +683,8 @@ def test_an_environment_can_own_the_prompt_and_vary_it_within_a_group(tokenizer)
             Owner.made += 1
             return f"SCRIPT:Instance {Owner.made}."
 
-    roll = run_episodes(ScriptedPolicy(tokenizer), ToolFormat(tokenizer), [{}], 2, max_new_tokens=16,
-                        max_tool_calls=1, environment_factory=Owner)
+    roll = run_episodes(ScriptedPolicy(tokenizer), [{}], 2, SamplingParams(16),
+                        EpisodeSetup(ToolFormat(tokenizer), max_tool_calls=1, environment_factory=Owner))
     assert roll.texts == ["Instance 1.", "Instance 2."]
     own = roll.completion_mask - roll.model_mask
     assert "1" in tokenizer.decode(roll.completion_ids[0][own[0].bool()])
@@ -772,8 +773,8 @@ def test_real_engines_run_the_loop_and_cut_at_the_budget(lm, engine):
     rows = [{"messages": [{"role": "user", "content": "What is 3 * 4?"}]}]
     policy = (HFEngine(lm.model, lm.tokenizer) if engine == "hf" else
               CompiledEngine(lm.model, lm.tokenizer, torch.device("cpu"), compile=False))
-    roll = run_episodes(policy, ToolFormat(lm.tokenizer, opener='<tool_call>{"name": "'),
-                        rows, 3, max_new_tokens=6, max_tool_calls=2, tools=TOOLS, temperature=1.0)
+    roll = run_episodes(policy, rows, 3, SamplingParams(6, temperature=1.0),
+                        EpisodeSetup(ToolFormat(lm.tokenizer, opener='<tool_call>{"name": "'), 2, tools=TOOLS))
     assert roll.cut.all() and roll.turns.tolist() == [1, 1, 1]
     assert torch.equal(roll.model_mask, roll.completion_mask) and (roll.model_mask.sum(1) == 6).all()
     assert roll.messages[0][-1]["content"].startswith('<tool_call>{"name": "')  # the opener is in the turn
@@ -792,8 +793,8 @@ def test_the_embedded_model_calls_a_tool_when_the_call_opener_is_prefilled():
     fmt = ToolFormat(lm.tokenizer, opener='<tool_call>{"name": "multiply", "arguments": {"a": ')
     torch.manual_seed(0)
     rows = [{"messages": [{"role": "user", "content": "What is 347 * 29? Use the multiply tool."}]}]
-    roll = run_episodes(HFEngine(lm.model, lm.tokenizer), fmt, rows, 8, max_new_tokens=40, max_tool_calls=1,
-                        tools=[multiply], temperature=1.0, stop_strings=("}}",))  # flat arguments end the call
+    sampling = SamplingParams(40, temperature=1.0, stop_strings=("}}",))  # flat arguments end the call
+    roll = run_episodes(HFEngine(lm.model, lm.tokenizer), rows, 8, sampling, EpisodeSetup(fmt, 1, tools=[multiply]))
     # a call closed within the budget leaves room to answer (one whose "}}" comes late runs, then the budget ends)
     ran = [i for i in range(8) if roll.tool_calls[i] > roll.failed_calls[i] and roll.turns[i] == 2]
     assert ran, roll.messages

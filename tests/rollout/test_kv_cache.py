@@ -48,13 +48,13 @@ def test_a_rollout_with_the_reserved_cache_draws_the_plain_caches_tokens():
     cache, no prefill) draws the same greedy tokens."""
     from conftest import tiny_lora_policy
 
-    from grpo_cli.rollout import HFEngine
+    from grpo_cli.rollout import HFEngine, SamplingParams
     from grpo_cli.rollout.common import eos_ids, left_pad
 
     lm = tiny_lora_policy()
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
-    roll = HFEngine(lm.model, lm.tokenizer, lm.device).generate(prompts, 2, max_new_tokens=12, min_new_tokens=12,
-                                                                greedy=True)
+    roll = HFEngine(lm.model, lm.tokenizer, lm.device).generate(prompts, 2, SamplingParams(
+        max_new_tokens=12, min_new_tokens=12, greedy=True))
     ids, mask = left_pad(prompts, lm.tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
         out = lm.model.generate(input_ids=ids.repeat_interleave(2, 0), attention_mask=mask.repeat_interleave(2, 0),

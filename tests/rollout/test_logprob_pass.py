@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_cli import algorithm
 from grpo_cli.model.loading import attach_lora, enable_activation_checkpointing, load_tokenizer
-from grpo_cli.rollout import HFEngine, Rollout, completion_logprobs, positions
+from grpo_cli.rollout import HFEngine, Rollout, SamplingParams, completion_logprobs, positions
 
 CHUNKS = (1, 5, 64, None)
 
@@ -87,7 +87,7 @@ def policy():
     model, tokenizer = lm.model, lm.tokenizer
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("What is 2 + 3? Answer:", "Hi")]
     torch.manual_seed(0)
-    roll = HFEngine(model, tokenizer).generate(prompts, 3, max_new_tokens=9, temperature=1.0)
+    roll = HFEngine(model, tokenizer).generate(prompts, 3, SamplingParams(max_new_tokens=9, temperature=1.0))
     roll.completion_mask[1, 4:] = 0  # an early EOS: padding after it must not change real positions
     return model, roll
 
@@ -156,7 +156,8 @@ def uneven_rollout(model, tokenizer) -> Rollout:
     texts = ("What is 2 + 3? Answer:", "Hi", "Name a colour, then a number, then an animal:")
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     torch.manual_seed(1)
-    roll = HFEngine(model, tokenizer).generate(prompts, 2, max_new_tokens=12, min_new_tokens=12, temperature=1.0)
+    roll = HFEngine(model, tokenizer).generate(prompts, 2, SamplingParams(max_new_tokens=12, min_new_tokens=12,
+                                                                          temperature=1.0))
     for row, length in enumerate((12, 3, 7, 1, 10, 5)):
         roll.completion_mask[row, length:] = 0
     return roll
@@ -289,7 +290,8 @@ def test_cuda_bf16_logprob_pass_matches_full_forward_and_saves_memory():
         lora.append(model)
     prompts = [tokenizer(f"Question {i}: what is {i} + {i}?", add_special_tokens=False)["input_ids"] for i in range(4)]
     torch.manual_seed(0)
-    roll = HFEngine(lora[0], tokenizer, device).generate(prompts, 4, max_new_tokens=48, min_new_tokens=48)
+    roll = HFEngine(lora[0], tokenizer, device).generate(prompts, 4,
+                                                         SamplingParams(max_new_tokens=48, min_new_tokens=48))
     rows, real = slice(0, 16), roll.completion_mask.bool()
     ref, _ = full_sequence_logprobs(lora[0], roll, 1.0)
     ref = ref.detach()

@@ -10,7 +10,7 @@ from conftest import make_trainer
 
 from grpo_cli import algorithm
 from grpo_cli.model.loading import load_base_model, load_tokenizer
-from grpo_cli.rollout import HFEngine
+from grpo_cli.rollout import HFEngine, SamplingParams
 from grpo_cli.rollout.common import completion_masks, finish_rollout, left_pad
 
 
@@ -69,12 +69,12 @@ def test_the_loss_counts_what_the_engine_generated_up_to_its_eos(tokenizer):
     engine = HFEngine(model, tokenizer)
     prompts = [words(tokenizer, "What is 2 + 3?"), words(tokenizer, "Hi")]
     torch.manual_seed(0)
-    free = engine.generate(prompts, 2, max_new_tokens=8).completion_ids
+    free = engine.generate(prompts, 2, SamplingParams(max_new_tokens=8)).completion_ids
     stop_token = int(free[0, 2])  # row 0 stops after three tokens once this token is an EOS
     assert stop_token not in free[0, :2].tolist()
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop_token]
     torch.manual_seed(0)
-    roll = engine.generate(prompts, 2, max_new_tokens=8)
+    roll = engine.generate(prompts, 2, SamplingParams(max_new_tokens=8))
 
     stops = {tokenizer.eos_token_id, stop_token}
     wanted = [expected_mask(row, stops) for row in free.tolist()]

@@ -4,6 +4,8 @@ bad values in one line."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import TINY_TRAINER, fixed_batch, make_trainer, run_cli, tiny_lora_policy
@@ -11,7 +13,7 @@ from test_engines import assert_same_rollout, chat_prompts, engines
 
 from grpo_cli.base.errors import ConfigError
 from grpo_cli.config.schema import Config
-from grpo_cli.rollout import sampling_options
+from grpo_cli.rollout import SamplingParams
 from grpo_cli.run.validate import validate
 from grpo_cli.step.evaluate import Evaluator
 from grpo_cli.tasks.prompts import encode_prompts
@@ -40,7 +42,7 @@ def hf(tiny):
 
 def sample(engine, prompts, seed: int = 3, **options):
     torch.manual_seed(seed)
-    return engine.generate(prompts, 2, max_new_tokens=NEW, min_new_tokens=NEW, **options)
+    return engine.generate(prompts, 2, SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, **options))
 
 
 @pytest.fixture(scope="module")
@@ -123,15 +125,16 @@ def test_greedy_ignores_sampling_options_but_not_stop_strings(tiny, hf, prompts,
 
 
 # ---- from the config -------------------------------------------------------------------------------------
-def test_sampling_options_from_the_config(compose):
-    options = sampling_options(compose([*TINY_TRAINER, "rollout.top_k=null", "rollout.min_p=null"]).rollout)
-    assert options == {"temperature": 0.8, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                       "stop_strings": ()}
+def test_sampling_params_from_the_config(compose):
+    sampling = SamplingParams.of(compose([*TINY_TRAINER, "rollout.top_k=null", "rollout.min_p=null"]).rollout)
+    assert sampling == SamplingParams(max_new_tokens=6, temperature=0.8, top_p=1.0, top_k=0, min_p=0.0,
+                                      repetition_penalty=1.0, stop_strings=())
     # the command line cannot type a newline: Hydra keeps `\n` as a backslash and an n, which is read as one
     cfg = compose([*TINY_TRAINER, "rollout.top_k=3", "rollout.min_p=0.1", "rollout.repetition_penalty=1.2",
                    r'rollout.stop=["\n\n", "</answer>", "a\\b"]'])
-    assert sampling_options(cfg.rollout) == {"temperature": 0.8, "top_p": 1.0, "top_k": 3, "min_p": 0.1,
-                                             "repetition_penalty": 1.2, "stop_strings": ("\n\n", "</answer>", "a\\b")}
+    assert SamplingParams.of(cfg.rollout) == SamplingParams(
+        max_new_tokens=6, temperature=0.8, top_p=1.0, top_k=3, min_p=0.1, repetition_penalty=1.2,
+        stop_strings=("\n\n", "</answer>", "a\\b"))
     assert validate(cfg) == []
 
 
@@ -144,10 +147,9 @@ def test_the_trainer_samples_and_masks_as_the_config_says(compose, tmp_path):
     batch = fixed_batch(trainer, lambda i, G: i % G)
     roll = batch.rollout
     ids = encode_prompts(trainer.tokenizer, trainer.sampler.batch(0), trainer.cfg.data.max_prompt_tokens).ids
-    assert_same_rollout(roll, trainer.engine.generate(ids, trainer.algo.num_generations, greedy=True,
-                                                      max_new_tokens=trainer.roll.max_new_tokens,
-                                                      min_new_tokens=trainer.roll.min_new_tokens,
-                                                      stop_strings=("\n\n",)))
+    greedy = SamplingParams(greedy=True, max_new_tokens=trainer.roll.max_new_tokens,
+                            min_new_tokens=trainer.roll.min_new_tokens, stop_strings=("\n\n",))
+    assert_same_rollout(roll, trainer.engine.generate(ids, trainer.algo.num_generations, greedy))
     assert roll.texts == ["\n\n"] * len(roll.texts) and not roll.truncated.any()
     assert batch.mask.sum(dim=1).tolist() == [2.0] * len(roll.texts)
 
@@ -166,7 +168,7 @@ def test_the_evaluator_stops_greedy_completions_and_samples_with_rollouts_option
         cfg = Config.of(compose([*TINY_TRAINER, "eval.samples=2", "rollout.top_k=1", "rollout.repetition_penalty=1.5",
                                  f"eval.max_new_tokens={NEW}", *overrides]))
         evaluator = Evaluator.from_config(cfg, tiny.tokenizer, rows)
-        assert evaluator.sampling == sampling_options(cfg.rollout)
+        assert evaluator.sampling == replace(SamplingParams.of(cfg.rollout), max_new_tokens=NEW, min_new_tokens=0)
         evaluator.judge = judge  # records what it is given
         seen.clear()
         evaluator.run(hf)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from grpo_cli.config.schema import LoraConfig
 from grpo_cli.model import adapters
+from grpo_cli.rollout.common import SamplingParams
 from grpo_cli.rollout.hf import generate
 from grpo_cli.rollout.shared import Request, RngState, SharedGeneration
 
@@ -44,7 +45,7 @@ def test_a_mixed_batch_samples_for_each_adapter_what_it_samples_alone():
         start = RngState.now(lm.device)
         roll = generate(lm.model, tok, ids, num_generations=3, device=lm.device, **options)
         alone.append((roll, torch.get_rng_state()))
-        requests.append(Request(adapter, ids, 3, dict(options, stop=lambda: False), start))
+        requests.append(Request(adapter, ids, 3, SamplingParams(**options), lambda: False, start))
     lengths = [int(r.completion_mask.sum(dim=1).max()) for r, _ in alone]
     assert lengths[0] != lengths[1]  # the jobs stop drawing at different decode steps
 

@@ -20,8 +20,8 @@ from test_engines import chat_prompts
 
 from grpo_cli.base.errors import ConfigError
 from grpo_cli.model.loading import LoadedModel, attach_lora, load_base_model, load_tokenizer
-from grpo_cli.rollout import HFEngine
-from grpo_cli.rollout.episodes import run_episodes
+from grpo_cli.rollout import HFEngine, SamplingParams
+from grpo_cli.rollout.episodes import EpisodeSetup, run_episodes
 from grpo_cli.rollout.tools import ToolFormat
 from grpo_cli.run.validate import validate
 
@@ -52,13 +52,14 @@ def engine(lm):
 
 def test_greedy_equals_hf_before_and_after_an_update(lm, engine):
     prompts, hf = chat_prompts(lm.tokenizer), HFEngine(lm.model, lm.tokenizer, lm.device)
-    before = engine.generate(prompts, 2, max_new_tokens=8, greedy=True)
-    assert torch.equal(before.completion_ids, hf.generate(prompts, 2, max_new_tokens=8, greedy=True).completion_ids)
+    greedy = SamplingParams(max_new_tokens=8, greedy=True)
+    before = engine.generate(prompts, 2, greedy)
+    assert torch.equal(before.completion_ids, hf.generate(prompts, 2, greedy).completion_ids)
     base = {k: v.clone() for k, v in lm.model.get_base_model().state_dict().items() if "lora_" not in k}
     randomise_lora(lm.model, 0.5, seed=7)  # what an optimizer step does to the adapter
     engine.policy_changed()
-    after = engine.generate(prompts, 2, max_new_tokens=8, greedy=True)
-    want = hf.generate(prompts, 2, max_new_tokens=8, greedy=True)
+    after = engine.generate(prompts, 2, SamplingParams(max_new_tokens=8, greedy=True))
+    want = hf.generate(prompts, 2, SamplingParams(max_new_tokens=8, greedy=True))
     assert not torch.equal(after.completion_ids, before.completion_ids)  # the update changed the policy's output
     assert torch.equal(after.completion_ids, want.completion_ids)
     assert torch.equal(after.completion_mask, want.completion_mask)
@@ -72,7 +73,7 @@ def test_sampler_logprobs_are_the_policys(lm, engine):
     from grpo_cli.rollout import completion_logprobs
 
     torch.manual_seed(0)
-    roll = engine.generate(chat_prompts(lm.tokenizer), 2, max_new_tokens=6, temperature=1.0)
+    roll = engine.generate(chat_prompts(lm.tokenizer), 2, SamplingParams(max_new_tokens=6, temperature=1.0))
     with torch.no_grad():
         trainer = completion_logprobs(lm.model, roll, slice(0, roll.completion_ids.shape[0]), 1.0, None)[0]
     real = roll.completion_mask.bool()
@@ -84,26 +85,26 @@ def test_seeds_reproduce_and_differ(lm, engine):
     draws = []
     for seed in (1, 1, 2):
         torch.manual_seed(seed)
-        draws.append(engine.generate(prompts, 3, max_new_tokens=8, top_k=50, min_p=0.01).completion_ids)
+        draws.append(engine.generate(prompts, 3, SamplingParams(max_new_tokens=8, top_k=50, min_p=0.01)).completion_ids)
     assert torch.equal(draws[0], draws[1])
     assert not torch.equal(draws[0], draws[2])
 
 
 def test_stop_strings_end_completions(lm, engine):
     torch.manual_seed(3)
-    free = engine.generate(chat_prompts(lm.tokenizer), 2, max_new_tokens=12)
+    free = engine.generate(chat_prompts(lm.tokenizer), 2, SamplingParams(max_new_tokens=12))
     word = lm.tokenizer.decode(free.completion_ids[0, 2:3])
     torch.manual_seed(3)  # the same draw, now ended at its third token's text
-    roll = engine.generate(chat_prompts(lm.tokenizer), 2, max_new_tokens=12, stop_strings=(word,))
+    roll = engine.generate(chat_prompts(lm.tokenizer), 2, SamplingParams(max_new_tokens=12, stop_strings=(word,)))
     assert word in roll.texts[0] and int(roll.completion_mask[0].sum()) <= 3
 
 
 def test_episode_loop_runs_over_the_engine(lm, engine):
     rows = [{"messages": [{"role": "user", "content": "What is 2 * 5? Use the multiply tool."}]}]
     fmt = ToolFormat(lm.tokenizer)
-    got = run_episodes(engine, fmt, rows, 2, max_new_tokens=10, max_tool_calls=1, greedy=True)
-    want = run_episodes(HFEngine(lm.model, lm.tokenizer, lm.device), fmt, rows, 2, max_new_tokens=10,
-                        max_tool_calls=1, greedy=True)
+    greedy, setup = SamplingParams(max_new_tokens=10, greedy=True), EpisodeSetup(fmt, max_tool_calls=1)
+    got = run_episodes(engine, rows, 2, greedy, setup)
+    want = run_episodes(HFEngine(lm.model, lm.tokenizer, lm.device), rows, 2, greedy, setup)
     assert torch.equal(got.completion_ids, want.completion_ids) and got.texts == want.texts
 
 
@@ -147,8 +148,8 @@ def test_lora_sync_samples_the_policy(lm):
         for seed in (11, 12):
             randomise_lora(lm.model, 0.5, seed=seed)
             engine.policy_changed()
-            got = engine.generate(prompts, 2, max_new_tokens=8, greedy=True)
-            expected = hf.generate(prompts, 2, max_new_tokens=8, greedy=True)
+            got = engine.generate(prompts, 2, SamplingParams(max_new_tokens=8, greedy=True))
+            expected = hf.generate(prompts, 2, SamplingParams(max_new_tokens=8, greedy=True))
             assert torch.equal(got.completion_ids, expected.completion_ids)
             assert engine.sync_s > 0
     finally:

@@ -1,7 +1,8 @@
 """Rollouts: G completions per prompt behind one seam, and the log-prob pass over them.
 
     engine = make_engine(cfg.rollout, lm, max_prompt_tokens=...)   # rollout.engine: a name in ENGINES
-    roll = engine.generate(prompt_ids, G, max_new_tokens=..., **sampling_options(cfg.rollout), stop=...)
+    sampling = SamplingParams.of(cfg.rollout)                        # once: lengths, temperature, stop strings
+    roll = engine.generate(prompt_ids, G, sampling, stop=...)
     engine.policy_changed()                                          # after each optimizer step
     engine.close()
 
@@ -21,13 +22,13 @@ from grpo_cli.rollout.common import (
     Engine,
     Generation,
     Rollout,
+    SamplingParams,
     StopFn,
     completion_masks,
     eos_ids,
     left_pad,
     positions,
     prefill,
-    sampling_options,
     sampling_seed,
 )
 from grpo_cli.rollout.compiled import CompiledEngine
@@ -40,10 +41,10 @@ from grpo_cli.rollout.vllm import VLLMEngine  # rollout.engine=vllm; imports vll
 
 __all__ = [
     "ENGINES", "CompiledEngine", "Engine", "Generation", "HFEngine", "InferenceCopy", "MergedEngine",
-    "Rollout",
+    "Rollout", "SamplingParams",
     "StopFn", "as_engine",
     "completion_hidden", "completion_logits", "completion_logprobs", "completion_masks",
-    "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill", "sampling_options", "sampling_seed",
+    "eos_ids", "generate", "left_pad", "make_engine", "positions", "prefill", "sampling_seed",
     "VLLMEngine",
 ]
 

@@ -1,5 +1,5 @@
 """What every engine shares: prompt encoding, the Rollout record, padding, masks, the stop hook, the sampling
-options and stop strings."""
+record (SamplingParams) and stop strings."""
 
 from __future__ import annotations
 
@@ -220,9 +220,9 @@ class Engine:
     """The rollout seam: everything that samples completions for the trainer and the evaluator.
 
     `generate` returns G completions per prompt (rows g*G .. g*G+G-1 share prompt g), sampled from the
-    global torch RNG (the caller seeds it) with the options of `sampling_kwargs` (greedy ignores all but
-    `stop_strings`), each ended at EOS or at its first stop string, polling `stop()` at every decode step;
-    `sampling_options(cfg.rollout)` gives the sampling keywords of a config; `update_begins()` is called before
+    global torch RNG (the caller seeds it) as `sampling` (a SamplingParams) says (greedy ignores all but the
+    lengths and `stop_strings`), each ended at EOS or at its first stop string, polling `stop()` at every decode
+    step; `SamplingParams.of(cfg.rollout)` is the sampling of a config; `update_begins()` is called before
     the trainer's update and `policy_changed()` after every optimizer step that changed the policy's weights;
     `close()` frees what the engine holds. Log-probs for the loss never come from an engine: the trainer
     recomputes them, so an engine may sample with other numerics (merged bf16 weights, CUDA graphs) without
@@ -242,10 +242,8 @@ class Engine:
         section; an engine with options of its own reads them from `cfg_rollout` here."""
         return cls(lm.model, lm.tokenizer, lm.device)
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
-                 min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 min_p: float = 0.0, repetition_penalty: float = 1.0, greedy: bool = False,
-                 stop_strings: Sequence[str] = (), stop: StopFn | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams,
+                 stop: StopFn | None = None) -> Rollout:
         raise NotImplementedError
 
     def packed_models(self) -> list[tuple[torch.nn.Module, tuple[str, ...]]]:
@@ -331,8 +329,32 @@ def unescape(text: str) -> str:
     return re.sub(r"\\[ntr\\]", lambda m: ESCAPES[m.group()], text)
 
 
-def sampling_options(cfg_rollout: RolloutConfig) -> dict:
-    """The sampling keywords of `Engine.generate` for the `rollout` section (null = off)."""
-    return {"temperature": cfg_rollout.temperature, "top_p": cfg_rollout.top_p, "top_k": cfg_rollout.top_k or 0,
-            "min_p": cfg_rollout.min_p or 0.0, "repetition_penalty": cfg_rollout.repetition_penalty,
-            "stop_strings": tuple(unescape(s) for s in cfg_rollout.stop)}
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples each completion: built once from the `rollout` section (`of`), given whole to
+    `Engine.generate` and to the episode loop; a variant (grpo-eval's greedy pass, an episode's turn) is a
+    `dataclasses.replace` of it. Each option at its default changes nothing (transformers' meanings)."""
+
+    max_new_tokens: int               # tokens per completion at most (an episode's: all its turns together)
+    min_new_tokens: int = 0           # tokens before EOS may end a completion
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    greedy: bool = False              # the argmax, unpenalised: every option above but the lengths is ignored
+    stop_strings: tuple[str, ...] = ()  # a completion ends at the first of these, which stays in it
+
+    @classmethod
+    def of(cls, cfg_rollout: RolloutConfig) -> SamplingParams:
+        """The sampling of the `rollout` section (null = off; `rollout.stop` with its escapes read)."""
+        return cls(max_new_tokens=cfg_rollout.max_new_tokens, min_new_tokens=cfg_rollout.min_new_tokens,
+                   temperature=cfg_rollout.temperature, top_p=cfg_rollout.top_p, top_k=cfg_rollout.top_k or 0,
+                   min_p=cfg_rollout.min_p or 0.0, repetition_penalty=cfg_rollout.repetition_penalty,
+                   stop_strings=tuple(unescape(s) for s in cfg_rollout.stop))
+
+    def generate_kwargs(self, device: torch.device | None) -> dict:
+        """transformers' generate arguments of this sampling on `device` (`sampling_kwargs`), the lengths with them."""
+        return {"max_new_tokens": self.max_new_tokens, "min_new_tokens": self.min_new_tokens,
+                **sampling_kwargs(self.greedy, self.temperature, self.top_p, self.top_k, self.min_p,
+                                  self.repetition_penalty, device=device)}

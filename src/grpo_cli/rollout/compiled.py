@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 
 import torch
 
@@ -27,12 +26,12 @@ from grpo_cli.rollout.common import (
     ENGINES,
     Engine,
     Rollout,
+    SamplingParams,
     StopFn,
     cache_kwarg,
     eos_ids,
     finish_rollout,
     left_pad,
-    sampling_kwargs,
     stop_criteria,
 )
 from grpo_cli.rollout.inference_copy import FollowsThePolicy
@@ -71,11 +70,11 @@ class CompiledEngine(FollowsThePolicy, Engine):
         self.caches.clear()
         self.drop_copy()
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
-                 min_new_tokens: int = 0, stop_strings: Sequence[str] = (), stop: StopFn | None = None,
-                 **sampling) -> Rollout:
-        """See Engine.generate; `sampling`: the keywords of `sampling_kwargs`."""
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams,
+                 stop: StopFn | None = None) -> Rollout:
+        """See Engine.generate."""
         model = self.inference_model()
+        max_new_tokens, stop_strings = sampling.max_new_tokens, sampling.stop_strings
         ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, self.device)
         rows = ids.shape[0] * num_generations
         key, fresh = self.cache_for(model.config, rows, max(ids.shape[1], self.max_prompt_tokens) + max_new_tokens)
@@ -102,8 +101,7 @@ class CompiledEngine(FollowsThePolicy, Engine):
                     common.update(self.compile_kwargs())
             cache.reset()
             criteria, fired = stop_criteria(stop, stop_strings, self.tokenizer, ids.shape[1])
-            out = model.generate(**common, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                 stopping_criteria=criteria, **sampling_kwargs(**sampling, device=self.device))
+            out = model.generate(**common, stopping_criteria=criteria, **sampling.generate_kwargs(self.device))
         finally:
             model.train(was_training)
         return finish_rollout(self.tokenizer, eos, ids, mask, out[:rows, ids.shape[1]:], num_generations, fired(),

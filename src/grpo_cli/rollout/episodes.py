@@ -35,13 +35,13 @@ completion as non-model tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from grpo_cli.base.errors import ConfigError, Interrupted, UserCodeError
-from grpo_cli.rollout.common import Engine, Rollout, StopFn, eos_ids, left_pad
+from grpo_cli.rollout.common import Engine, Rollout, SamplingParams, StopFn, eos_ids, left_pad
 from grpo_cli.rollout.rows import per_row, per_token
 from grpo_cli.rollout.tools import (
     Tool,
@@ -164,20 +164,44 @@ def start_episode(fmt: ToolFormat, row: dict, tools: Sequence[Tool], environment
     return Episode(prompt, text, {t.name: t for t in tools}, messages, env)
 
 
-def run_episodes(engine: Engine, fmt: ToolFormat, rows: list[dict], num_generations: int, *, max_new_tokens: int,
-                 max_tool_calls: int, context_length: int | None = None, tools: Sequence[Callable] = (),
-                 environment_factory: Callable | None = None, tool_timeout_s: float | None = None,
-                 tool_output_max_chars: int | None = None, stop: StopFn | None = None, **sampling) -> Episodes:
+@dataclass(frozen=True)
+class EpisodeSetup:
+    """What the episode loop runs under beside the sampling: the tool format of the model's tokenizer, the calls an
+    episode may make, the model's context (None: unbounded), the standalone tools, the environment class, a call's
+    deadline and the cap on its result. `EpisodeRunner.setup` gives a config's."""
+
+    fmt: ToolFormat
+    max_tool_calls: int
+    context_length: int | None = None
+    tools: Sequence[Callable] = ()
+    environment_factory: Callable | None = None
+    tool_timeout_s: float | None = None
+    tool_output_max_chars: int | None = None
+
+    def run(self, engine: Engine, rows: list[dict], num_generations: int, sampling: SamplingParams,
+            stop: StopFn | None = None) -> Episodes | None:
+        """run_episodes under this setup; None when a stop request came while a tool or the environment ran (it was
+        abandoned: there is no record to keep)."""
+        try:
+            return run_episodes(engine, rows, num_generations, sampling, self, stop)
+        except Interrupted:
+            return None
+
+
+def run_episodes(engine: Engine, rows: list[dict], num_generations: int, sampling: SamplingParams,
+                 setup: EpisodeSetup, stop: StopFn | None = None) -> Episodes:
     """G episodes per row (rows g*G .. g*G+G-1 belong to row g), each turn of all running episodes in one
-    `engine.generate` call; `sampling`: the keywords of `Engine.generate` (temperature, top_p, greedy, ...).
+    `engine.generate` call with `sampling` (its max_new_tokens: the budget of a whole episode; its min_new_tokens:
+    of each turn, never above the turn's room; the tool format's stop strings added to its own).
     A stop request during generation gives an `interrupted` record; one while user code runs raises Interrupted."""
+    fmt, max_tool_calls, context_length = setup.fmt, setup.max_tool_calls, setup.context_length
+    max_new_tokens = sampling.max_new_tokens
     if max_tool_calls < 0 or max_new_tokens < 1:
         raise ConfigError(f"max_tool_calls={max_tool_calls} and max_new_tokens={max_new_tokens} must be >= 0 and >= 1")
-    G, stops = num_generations, tuple(sampling.pop("stop_strings", ())) + fmt.stop_strings
-    min_new_tokens = sampling.pop("min_new_tokens", 0)  # per turn, never above the turn's room
-    standalone = make_tools(tools)
-    episodes = [start_episode(fmt, row, standalone, environment_factory, stop) for row in rows for _ in range(G)]
-    limits = ToolLimits(tool_timeout_s, tool_output_max_chars, stop)
+    G, stops = num_generations, tuple(sampling.stop_strings) + fmt.stop_strings
+    standalone = make_tools(setup.tools)
+    episodes = [start_episode(fmt, row, standalone, setup.environment_factory, stop) for row in rows for _ in range(G)]
+    limits = ToolLimits(setup.tool_timeout_s, setup.tool_output_max_chars, stop)
     eos = end_ids(engine, fmt.tokenizer)
     interrupted, first = False, True
     while not interrupted and (running := [e for e in episodes if not e.done]):
@@ -189,8 +213,9 @@ def run_episodes(engine: Engine, fmt: ToolFormat, rows: list[dict], num_generati
         prompts, per_prompt = (([e.prompt for e in running[::G]], G) if first and same_within_groups(running, G)
                                else ([e.sequence for e in running], 1))
         room = [remaining(e, max_new_tokens, context_length) for e in running]
-        roll = engine.generate(prompts, per_prompt, max_new_tokens=max(room), stop_strings=stops, stop=stop,
-                               **{**sampling, "min_new_tokens": min(min_new_tokens, max(room))})
+        turn = replace(sampling, max_new_tokens=max(room), min_new_tokens=min(sampling.min_new_tokens, max(room)),
+                       stop_strings=stops)
+        roll = engine.generate(prompts, per_prompt, turn, stop)
         interrupted, first = roll.interrupted, False
         if interrupted:  # the caller's stop(): a partial record it discards; no tool runs for it
             break
@@ -355,18 +380,11 @@ class EpisodeRunner:
             self._formats[key] = ToolFormat(tokenizer, native=TOOL_FORMATS[self.tool_format], opener=self.call_opener)
         return self._formats[key]
 
-    def run(self, engine: Engine, tokenizer, rows: list[dict], num_generations: int, *, max_new_tokens: int,
-            context_length: int | None, stop: StopFn | None = None, **sampling) -> Episodes | None:
-        """run_episodes with these settings; None when a stop request came while a tool or the environment ran
-        (it was abandoned: there is no record to keep)."""
-        try:
-            tool_format = self.format_for(tokenizer)
-            return run_episodes(engine, tool_format, rows, num_generations, max_new_tokens=max_new_tokens,
-                                max_tool_calls=self.max_tool_calls, context_length=context_length, tools=self.tools,
-                                environment_factory=self.environment_factory, tool_timeout_s=self.tool_timeout_s,
-                                tool_output_max_chars=self.tool_output_max_chars, stop=stop, **sampling)
-        except Interrupted:
-            return None
+    def setup(self, tokenizer, context_length: int | None) -> EpisodeSetup:
+        """These settings for a model's `tokenizer` and `context_length`: `.run(engine, rows, G, sampling, stop)`
+        runs its episodes (ConfigError as `format_for`)."""
+        return EpisodeSetup(self.format_for(tokenizer), self.max_tool_calls, context_length, self.tools,
+                            self.environment_factory, self.tool_timeout_s, self.tool_output_max_chars)
 
 
 def check_before_model_load(cfg: Config) -> None:

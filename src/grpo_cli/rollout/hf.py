@@ -4,6 +4,7 @@ prompt prefilled once and its KV cache repeated for its G completions. What `aut
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 
 import torch
 
@@ -12,6 +13,7 @@ from grpo_cli.rollout.common import (
     ENGINES,
     Engine,
     Rollout,
+    SamplingParams,
     StopFn,
     cache_kwarg,
     eos_ids,
@@ -74,7 +76,8 @@ class HFEngine(Engine):
 
     name = "hf"
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, **options) -> Rollout:
-        """See Engine.generate for the options."""
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams,
+                 stop: StopFn | None = None) -> Rollout:
+        """See Engine.generate; `generate`'s keywords are the fields of `sampling`."""
         return generate(self.model, self.tokenizer, prompt_ids, num_generations=num_generations, device=self.device,
-                        **options)
+                        stop=stop, **asdict(sampling))

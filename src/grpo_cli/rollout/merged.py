@@ -7,7 +7,9 @@ hold nothing else: the copy is lean (InferenceCopy), let go while the policy tra
 
 from __future__ import annotations
 
-from grpo_cli.rollout.common import ENGINES
+from dataclasses import asdict
+
+from grpo_cli.rollout.common import ENGINES, SamplingParams, StopFn
 from grpo_cli.rollout.hf import HFEngine, generate
 from grpo_cli.rollout.inference_copy import FollowsThePolicy
 
@@ -25,7 +27,8 @@ class MergedEngine(FollowsThePolicy, HFEngine):
     def close(self) -> None:
         self.drop_copy()
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, **options):
-        """See Engine.generate for the options."""
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams,
+                 stop: StopFn | None = None):
+        """See Engine.generate."""
         return generate(self.inference_model(), self.tokenizer, prompt_ids, num_generations=num_generations,
-                        device=self.device, **options)
+                        device=self.device, stop=stop, **asdict(sampling))

@@ -43,7 +43,7 @@ import torch
 from grpo_cli.base.errors import RunError, UserError, WorkerError, error_line, program, warn
 from grpo_cli.config.schema import Config
 from grpo_cli.rollout.ahead import HALF_SYNC_TOLERANCE, SYNC_TOLERANCE, AheadOfTheUpdate, Versions
-from grpo_cli.rollout.common import eos_ids, sampling_options
+from grpo_cli.rollout.common import SamplingParams, eos_ids
 from grpo_cli.rollout.fleet import CALLS_PER_SERVER, PendingBatch, Replica, none_left, pick, placements
 from grpo_cli.rollout.vllm import DTYPES, SEED_RANGE, lora_rank, sampled_rollout, save_checkpoint
 from grpo_cli.rollout.vllm_server import ServerAPI, Unreachable, VLLMServer, wait_until_up
@@ -313,13 +313,13 @@ class ServerRollouts(AheadOfTheUpdate):
 
     def _bodies(self, version: int, prompt_ids: list[list[int]], seed: int) -> list[dict]:
         roll, G = self.cfg.rollout, self.cfg.algo.num_generations
-        options = sampling_options(roll)
+        sampling = SamplingParams.of(roll)
         seeds = torch.randint(0, SEED_RANGE, (len(prompt_ids) * G,),
                               generator=torch.Generator().manual_seed(seed)).tolist()
-        common = {"model": self._name(version), "max_tokens": roll.max_new_tokens, "min_tokens": roll.min_new_tokens,
-                  "temperature": options["temperature"], "top_p": options["top_p"], "top_k": options["top_k"],
-                  "min_p": options["min_p"], "repetition_penalty": options["repetition_penalty"],
-                  "stop": list(options["stop_strings"]) or None, "include_stop_str_in_output": True,
+        common = {"model": self._name(version), "max_tokens": sampling.max_new_tokens,
+                  "min_tokens": sampling.min_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                  "top_k": sampling.top_k, "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty,
+                  "stop": list(sampling.stop_strings) or None, "include_stop_str_in_output": True,
                   "stop_token_ids": self.eos, "skip_special_tokens": False, "logprobs": 0,
                   "return_tokens_as_token_ids": True}
         return [{**common, "prompt": list(p), "seed": s}
@@ -355,8 +355,8 @@ class ServerRollouts(AheadOfTheUpdate):
         del self.batches[batch.step]
         gen_time = time.perf_counter() - batch.started
         roll_out = sampled_rollout(self.tokenizer, self.eos, batch.prompt_ids, batch.group_size,
-                                   [sampled(c) for c in batch.choices], sampling_options(self.cfg.rollout)[
-                                       "stop_strings"], False, torch.device("cpu"))
+                                   [sampled(c) for c in batch.choices],
+                                   SamplingParams.of(self.cfg.rollout).stop_strings, False, torch.device("cpu"))
         tokens = int(roll_out.loss_mask().sum())
         stats = {"gen_time_s": gen_time, "gen_tokens_per_s": tokens / max(gen_time, 1e-9), "gen_compile_s": 0.0,
                  "gen_sync_s": self.sync_s}

@@ -16,13 +16,13 @@ returns the state the job alone would have after the call, so that each job draw
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from grpo_cli.config.schema import RolloutConfig
 from grpo_cli.model.loading import LoadedModel
-from grpo_cli.rollout.common import ENGINES, Engine, Rollout, eos_ids, stop_criteria
+from grpo_cli.rollout.common import ENGINES, Engine, Rollout, SamplingParams, StopFn, eos_ids, stop_criteria
 from grpo_cli.rollout.hf import generate
 from grpo_cli.rollout.inference_copy import merge_obstacle
 
@@ -57,13 +57,14 @@ class RngState:
 
 @dataclass
 class Request:
-    """One Engine.generate call of a job: its adapter, prompts, options (Engine.generate's keywords), RNG state and
-    policy version (its engine's count of policy_changed); the sweep fills `rollout` and `rng_after`, or `error`."""
+    """One Engine.generate call of a job: its adapter, prompts, sampling, stop hook, RNG state and policy version (its
+    engine's count of policy_changed); the sweep fills `rollout` and `rng_after`, or `error`."""
 
     adapter: str
     prompt_ids: list[list[int]]
     num_generations: int
-    options: dict
+    sampling: SamplingParams
+    stop: StopFn | None
     rng: RngState
     version: int = 0
     rollout: Rollout | None = None
@@ -71,8 +72,8 @@ class Request:
     error: BaseException | None = None
 
     def batch_key(self) -> tuple:
-        """Requests with equal keys can share one generate call: the same options but the stop hook."""
-        return self.num_generations, tuple(sorted((k, v) for k, v in self.options.items() if k != "stop"))
+        """Requests with equal keys can share one generate call: the same sampling (the stop hooks may differ)."""
+        return self.num_generations, self.sampling
 
 
 @dataclass
@@ -94,8 +95,9 @@ class JobEngine(Engine):
         super().__init__(lm.model, lm.tokenizer, lm.device)
         self.lm, self.version = lm, 0
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, **options) -> Rollout:
-        request = Request(self.lm.adapter, prompt_ids, num_generations, options, RngState.now(self.device),
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams,
+                 stop: StopFn | None = None) -> Rollout:
+        request = Request(self.lm.adapter, prompt_ids, num_generations, sampling, stop, RngState.now(self.device),
                           self.version)
         self.lm.submit(request)
         if request.rng_after is not None:
@@ -148,23 +150,23 @@ class SharedGeneration:
             self.engine.policy_changed()  # its inference copy is made from this adapter at the call
             self.holds = (request.adapter, request.version)
         request.rng.restore(self.device)
-        request.rollout = self.engine.generate(request.prompt_ids, request.num_generations, **request.options)
+        request.rollout = self.engine.generate(request.prompt_ids, request.num_generations, request.sampling,
+                                               request.stop)
         request.rng_after = RngState.now(self.device)
 
     def _mixed(self, requests: list[Request]) -> None:
-        G, options = requests[0].num_generations, dict(requests[0].options)
-        stops = [r.options.get("stop") for r in requests]
-        options["stop"] = lambda: any(stop is not None and stop() for stop in stops)
+        G, sampling = requests[0].num_generations, requests[0].sampling
+        stops = [r.stop for r in requests]
         prompts = [p for r in requests for p in r.prompt_ids]
         draw = None
-        if not options.get("greedy"):
-            criteria, _ = stop_criteria(None, options.get("stop_strings", ()), self.tokenizer,
-                                        max(len(p) for p in prompts))
+        if not sampling.greedy:
+            criteria, _ = stop_criteria(None, sampling.stop_strings, self.tokenizer, max(len(p) for p in prompts))
             draw = JobDraws([len(r.prompt_ids) * G for r in requests],
                             [r.rng.generator(self.device) for r in requests], eos_ids(self.model, self.tokenizer),
                             max(len(p) for p in prompts), criteria)
         roll = generate(self.model, self.tokenizer, prompts, num_generations=G, device=self.device,
-                        adapters=[r.adapter for r in requests for _ in r.prompt_ids], draw=draw, **options)
+                        stop=lambda: any(stop is not None and stop() for stop in stops),
+                        adapters=[r.adapter for r in requests for _ in r.prompt_ids], draw=draw, **asdict(sampling))
         start = 0
         for i, request in enumerate(requests):
             groups = list(range(start, start + len(request.prompt_ids)))

@@ -30,7 +30,16 @@ import torch
 
 from grpo_cli.base.errors import ConfigError, ModelLoadError, error_line
 from grpo_cli.config.schema import RolloutConfig
-from grpo_cli.rollout.common import ENGINES, Engine, Rollout, StopFn, eos_ids, finish_rollout, left_pad
+from grpo_cli.rollout.common import (
+    ENGINES,
+    Engine,
+    Rollout,
+    SamplingParams,
+    StopFn,
+    eos_ids,
+    finish_rollout,
+    left_pad,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SEED_RANGE = 2**31 - 1
@@ -92,20 +101,19 @@ def save_checkpoint(peft_model, tokenizer, folder: Path, dtype: torch.dtype, wit
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def sampling_params(*, greedy: bool, temperature: float, top_p: float, top_k: int, min_p: float,
-                    repetition_penalty: float, max_new_tokens: int, min_new_tokens: int, stop_strings: Sequence[str],
-                    eos: list[int], seed: int):
-    """vLLM's SamplingParams for our sampling options (greedy: temperature 0, unpenalised, as the hf engine)."""
-    from vllm import SamplingParams
+def sampling_params(sampling: SamplingParams, eos: list[int], seed: int):
+    """vLLM's SamplingParams for our sampling (greedy: temperature 0, unpenalised, as the hf engine)."""
+    from vllm import SamplingParams as VLLMSamplingParams
 
-    options = {"temperature": 0.0, "repetition_penalty": 1.0} if greedy else {
-        "temperature": temperature, "top_p": top_p, "top_k": int(top_k or 0), "min_p": float(min_p or 0.0),
-        "repetition_penalty": repetition_penalty}
+    options = {"temperature": 0.0, "repetition_penalty": 1.0} if sampling.greedy else {
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": int(sampling.top_k or 0),
+        "min_p": float(sampling.min_p or 0.0), "repetition_penalty": sampling.repetition_penalty}
+    stop_strings = sampling.stop_strings
     try:
-        return SamplingParams(
-            n=1, max_tokens=max_new_tokens, min_tokens=min_new_tokens, stop=list(stop_strings) or None,
-            include_stop_str_in_output=True, stop_token_ids=eos, logprobs=0, seed=seed, detokenize=bool(stop_strings),
-            skip_special_tokens=False, **options)
+        return VLLMSamplingParams(
+            n=1, max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
+            stop=list(stop_strings) or None, include_stop_str_in_output=True, stop_token_ids=eos, logprobs=0,
+            seed=seed, detokenize=bool(stop_strings), skip_special_tokens=False, **options)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"rollout.engine=vllm cannot sample with these rollout options ({error_line(err)[:200]}); "
                           "change them or use rollout.engine=hf") from None
@@ -163,10 +171,8 @@ class VLLMEngine(Engine):
         self.stale = False
         self.sync_s = time.perf_counter() - t0
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, *, max_new_tokens: int,
-                 min_new_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 min_p: float = 0.0, repetition_penalty: float = 1.0, greedy: bool = False,
-                 stop_strings: Sequence[str] = (), stop: StopFn | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, sampling: SamplingParams,
+                 stop: StopFn | None = None) -> Rollout:
         """See Engine.generate; `stop()` is polled once the batch is done (vLLM runs a batch to its end)."""
         self.sync_s = 0.0
         if self.stale:
@@ -177,13 +183,10 @@ class VLLMEngine(Engine):
         # one seed per completion from the global RNG the caller seeded: exact resume, and the same draw batched
         # or alone
         seeds = torch.randint(0, SEED_RANGE, (len(prompt_ids) * num_generations,)).tolist()
-        params = [sampling_params(greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                  repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
-                                  min_new_tokens=min_new_tokens, stop_strings=stop_strings, eos=eos, seed=s)
-                  for s in seeds]
+        params = [sampling_params(sampling, eos, seed=s) for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(num_generations)]
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
-        return self.rollout(prompt_ids, num_generations, outputs, eos, stop_strings,
+        return self.rollout(prompt_ids, num_generations, outputs, eos, sampling.stop_strings,
                             interrupted=stop is not None and stop())
 
     def rollout(self, prompt_ids, num_generations, outputs, eos, stop_strings, interrupted: bool) -> Rollout:

@@ -51,7 +51,7 @@ from grpo_cli.rollout.ahead import (
     rollout_logprobs,
     trainable,
 )
-from grpo_cli.rollout.common import Rollout, sampling_options
+from grpo_cli.rollout.common import Rollout, SamplingParams
 from grpo_cli.rollout.logprobs import completion_logprobs
 from grpo_cli.tasks.prompts import EncodedPrompts
 
@@ -234,8 +234,7 @@ def generate(cfg: Config, lm, engine, prompt_ids: list[list[int]], seed: int,
     roll_cfg = cfg.rollout
     torch.manual_seed(seed)
     t0, compile_before = time.perf_counter(), engine.compile_s
-    roll = engine.generate(prompt_ids, cfg.algo.num_generations, max_new_tokens=roll_cfg.max_new_tokens,
-                           min_new_tokens=roll_cfg.min_new_tokens, **sampling_options(roll_cfg))
+    roll = engine.generate(prompt_ids, cfg.algo.num_generations, SamplingParams.of(roll_cfg))
     compile_s = engine.compile_s - compile_before
     gen_time = time.perf_counter() - t0 - compile_s
     t1 = time.perf_counter()

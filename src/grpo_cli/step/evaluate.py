@@ -11,6 +11,7 @@ import json
 import signal
 from collections import Counter
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from grpo_cli.config.schema import Config, DataConfig, RewardConfig
 from grpo_cli.model.adapter_fit import check_base_name, check_shapes
 from grpo_cli.model.loading import config_context_length
 from grpo_cli.rewards import build_reward, call_reward, to_scores
-from grpo_cli.rollout import Engine, as_engine, make_engine, sampling_options
+from grpo_cli.rollout import Engine, SamplingParams, as_engine, make_engine
 from grpo_cli.rollout.episodes import EpisodeRunner
 from grpo_cli.tasks.prompts import encode_prompts
 from grpo_cli.tasks.sources import load_rows, source_of
@@ -79,13 +80,15 @@ def majority(texts: list[str], read_answer: Callable[[str], Hashable | None]) ->
 
 class Evaluator:
     def __init__(self, rows: list[dict], tokenizer, judge, *, samples: int, temperature: float, max_new_tokens: int,
-                 max_prompt_tokens: int, sampling: dict | None = None, episodes: EpisodeRunner | None = None):
+                 max_prompt_tokens: int, sampling: SamplingParams | None = None,
+                 episodes: EpisodeRunner | None = None):
         self.rows, self.tokenizer, self.judge = rows, tokenizer, judge
         self.read_answer = answer_reader(judge)
-        self.samples, self.temperature, self.max_new_tokens = samples, temperature, max_new_tokens
-        self.max_prompt_tokens = max_prompt_tokens
-        # rollout's sampling options (rollout.sampling_options): all of them for pass@k, its stop strings for greedy
-        self.sampling = sampling or {}
+        self.samples, self.temperature, self.max_prompt_tokens = samples, temperature, max_prompt_tokens
+        # rollout's sampling (SamplingParams.of) at eval.max_new_tokens, no token forced: all of it for pass@k (at
+        # eval.temperature), its stop strings for greedy (the greedy pass ignores the rest)
+        self.sampling = replace(sampling or SamplingParams(max_new_tokens), max_new_tokens=max_new_tokens,
+                                min_new_tokens=0)
         self.episodes = episodes  # rollout.tools / env._target_: the same episode loop as training
 
     @classmethod
@@ -93,7 +96,7 @@ class Evaluator:
         rows = eval_rows(cfg) if rows is None else rows
         return cls(rows, tokenizer, accuracy_function(cfg.reward), samples=cfg.eval.samples,
                    temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens,
-                   max_prompt_tokens=cfg.data.max_prompt_tokens, sampling=sampling_options(cfg.rollout),
+                   max_prompt_tokens=cfg.data.max_prompt_tokens, sampling=SamplingParams.of(cfg.rollout),
                    episodes=EpisodeRunner.from_config(cfg))
 
     @classmethod
@@ -110,14 +113,14 @@ class Evaluator:
         if roll is None or roll.interrupted:  # None: stopped while a tool or the environment ran
             raise Interrupted(getattr(stop, "signum", None) or signal.SIGTERM)
 
-    def _generate(self, engine: Engine, rows: list[dict], ids: list[list[int]], k: int, **options):
+    def _generate(self, engine: Engine, rows: list[dict], ids: list[list[int]], k: int, sampling: SamplingParams,
+                  stop=None):
         """k completions per prompt: one turn, or with tools or an environment an episode each."""
         if self.episodes is None:
-            return engine.generate(ids, k, max_new_tokens=self.max_new_tokens, **options)
+            return engine.generate(ids, k, sampling, stop)
         model = getattr(engine, "model", None)
-        return self.episodes.run(engine, self.tokenizer, rows, k, max_new_tokens=self.max_new_tokens,
-                                 context_length=None if model is None else config_context_length(model.config),
-                                 **options)
+        setup = self.episodes.setup(self.tokenizer, None if model is None else config_context_length(model.config))
+        return setup.run(engine, rows, k, sampling, stop)
 
     def run(self, engine: Engine, stop=None) -> dict:
         """Metrics under the `eval/` prefix; the sampled part only when samples > 1. `engine` is the rollout
@@ -128,15 +131,14 @@ class Evaluator:
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
             ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
-            roll = self._generate(engine, rows, ids, 1, greedy=True,
-                                  stop_strings=self.sampling.get("stop_strings", ()), stop=stop)
+            roll = self._generate(engine, rows, ids, 1, replace(self.sampling, greedy=True), stop)
             self._check(roll, stop)
             greedy_correct += self._score(roll.texts, rows)
             calls += roll.tool_use()
             if self.samples > 1:
                 k = self.samples
-                sampled = self._generate(engine, rows, ids, k, **{**self.sampling, "temperature": self.temperature},
-                                         stop=stop)
+                sampled = self._generate(engine, rows, ids, k, replace(self.sampling, temperature=self.temperature),
+                                         stop)
                 self._check(sampled, stop)
                 scores = self._score(sampled.texts, [r for r in rows for _ in range(k)])
                 for i, row in enumerate(rows):

@@ -33,7 +33,7 @@ from grpo_cli.model import adapters, sharding
 from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
 from grpo_cli.rewards import RewardSet, TrainerState
 from grpo_cli.rewards.columns import check_columns
-from grpo_cli.rollout import Generation, completion_logprobs, episodes, make_engine, sampling_options, sampling_seed
+from grpo_cli.rollout import Generation, SamplingParams, completion_logprobs, episodes, make_engine, sampling_seed
 from grpo_cli.rollout.ahead import AheadOfTheUpdate, versions_as_tensors, versions_from_tensors
 from grpo_cli.rollout.placement import generating_ahead
 from grpo_cli.step import distributed, dynamic_sampling, memory, parallel
@@ -127,11 +127,10 @@ class GRPOTrainer:
         rows, enc = self.prompts(step, draw)
         torch.manual_seed(sampling_seed(self.tcfg.seed, step, self.dist.rank, draw))  # exact resume
         t0, compile_before = time.perf_counter(), self.engine.compile_s
-        options = dict(max_new_tokens=self.roll.max_new_tokens, min_new_tokens=self.roll.min_new_tokens,
-                       **sampling_options(self.roll), stop=self.stop)
+        sampling, stop = SamplingParams.of(self.roll), self.stop
         with self.memory.generating():
-            roll = self.engine.generate(enc.ids, G, **options) if self.episodes is None else self.episodes.run(
-                self.engine, self.tokenizer, rows, G, context_length=self.lm.context_length, **options)
+            roll = self.engine.generate(enc.ids, G, sampling, stop) if self.episodes is None else self.episodes.setup(
+                self.tokenizer, self.lm.context_length).run(self.engine, rows, G, sampling, stop)
         if roll is None or roll.interrupted:  # None: a stop request came while a tool or the environment ran
             return None
         compile_s = self.engine.compile_s - compile_before  # paid once per run (per cache shape), kept apart
