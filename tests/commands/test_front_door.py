@@ -68,7 +68,7 @@ def test_the_question_suffix_is_added_once(config, tmp_path):
     assert cfg.data.question_suffix == suffix
     assert [r["messages"][-1]["content"] for r in load_rows(cfg.data)] == [
         "What is 2 + 2?" + suffix, "What is 3 + 4?" + suffix, "What is 5 + 1?" + suffix]
-    from grpo_cli.tasks.sources import with_suffix
+    from grpo_cli.tasks.prompts import with_suffix
 
     assert with_suffix("What is 2 + 2?", "\n") == "What is 2 + 2?\n"  # a suffix of blanks is added too, once
     assert with_suffix("What is 2 + 2?\n", "\n") == "What is 2 + 2?\n"

@@ -24,6 +24,20 @@ def where_of(row: dict) -> str:
     return f"the row whose prompt is {text[:60] + '...' if len(text) > 60 else text}"
 
 
+def with_suffix(question: str, suffix: str) -> str:
+    """The question with data.question_suffix added once: a question that already ends with it (rows written with
+    the suffix, read with the config that adds it) keeps it as it is."""
+    tail = suffix.strip()  # a suffix of blanks only is compared as it is
+    return question if not suffix or (question.rstrip().endswith(tail) if tail else question.endswith(suffix)) \
+        else question + suffix
+
+
+def chat_messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
+    """A generated row's chat prompt: data.system_prompt, if any, then the question with data.question_suffix."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return messages + [{"role": "user", "content": with_suffix(question, suffix or "")}]
+
+
 @dataclass
 class EncodedPrompts:
     ids: list[list[int]]

@@ -1,5 +1,6 @@
 """Prompt sources: generated ones (sums, reasoning-gym) and tables of rows (`hf`: any dataset `datasets` reads, a
-hub id or local files; `jsonl`: a jsonl file, read the same way). GSM8K is a preset of `hf` (conf/data/gsm8k.yaml).
+hub id or local files; `jsonl`: a jsonl file, read the same way: tasks/tables.py reads them). GSM8K is a preset of
+`hf` (conf/data/gsm8k.yaml).
 
 A source is a list of rows; each row has `messages` (the chat prompt) and the fields rewards receive
 (e.g. `answer`). Batches are a pure function of (seed, step), so a resumed run sees the same prompts.
@@ -13,13 +14,8 @@ reaches the rewards as a keyword argument; `data.answer_column` names one that a
 
 from __future__ import annotations
 
-import glob
-import json
-import logging
 import math
 import random
-from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,52 +23,11 @@ from typing import TYPE_CHECKING
 from grpo_cli.base.errors import ConfigError, DataError, error_line, inform
 from grpo_cli.base.registry import Registry
 from grpo_cli.tasks import code_tasks
-from grpo_cli.tasks.prompts import Row, encode_prompts
-from grpo_cli.tasks.unreadable import lone_surrogate, read_problem
+from grpo_cli.tasks.prompts import chat_messages, encode_prompts
+from grpo_cli.tasks.tables import LOCAL_FORMS, datasets_quiet, read_table, saved_split, table_rows
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import Config, DataConfig
-
-
-def with_suffix(question: str, suffix: str) -> str:
-    """The question with data.question_suffix added once: a question that already ends with it (rows written with
-    the suffix, read with the config that adds it) keeps it as it is."""
-    tail = suffix.strip()  # a suffix of blanks only is compared as it is
-    return question if not suffix or (question.rstrip().endswith(tail) if tail else question.endswith(suffix)) \
-        else question + suffix
-
-
-def _messages(question: str, system_prompt: str | None, suffix: str = "") -> list[dict]:
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return messages + [{"role": "user", "content": with_suffix(question, suffix or "")}]
-
-
-def numbered_jsonl(path: str | Path) -> list[tuple[int, dict]]:
-    """(line number, row) of every non-blank line of a jsonl file; one line of error for a bad file or line."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist; pass an existing file with data.path=FILE.jsonl")
-    rows = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{lineno} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at column "
-                                f"{err.start + 1}); save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno} is not valid JSON ({err.msg}); fix or remove that line") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno} is a JSON {type(row).__name__}, not an object; each line holds one "
-                                "row as a JSON object")
-            rows.append((lineno, row))
-    if not rows:
-        raise DataError(f"data file {path} holds no rows; point data.path at a non-empty jsonl file")
-    return rows
 
 
 def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix: str, system_prompt) -> list[dict]:
@@ -83,7 +38,8 @@ def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix
     except Exception as err:  # reasoning-gym raises several types for an unknown task or bad args
         raise DataError(f"data.task={task} with {task_args} failed in reasoning-gym ({error_line(err)}); "
                         "check the task name and args") from None
-    return [{"messages": _messages(x["question"], system_prompt, suffix), "answer": str(x["answer"])} for x in dataset]
+    return [{"messages": chat_messages(x["question"], system_prompt, suffix), "answer": str(x["answer"])}
+            for x in dataset]
 
 
 def _sum_rows(size: int, seed: int, low: int, high: int, suffix: str, system_prompt,
@@ -92,234 +48,8 @@ def _sum_rows(size: int, seed: int, low: int, high: int, suffix: str, system_pro
     rng = random.Random(seed)
     pairs = [(rng.randint(low, high), rng.randint(low, high)) for _ in range(size)]
     result = (lambda a, b: a * b) if operation == "*" else (lambda a, b: a + b)
-    return [{"messages": _messages(f"What is {a} {operation} {b}?", system_prompt, suffix), "answer": str(result(a, b))}
-            for a, b in pairs]
-
-
-PROMPT_FORMS = ('"prompt" (text, or a list of chat messages) or "messages" (a list of chat messages), '
-                'e.g. {"prompt": "What is 2 + 2?", "answer": "4"} or '
-                '{"messages": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4"}')
-LOCAL_FORMS = "a .jsonl, .json, .parquet, .csv or .arrow file, a glob of them, or a Dataset.save_to_disk dir"
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
-
-
-def _chat(where: str, key: str, messages, system_prompt, suffix: str) -> list[dict]:
-    """A chat prompt as given, checked, with the configured system prompt and question suffix added."""
-    if not isinstance(messages, list) or not messages or not all(  # content: text, a list of parts, or none
-            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
-            and (m["content"] is None or isinstance(m["content"], (str, list))) for m in messages):
-        raise DataError(f'{where}: "{key}" is not a list of chat messages like {{"role": "user", "content": "..."}}; '
-                        f"every row needs {PROMPT_FORMS}")
-    if messages[-1]["role"] == "assistant":
-        raise DataError(f'{where}: "{key}" ends with an assistant turn; a prompt ends with the user\'s turn (the model '
-                        "writes the answer): drop that turn, and put a reference answer in a field such as answer")
-    messages = [dict(m) for m in messages]
-    if system_prompt and not any(m["role"] == "system" for m in messages):
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if suffix and users and isinstance(messages[users[-1]]["content"], str):
-        messages[users[-1]]["content"] = with_suffix(messages[users[-1]]["content"], suffix)
-    return messages
-
-
-@dataclass(frozen=True)
-class Table:
-    """Rows read from one place: `label` names it, `rows` holds (where, row) pairs, `columns` is None where rows
-    may differ (jsonl)."""
-
-    label: str
-    rows: list[tuple[str, dict]]
-    columns: list[str] | None = None
-
-
-@dataclass(frozen=True)
-class Columns:
-    """The prompt column (None: `prompt`, else `messages`) and the column that reaches rewards as `answer`."""
-
-    prompt: str | None = None
-    answer: str | None = None
-
-    @classmethod
-    def of(cls, cfg_data: DataConfig) -> Columns:
-        prompt = cfg_data.prompt_column
-        return cls(None if prompt == "prompt" else prompt, cfg_data.answer_column)
-
-    def check(self, table: Table) -> None:
-        """One line for a column the config names that the table lacks, listing the columns it has."""
-        names = table.columns
-        wanted = [("data.prompt_column", self.prompt or "prompt"), ("data.answer_column", self.answer)]
-        if self.prompt is None and "messages" in names:
-            wanted = wanted[1:]
-        for key, name in wanted:
-            if name and name not in names:
-                raise DataError(f'{table.label} has no column "{name}" ({key}); its columns are {", ".join(names)}: '
-                                f"set {key}=ONE_OF_THEM")
-        if self.answer not in (None, "answer") and "answer" in names:
-            raise DataError(f'{table.label} has a column "answer" besides data.answer_column={self.answer}, which '
-                            "reaches the rewards as answer; rename one of them, or set data.answer_column=null")
-
-    def row(self, where: str, row: dict, system_prompt, suffix: str) -> dict:
-        """A data row: the prompt as chat `messages`, the answer column as `answer`, every other column as is."""
-        key = self.prompt or next((k for k in ("prompt", "messages") if k in row), None)
-        if key not in row:
-            raise DataError(f"{where} lacks a prompt; every row needs " + (
-                f'a "{key}" field (data.prompt_column)' if key else PROMPT_FORMS))
-        if self.answer and self.answer not in row:
-            raise DataError(f'{where} lacks "{self.answer}" (data.answer_column); every row needs it')
-        value = row[key]
-        if isinstance(value, str) and key != "messages":
-            messages = _messages(value, system_prompt, suffix)
-        elif isinstance(value, list) or key == "messages":
-            messages = _chat(where, key, value, system_prompt, suffix)
-        else:
-            raise DataError(f'{where}: the prompt column "{key}" holds {type(value).__name__} {repr(value)[:40]}, not '
-                            "text or a list of chat messages; set data.prompt_column to the column that holds them")
-        fields = {k: v for k, v in row.items() if k not in (key, "prompt", "messages", self.answer)}
-        if self.answer:
-            fields["answer"] = row[self.answer]
-        for name, value in row.items():  # JSON's \ud800 escapes give strings that no tokenizer or file takes
-            if (found := lone_surrogate(value)) is not None:
-                raise DataError(f'{where}: "{name}" holds a lone surrogate ({found}), which is not text; remove it or '
-                                "give the whole character (a surrogate pair)")
-        return Row({**fields, "messages": messages}, where)
-
-
-def _read(label: str, load: Callable, files: list[Path] | None = None) -> Table:
-    """The rows of the datasets.Dataset `load()` returns; one line for what cannot be read (naming the line or byte of
-    the local `files` where a plain read of them finds it)."""
-    try:
-        dataset = load()
-    except DataError:
-        raise
-    except Exception as err:  # datasets and pyarrow raise many types for an unreadable file or a missing dataset
-        if "corresponds to no data" in str(err):  # datasets makes no split at all of files without rows
-            return Table(label, [], [])
-        if files:
-            raise DataError(read_problem(files, err, f"give {LOCAL_FORMS}")) from None
-        raise DataError(f"{label} could not be read ({error_line(err)[:200]}); give {LOCAL_FORMS}") from None
-    return Table(label, [(f"{label} row {i}", row) for i, row in enumerate(dataset.to_list())], dataset.column_names)
-
-
-def _saved_split(directory: Path, split: str, split_key: str):
-    """A Dataset.save_to_disk dir: the dataset, or the split `split` of a saved DatasetDict."""
-    import datasets
-
-    saved = datasets.load_from_disk(str(directory))
-    if not isinstance(saved, datasets.DatasetDict):
-        return saved
-    if split not in saved:
-        raise DataError(f"{directory} holds the splits {', '.join(saved)}, not {split}; set data.{split_key}="
-                        "ONE_OF_THEM")
-    return saved[split]
-
-
-def _files(key: str, pattern: str) -> tuple[str, list[Path]]:
-    """The files data.path (or eval_path) names, one or a glob, and the `datasets` builder that reads them."""
-    named = sorted(glob.glob(str(Path(pattern).expanduser()))) if glob.has_magic(pattern) else [pattern]
-    files = [Path(f).expanduser() for f in named if Path(f).expanduser().is_file()]
-    if not files:
-        raise DataError(f"data.{key}={pattern} names no file; give {LOCAL_FORMS}")
-    builders = {BUILDERS.get(f.suffix.lower()) for f in files}
-    if None in builders or len(builders) > 1:
-        raise DataError(f"data.{key}={pattern} names {', '.join(sorted({f.suffix or f.name for f in files}))} files; "
-                        f"give files of one format: {', '.join(BUILDERS)}")
-    return builders.pop(), files
-
-
-def _local_table(key: str, path: str, split: str, split_key: str) -> Table:
-    """Rows of data.path or data.eval_path (`key`): a saved dir (its split `split` if it is a DatasetDict), or files."""
-    directory = Path(path).expanduser()
-    if directory.is_dir():
-        with _datasets_quiet():
-            return _read(str(directory), lambda: _saved_split(directory, split, split_key))
-    builder, files = _files(key, path)
-    if files[0].suffix.lower() == ".jsonl":  # read here, not by datasets, whose errors name no line
-        return Table(path, [(f"{file}:{lineno}", row) for file in files for lineno, row in numbered_jsonl(file)])
-    import datasets
-
-    label = str(files[0]) if len(files) == 1 else f"data.{key}={path}"
-    if all(_holds_no_rows(f) for f in files):  # datasets calls such files unreadable
-        return Table(label, [], [])
-    with _datasets_quiet():
-        return _read(label, lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"),
-                     files)
-
-
-def _holds_no_rows(file: Path) -> bool:
-    """An empty file, a parquet file of no rows, a csv file of its header alone."""
-    if file.stat().st_size == 0:
-        return True
-    try:
-        if file.suffix.lower() == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(file).metadata.num_rows == 0
-        if file.suffix.lower() == ".csv":
-            with file.open("rb") as f:
-                return sum(1 for line in f if line.strip()) <= 1
-    except Exception:  # noqa: BLE001 - not readable as that format: datasets names the problem
-        return False
-    return False
-
-
-@contextmanager
-def _datasets_quiet():
-    """datasets' log lines and progress bars off while it reads local files (quick): a bad file is then told once,
-    in the DataError's one line, not also in datasets' own ERROR line."""
-    import datasets
-
-    logger, bars = logging.getLogger("datasets"), datasets.is_progress_bar_enabled()
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-        if bars:
-            datasets.enable_progress_bars()
-
-
-def _hub_table(name: str, config: str | None, split: str) -> Table:
-    import datasets
-
-    def load():
-        try:
-            return datasets.load_dataset(name, config, split=split)
-        except Exception as err:  # offline, or no such dataset, config or split: datasets raises many types
-            raise DataError(f"data.name={name} could not be loaded from the hub ({error_line(err)[:160]}); offline, "
-                            f"give a local copy with data.path: {LOCAL_FORMS}") from None
-
-    return _read(f"{name}{f' ({config})' if config else ''} split {split}", load)
-
-
-def _table(cfg_data: DataConfig, split: str) -> Table:
-    """The rows of the hf or jsonl source for `split` (train or test)."""
-    name, config, path = cfg_data.name, cfg_data.config, cfg_data.path
-    if split == "train":
-        if path:
-            return _local_table("path", path, cfg_data.split, "split")
-        if name:
-            return _hub_table(name, config, cfg_data.split)
-        raise DataError(f"data.source={cfg_data.source} needs data.path (or data.name=HUB_ID); give {LOCAL_FORMS}")
-    eval_split, eval_path = cfg_data.eval_split, cfg_data.eval_path
-    if eval_path:
-        return _local_table("eval_path", eval_path, eval_split or "test", "eval_split")
-    if eval_split and name:
-        return _hub_table(name, config, eval_split)
-    if eval_split and path and Path(path).expanduser().is_dir():
-        return _local_table("path", path, eval_split, "eval_split")
-    raise DataError(f"held-out prompts of data.source={cfg_data.source} need data.eval_path ({LOCAL_FORMS}), or "
-                    "data.eval_split=SPLIT of data.name or of a save_to_disk DatasetDict at data.path")
-
-
-def _table_rows(cfg_data: DataConfig, split: str) -> list[dict]:
-    table, columns = _table(cfg_data, split), Columns.of(cfg_data)
-    if not table.rows:
-        raise DataError(f"{table.label} holds no rows; give a non-empty dataset")
-    if table.columns is not None:
-        columns.check(table)
-    return [columns.row(where, row, cfg_data.system_prompt, cfg_data.question_suffix) for where, row in table.rows]
+    return [{"messages": chat_messages(f"What is {a} {operation} {b}?", system_prompt, suffix),
+             "answer": str(result(a, b))} for a, b in pairs]
 
 
 # ---- the sources ---------------------------------------------------------------------------------
@@ -371,8 +101,8 @@ class ReasoningGym(Source):
 def _code_rows(tasks: list, cfg_data: DataConfig) -> list[dict]:
     """Rows of code tasks (code_tasks.Task): the question as the prompt, and the fields passes_tests reads."""
     suffix, system_prompt = cfg_data.question_suffix, cfg_data.system_prompt
-    return [{"messages": _messages(t.question, system_prompt, suffix), "tests": t.tests, "entry_point": t.entry_point,
-             "preamble": t.preamble} for t in tasks]
+    return [{"messages": chat_messages(t.question, system_prompt, suffix), "tests": t.tests,
+             "entry_point": t.entry_point, "preamble": t.preamble} for t in tasks]
 
 
 @SOURCES.register("code_tasks")
@@ -400,7 +130,7 @@ class Tables(Source):
     reads_files = True
 
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
-        return _table_rows(cfg_data, split)
+        return table_rows(cfg_data, split)
 
     def has_held_out(self, cfg_data: DataConfig) -> bool:
         return bool(cfg_data.eval_path or cfg_data.eval_split)
@@ -492,8 +222,8 @@ def check_held_out_split(cfg_data: DataConfig) -> None:
         return
     folder = Path(path).expanduser()
     if folder.is_dir():
-        with _datasets_quiet():
-            _read(str(folder), lambda: _saved_split(folder, split, "eval_split"))
+        with datasets_quiet():
+            read_table(str(folder), lambda: saved_split(folder, split, "eval_split"))
     elif not cfg_data.name:
         raise DataError(f"data.eval_split={split} names a split, but data.path={path} is a file (one split); give the "
                         f"held-out rows with data.eval_path=FILE, or set data.eval_split=null")
