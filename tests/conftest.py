@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,6 +71,55 @@ def pytest_collection_modifyitems(config, items):
 def script(name: str) -> str:
     path = BIN / name
     return str(path) if path.exists() else shutil.which(name) or name
+
+
+def saved_base(folder: Path, overrides: list[str]) -> Path:
+    """The base of the policy that `overrides` configure (grpo-train builds it from trainer.seed), written as vLLM
+    loads it into folder/base; that path."""
+    from hydra import compose, initialize_config_dir
+
+    from grpo_cli.config.compose import CONF_DIR, register_recipes
+    from grpo_cli.config.schema import Config
+    from grpo_cli.model.loading import load_policy
+    from grpo_cli.rollout.vllm import save_checkpoint
+
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = Config.of(compose("config", overrides=overrides))
+    lm = load_policy(cfg.model, "cpu", seed=cfg.trainer.seed)
+    save_checkpoint(lm.model, lm.tokenizer, folder / "base", lm.dtype, with_adapter=False)
+    return folder / "base"
+
+
+@contextlib.contextmanager
+def vllm_servers(model: Path, folder: Path, args: list[str], env: dict, count: int = 1, timeout_s: float = 300):
+    """`count` vLLM OpenAI-compatible servers (vllm.entrypoints.openai.api_server, what `vllm serve` runs) of `model`
+    on the CPU, on free ports of 127.0.0.1, started as a user starts them, with `args` and `env` added: [(base URL,
+    process)] once each lists its models, terminated afterwards. Logs: folder/server.log (server-N.log of several)."""
+    from grpo_cli.rollout.vllm_server import free_port
+
+    servers, logs = [], []
+    try:
+        for number in range(1, count + 1):
+            port, log = free_port(), (folder / (f"server-{number}.log" if count > 1 else "server.log")).open("w")
+            logs.append(log)
+            servers.append((f"http://127.0.0.1:{port}/v1", subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype",
+                 "float32", *args, "--host", "127.0.0.1", "--port", str(port)],
+                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}, stdout=log, stderr=subprocess.STDOUT)))
+        for (url, server), log in zip(servers, logs, strict=True):
+            wait_until_served(url, server, Path(log.name), timeout_s)
+        yield servers
+    finally:
+        for _, server in servers:
+            server.terminate()
+        for _, server in servers:
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        for log in logs:
+            log.close()
 
 
 def wait_until_served(url: str, server, log: Path, timeout_s: float) -> None:
@@ -295,3 +346,14 @@ def gradients_at_step(trainer) -> list:
 
     trainer.optimizer.step = recording_step
     return seen
+
+
+@pytest.fixture
+def signal_handlers_kept():
+    """A sweep's on_multirun_start takes SIGINT/SIGTERM for the sweep; give pytest its own back."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)

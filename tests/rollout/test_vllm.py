@@ -8,14 +8,9 @@ tiny model's head_dim 16."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import randomise_lora, read_jsonl, run_cli, wait_until_served
+from conftest import randomise_lora, read_jsonl, run_cli, vllm_servers
 from test_engines import chat_prompts
 
 from grpo_cli.base.errors import ConfigError
@@ -164,25 +159,9 @@ def served(tmp_path_factory):
     tokenizer = load_tokenizer("embedded:smollm2-135m")
     load_base_model("embedded:smollm2-135m", tokenizer, torch.float32).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = (folder / "server.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-                               "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "1024",
-                               "--host", "127.0.0.1", "--port", str(port)],
-                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        wait_until_served(url, server, folder / "server.log", 420)
+    with vllm_servers(folder, folder, ["--served-model-name", "smollm2", "--max-model-len", "1024"], {},
+                      timeout_s=420) as [(url, _)]:
         yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
 
 def test_the_judge_scores_through_vllms_openai_server(served):

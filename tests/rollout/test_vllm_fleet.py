@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-from conftest import assert_learned, read_jsonl, run_cli, wait_until_served
+from conftest import assert_learned, read_jsonl, run_cli, saved_base, vllm_servers
 from test_async_rollouts import alive, signal_at, stopped_after
-from test_vllm_server import SERVER, STARTED, assert_no_server, served_models
+from test_vllm_server import LORA_SERVER_ARGS, LORA_SERVER_ENV, SERVER, STARTED, assert_no_server, served_models
 
 pytest.importorskip("vllm")
 
@@ -139,46 +137,12 @@ def test_with_every_server_gone_the_run_stops_in_one_line_with_its_checkpoint(tm
 def two_servers(tmp_path_factory):
     """Two vLLM OpenAI-compatible servers of SERVER's base (the tiny model grpo-train builds from trainer.seed),
     started here as a user would start them for rollout.server_url: their base URLs and processes."""
-    from hydra import compose, initialize_config_dir
-
-    from grpo_cli.config.compose import CONF_DIR, register_recipes
-    from grpo_cli.config.schema import Config
-    from grpo_cli.model.loading import load_policy
-    from grpo_cli.rollout.vllm import save_checkpoint
-    from grpo_cli.rollout.vllm_server import free_port
-
-    register_recipes()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = Config.of(compose("config", overrides=SERVER))
     folder = tmp_path_factory.mktemp("served")
-    lm = load_policy(cfg.model, "cpu", seed=cfg.trainer.seed)
-    save_checkpoint(lm.model, lm.tokenizer, folder / "base", lm.dtype, with_adapter=False)
-    servers, logs = [], []
-    try:
-        for number in (1, 2):
-            port, log = free_port(), (folder / f"server-{number}.log").open("w")
-            logs.append(log)
-            servers.append((f"http://127.0.0.1:{port}/v1", subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder / "base"),
-                 "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-                 "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill",
-                 "--max-num-batched-tokens", "2048", "--host", "127.0.0.1", "--port", str(port)],
-                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                     "OMP_NUM_THREADS": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
-                stdout=log, stderr=subprocess.STDOUT)))
-        for number, (url, server) in enumerate(servers, start=1):
-            wait_until_served(url, server, folder / f"server-{number}.log", 300)
+    args = [*LORA_SERVER_ARGS, "--max-loras", "2", "--logprobs-mode", "processed_logprobs",
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
+    with vllm_servers(saved_base(folder, SERVER), folder, args, {**LORA_SERVER_ENV, "OMP_NUM_THREADS": "1"},
+                      count=2) as servers:
         yield servers
-    finally:
-        for _, server in servers:
-            server.terminate()
-        for _, server in servers:
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-        for log in logs:
-            log.close()
 
 
 def given(*urls: str) -> str:

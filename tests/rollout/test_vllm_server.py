@@ -11,17 +11,14 @@ The tiny model has one attention head (head_dim 64): vLLM's CPU attention has no
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import TINY_TRAINER, VARIED_REWARD, assert_learned, read_jsonl, run_cli, wait_until_served
+from conftest import TINY_TRAINER, VARIED_REWARD, assert_learned, read_jsonl, run_cli, saved_base, vllm_servers
 from test_async_rollouts import alive, signal_at, stopped_after
 
 from grpo_cli.base.errors import ConfigError
@@ -90,42 +87,19 @@ def test_a_server_run_trains_with_staleness_1_and_stops_its_server(straight):
     assert "POST /v1/load_lora_adapter" in (run / "vllm-server.log").read_text()
 
 
+# a server as a user starts one for rollout.server_url: runtime LoRA loading on
+LORA_SERVER_ARGS = ["--enable-lora", "--max-lora-rank", "8", "--enforce-eager"]
+LORA_SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
     """vLLM's OpenAI-compatible server, started here as a user would start one for rollout.server_url: the base of
     SERVER's policy (the tiny model grpo-train builds from trainer.seed, written as vLLM loads it), runtime LoRA
     loading on, a free port of 127.0.0.1; (its base URL, its process)."""
-    from hydra import compose, initialize_config_dir
-
-    from grpo_cli.config.compose import CONF_DIR, register_recipes
-    from grpo_cli.config.schema import Config
-    from grpo_cli.model.loading import load_policy
-    from grpo_cli.rollout.vllm import save_checkpoint
-    from grpo_cli.rollout.vllm_server import free_port
-
-    register_recipes()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = Config.of(compose("config", overrides=SERVER))
     folder = tmp_path_factory.mktemp("served")
-    lm = load_policy(cfg.model, "cpu", seed=cfg.trainer.seed)
-    save_checkpoint(lm.model, lm.tokenizer, folder / "base", lm.dtype, with_adapter=False)
-    port, log = free_port(), (folder / "server.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                               str(folder / "base"), "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8",
-                               "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
-                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        wait_until_served(url, server, folder / "server.log", 300)
-        yield url, server
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+    with vllm_servers(saved_base(folder, SERVER), folder, LORA_SERVER_ARGS, LORA_SERVER_ENV) as [served]:
+        yield served
 
 
 def served_models(url: str) -> list[str]:

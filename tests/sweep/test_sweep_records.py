@@ -118,17 +118,6 @@ time.sleep(120)
 """
 
 
-@pytest.fixture
-def signal_handlers_kept():
-    """on_multirun_start takes SIGINT/SIGTERM for the sweep; give pytest its own back."""
-    import signal
-
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
-
-
 def test_a_second_sweep_into_a_busy_sweep_dir_is_refused_naming_the_first_pid(tmp_path, capsys, signal_handlers_kept):
     sweep_dir = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}

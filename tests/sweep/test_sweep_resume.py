@@ -140,15 +140,6 @@ def _multirun_config(sweep_dir: Path, overrides: list[str], overwrite: bool = Fa
                              "trainer": {"overwrite": overwrite}})
 
 
-@pytest.fixture
-def signal_handlers_kept():
-    """on_multirun_start takes SIGINT/SIGTERM for the sweep; give pytest its own back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
-
-
 def test_a_signal_between_jobs_ends_the_sweep_before_the_next_job(tmp_path, capsys, signal_handlers_kept):
     sweep_dir = tmp_path / "sweep"
     callback = sweep.SweepSummary()

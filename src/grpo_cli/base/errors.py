@@ -173,26 +173,25 @@ _shown: set[str] = set()
 def warn(text: str) -> None:
     """Every warning of the package goes here, and each text is shown once: to the sinks of the run being logged
     (its console shows it among the steps) while a tracking.Tracker is open, else `PROG: warning: text` on stderr."""
-    text = redact(text)
-    if text in _shown:
-        return
-    _shown.add(text)
-    if _listener is not None:
-        _listener(text)
-    else:
-        print(f"{program()}: warning: {text}", file=sys.stderr, flush=True)
+    _once(redact(text), _listener, "warning: ")
 
 
 def inform(text: str) -> None:
     """A line of information, not a warning (what a setting chose, which sandbox the programs run in), each text shown
     once: on the console of the run being logged while a tracking.Tracker is open, else `PROG: text` on stderr."""
+    _once(text, _say, "")
+
+
+def _once(text: str, route: Callable[[str], None] | None, label: str) -> None:
+    """`text` to `route` (the open run's), else to stderr after the program's name and `label`; a text shown before
+    is not shown again."""
     if text in _shown:
         return
     _shown.add(text)
-    if _say is not None:
-        _say(text)
+    if route is not None:
+        route(text)
     else:
-        print(f"{program()}: {text}", file=sys.stderr, flush=True)
+        print(f"{program()}: {label}{text}", file=sys.stderr, flush=True)
 
 
 _say: Callable[[str], None] | None = None
