@@ -12,13 +12,13 @@ The policy's version is the number of complete steps. The batch of step t is gen
 while the trainer trains, and a batch depends only on (its step, its version), so a run is deterministic and a
 resumed run regenerates its in-flight batches from the adapters of the last K versions (`versions_to_keep`).
 
-A subclass gives the transport: `requests` and `results` queues, in this order of messages:
+A subclass gives the transport: `requests` and `results` queues, in this order of messages (rollout/messages.py):
 
-    trainer -> generator   ("sync", version, ...)   (`_deliver` puts it, with what the transport moves)
-                           ("generate", step, version, prompt_ids, seed)
-                           ("close",)
-    generator -> trainer   ("ready", ...)  ("synced", version, probe log-probs)  ("batch", step, version, rollout,
-                           stats)  ("failed", exception)
+    trainer -> generator   Sync(version, ...)   (`_deliver` puts it, with what the transport moves)
+                           Generate(step, version, prompt_ids, seed)
+                           Close()
+    generator -> trainer   Ready()  Synced(version, probe log-probs)  Batch(step, version, rollout, stats)
+                           Failed(exception)
 
 (a generator of several replicas sends the probe log-probs of each: {(metric key, who): log-probs}, each checked)
 
@@ -42,6 +42,7 @@ from grpo_cli.base.errors import InvariantError, WorkerError
 from grpo_cli.config.schema import Config
 from grpo_cli.rollout.common import Generation, Rollout
 from grpo_cli.rollout.logprobs import completion_logprobs
+from grpo_cli.rollout.messages import Answer, Batch, Failed, Generate, Ready, Synced
 from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts
 
 # The largest |generator - trainer| log-prob on the probe that passes. The two copies hold the same fp32 weights and
@@ -135,7 +136,7 @@ class AheadOfTheUpdate:
     def begin(self, what: str) -> None:
         """Wait for the generator's "ready" (`what` it did by then, for the line of one that ended first), then
         send the first syncs and batches."""
-        if self._wait(lambda message: message[0] == "ready", what, timed=False):  # loading may take long
+        if self._wait(lambda message: isinstance(message, Ready), what, timed=False):  # loading may take long
             self._schedule()
 
     # ---- the trainer's calls --------------------------------------------------------------------
@@ -174,7 +175,7 @@ class AheadOfTheUpdate:
 
     # ---- the transport's part -------------------------------------------------------------------
     def _deliver(self, version: int, adapter: dict[str, torch.Tensor]) -> None:
-        """Move `adapter` (the tensors of `version`) to the generator and put its "sync" request."""
+        """Move `adapter` (the tensors of `version`) to the generator and put its Sync request."""
         raise NotImplementedError
 
     def _check_alive(self, what: str) -> None:
@@ -210,7 +211,7 @@ class AheadOfTheUpdate:
                 if not self._sync(version):
                     return
             prompt_ids = self.prompts_of(self.next_step)[1].ids
-            self.requests.put(("generate", self.next_step, version, prompt_ids, self.seed_of(self.next_step)))
+            self.requests.put(Generate(self.next_step, version, prompt_ids, self.seed_of(self.next_step)))
             self.next_step += 1
 
     def _sync(self, version: int) -> bool:
@@ -260,26 +261,24 @@ class AheadOfTheUpdate:
             if done(message):
                 return True
 
-    def _take(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "failed":
-            raise message[1]
-        if kind == "synced":
-            _, version, logp = message
-            expected = self.expected.pop(version)
+    def _take(self, message: Answer) -> None:
+        if isinstance(message, Failed):
+            raise message.error
+        if isinstance(message, Synced):
+            expected = self.expected.pop(message.version)
+            logp = message.logp
             gaps = {}
             for (key, who), replica_logp in (logp.items() if isinstance(logp, dict) else [((None, self.who), logp)]):
                 gap = float((replica_logp - expected).abs().max())
                 if not gap <= self.tolerance:  # NaN too
                     raise WorkerError(
-                        f"sync check failed at step {self.version}: after the weight sync of policy version {version} "
-                        f"{who}'s log-probs on the probe sequence differ from the trainer's by {gap:.3e}, over the "
-                        f"tolerance {self.tolerance:g}: {self.cause}")
+                        f"sync check failed at step {self.version}: after the weight sync of policy version "
+                        f"{message.version} {who}'s log-probs on the probe sequence differ from the trainer's by "
+                        f"{gap:.3e}, over the tolerance {self.tolerance:g}: {self.cause}")
                 gaps[key] = gap
             self.last_gap = max(gaps.values())
             self.replica_gaps = {key: gap for key, gap in gaps.items() if key is not None}
-            if version == self.unacknowledged:
+            if message.version == self.unacknowledged:
                 self.unacknowledged = None
-        elif kind == "batch":
-            _, step, version, roll, stats = message
-            self.received[step] = (version, roll, stats)
+        elif isinstance(message, Batch):
+            self.received[message.step] = (message.version, message.rollout, message.stats)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from grpo_cli.base.errors import WorkerError
@@ -71,6 +71,17 @@ class PendingBatch:
     @property
     def left(self) -> int:
         return sum(c is None for c in self.choices)
+
+
+@dataclass(frozen=True)
+class Answered:
+    """Completion `i` of `batch` came back from `replica` (`done`: its call's future, a result or an error): the
+    message a call's thread sends to the client thread, among the trainer's requests."""
+
+    batch: PendingBatch
+    i: int
+    replica: Replica
+    done: Future
 
 
 def pick(replicas: list[Replica], version: int) -> Replica | None:

@@ -44,7 +44,8 @@ from grpo_cli.base.errors import RunError, UserError, WorkerError, error_line, p
 from grpo_cli.config.schema import Config
 from grpo_cli.rollout.ahead import HALF_SYNC_TOLERANCE, SYNC_TOLERANCE, AheadOfTheUpdate, Versions
 from grpo_cli.rollout.common import SamplingParams, eos_ids
-from grpo_cli.rollout.fleet import CALLS_PER_SERVER, PendingBatch, Replica, none_left, pick, placements
+from grpo_cli.rollout.fleet import CALLS_PER_SERVER, Answered, PendingBatch, Replica, none_left, pick, placements
+from grpo_cli.rollout.messages import Batch, Close, Failed, Generate, Ready, Sync, Synced
 from grpo_cli.rollout.vllm import DTYPES, SEED_RANGE, lora_rank, sampled_rollout, save_checkpoint
 from grpo_cli.rollout.vllm_server import ServerAPI, Unreachable, VLLMServer, wait_until_up
 from grpo_cli.tasks.prompts import EncodedPrompts
@@ -147,7 +148,7 @@ class ServerRollouts(AheadOfTheUpdate):
         """Stop the thread (a call in flight ends with its server, or runs out), unload this run's adapters from the
         servers given by URL, stop the servers grpo-train started (all at once), remove the scratch dir."""
         self.closing.set()
-        self.requests.put(("close",))
+        self.requests.put(Close())
         thread = getattr(self, "thread", None)
         stopping = [threading.Thread(target=server.stop) for server in self.started]
         for stopper in stopping:
@@ -174,7 +175,7 @@ class ServerRollouts(AheadOfTheUpdate):
         folder = self.scratch / f"v{version}"
         shutil.rmtree(folder, ignore_errors=True)
         self.lm.model.save_pretrained(folder, state_dict=adapter, save_embedding_layers=False)
-        self.requests.put(("sync", version, folder))
+        self.requests.put(Sync(version, folder))
 
     def _check_alive(self, what: str) -> None:
         ended = [server for server in self.started if server.ended() is not None]
@@ -188,34 +189,34 @@ class ServerRollouts(AheadOfTheUpdate):
 
     # ---- the client thread ----------------------------------------------------------------------
     def _serve(self) -> None:
-        """The trainer's requests in order, and the servers' answers as they come, until "close"; every failure goes
+        """The trainer's requests in order, and the servers' answers as they come, until Close; every failure goes
         to the trainer, which says it in one line."""
         try:
             for replica in self.replicas:
                 wait_until_up(replica.api, replica.server, START_DEADLINE_S if self.started else URL_DEADLINE_S,
                               self.closing.is_set)
-            self.results.put(("ready",))
+            self.results.put(Ready())
             held: collections.deque = collections.deque()  # the trainer's messages, in order, not yet acted on
             while not self.closing.is_set():
                 message = self.requests.get()
-                if message[0] == "answered":
-                    self._answered(*message[1:])
+                if isinstance(message, Answered):
+                    self._answered(message)
                 else:
                     held.append(message)
                 # a sync waits until no batch is in flight: vLLM's CPU engine fails a probe's prompt_logprobs that
                 # shares a batch with other LoRA requests (0.32: an einsum of mismatched shapes ends the engine)
-                while held and not (held[0][0] == "sync" and self.batches):
+                while held and not (isinstance(held[0], Sync) and self.batches):
                     message = held.popleft()
-                    if message[0] == "close":
+                    if isinstance(message, Close):
                         return
-                    if message[0] == "sync":
-                        self._load_everywhere(*message[1:])
+                    if isinstance(message, Sync):
+                        self._load_everywhere(message.version, message.folder)
                     else:
-                        self._dispatch(*message[1:])
+                        self._dispatch(message)
         except Exception as err:  # noqa: BLE001
             if not self.closing.is_set():
                 told = isinstance(err, (UserError, RunError))
-                self.results.put(("failed", err if told else WorkerError(
+                self.results.put(Failed(err if told else WorkerError(
                     f"rollout.placement=server failed: {error_line(err)}")))
 
     def _take_out(self, replica: Replica, why: str) -> None:
@@ -258,7 +259,7 @@ class ServerRollouts(AheadOfTheUpdate):
         for old in [v for v in self.folders if v not in recent]:
             shutil.rmtree(self.folders.pop(old), ignore_errors=True)
         self.sync_s = time.perf_counter() - t0
-        self.results.put(("synced", version, probes if len(self.replicas) > 1 else next(iter(probes.values()))))
+        self.results.put(Synced(version, probes if len(self.replicas) > 1 else next(iter(probes.values()))))
 
     def _load_on(self, replica: Replica, version: int, folder: Path):
         """On one server: unload the versions it holds, load `version`'s adapter under its name; its probe log-probs
@@ -296,9 +297,10 @@ class ServerRollouts(AheadOfTheUpdate):
     def _name(self, version: int) -> str:
         return f"{self.prefix}-v{version}"
 
-    def _dispatch(self, step: int, version: int, prompt_ids: list[list[int]], seed: int) -> None:
-        """Send one step's batch by `version`: G completions per prompt, each its own request and seed, a prompt's
+    def _dispatch(self, request: Generate) -> None:
+        """Send one step's batch by its version: G completions per prompt, each its own request and seed, a prompt's
         requests to one server (the least busy)."""
+        step, version, prompt_ids, seed = request.step, request.version, request.prompt_ids, request.seed
         G = self.cfg.algo.num_generations
         batch = PendingBatch(step, version, prompt_ids, self._bodies(version, prompt_ids, seed), G,
                              time.perf_counter())
@@ -329,11 +331,12 @@ class ServerRollouts(AheadOfTheUpdate):
         """Request completion `i` of `batch` from `replica`; its answer comes back to this thread as a message."""
         replica.in_flight += 1
         call = replica.calls.submit(replica.api.completion, batch.bodies[i])
-        call.add_done_callback(lambda done: self.requests.put(("answered", batch, i, replica, done)))
+        call.add_done_callback(lambda done: self.requests.put(Answered(batch, i, replica, done)))
 
-    def _answered(self, batch: PendingBatch, i: int, replica: Replica, done) -> None:
+    def _answered(self, answer: Answered) -> None:
         """Completion `i` of `batch` came back from `replica`: kept, or (the server failed) asked of another; the
         batch goes to the trainer once it is whole."""
+        batch, i, replica, done = answer.batch, answer.i, answer.replica, answer.done
         replica.in_flight -= 1
         try:
             choice = done.result()
@@ -363,7 +366,7 @@ class ServerRollouts(AheadOfTheUpdate):
         if len(self.replicas) > 1:
             stats["rollout/servers_up"] = float(sum(r.up for r in self.replicas))
             stats.update({f"rollout/completions/{r.key}": float(batch.made_by[r.key]) for r in self.replicas})
-        self.results.put(("batch", batch.step, batch.version, roll_out, stats))
+        self.results.put(Batch(batch.step, batch.version, roll_out, stats))
 
 def sampled(choice: dict) -> tuple[list[int], list[float]]:
     """(token ids, log-probs) of one completion choice asked with logprobs and return_tokens_as_token_ids."""

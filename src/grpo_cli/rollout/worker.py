@@ -7,16 +7,16 @@ ahead of the update that uses its batches (docs/usage.md "Generation in a worker
     worker.close()
 
 The schedule of versions and batches and the sync check are rollout/ahead.py's (shared with placement=server).
-The protocol, in order on two torch.multiprocessing queues (spawn context):
+The protocol, in order on two torch.multiprocessing queues (spawn context), the records of rollout/messages.py:
 
-    trainer -> worker   ("sync", version)                      the adapter of `version` is in the shared buffers
-                        ("generate", step, version, prompt_ids, seed)
-                        ("close",)
-    worker -> trainer   ("ready", pid)  ("synced", version, probe log-probs)  ("batch", step, version, rollout, stats)
-                        ("failed", exception)
+    trainer -> worker   Sync(version)                          the adapter of `version` is in the shared buffers
+                        Generate(step, version, prompt_ids, seed)
+                        Close()
+    worker -> trainer   Ready(pid)  Synced(version, probe log-probs)  Batch(step, version, rollout, stats)
+                        Failed(exception)
 
 Weights: only the LoRA adapter's tensors move, through buffers in shared memory (torch.multiprocessing's own
-mechanism) that the worker copies into its model on each "sync"; the trainer writes them again only after the
+mechanism) that the worker copies into its model on each Sync; the trainer writes them again only after the
 worker acknowledged the previous sync, so the worker never copies a half-written version. A collective
 (torch.distributed broadcast) is a rendezvous that both sides must enter: the trainer would wait at every sync for
 the batch the worker is generating, or keep an asynchronous send and a staging copy, which is what these buffers
@@ -53,6 +53,7 @@ from grpo_cli.rollout.ahead import (
 )
 from grpo_cli.rollout.common import Rollout, SamplingParams
 from grpo_cli.rollout.logprobs import completion_logprobs
+from grpo_cli.rollout.messages import Batch, Close, Failed, Ready, Sync, Synced
 from grpo_cli.tasks.prompts import EncodedPrompts
 
 # A test hook, read by the worker: "1" makes it acknowledge every weight sync without loading the new adapter, to
@@ -130,7 +131,7 @@ class RolloutWorker(AheadOfTheUpdate):
         (it holds nothing to save), then killed; its process is gone (and reaped) afterwards."""
         self.requests.cancel_join_thread()  # requests the worker will never read must not hold up this process's exit
         if self.process.exitcode is None:
-            self.requests.put(("close",))
+            self.requests.put(Close())
             self.process.join(timeout=1)
         for end in (self.process.terminate, self.process.kill):
             if self.process.exitcode is None:
@@ -141,7 +142,7 @@ class RolloutWorker(AheadOfTheUpdate):
         """The adapter into the shared buffers: the worker copied the previous version out of them already."""
         for name, buffer in self.buffers.items():
             buffer.copy_(adapter[name])
-        self.requests.put(("sync", version))
+        self.requests.put(Sync(version))
 
     def _settle(self) -> None:
         self.process.join(timeout=5)
@@ -171,7 +172,7 @@ def relay(source, sink: queue.Queue) -> None:
 def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: Rollout, requests, results,
           threads: int, parent: int, reference: ReferencePlan | None = None) -> None:
     """The worker process, given the trainer's composed config: load the policy as the trainer does, build the engine
-    rollout.engine names, and answer the requests in order until "close" or until the trainer's process is gone.
+    rollout.engine names, and answer the requests in order until Close or until the trainer's process is gone.
     `reference`: the trainer's memory plan where the worker makes the reference pass (`reference_in_the_worker`),
     else None.
     A terminal's SIGINT and SIGHUP reach the whole process group: they are the trainer's to handle (it shuts the
@@ -192,7 +193,7 @@ def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: 
                          chat_template_kwargs=cfg.rollout.chat_template_kwargs)
         engine = make_engine(cfg.rollout, lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
         params = trainable(lm.model)
-        results.put(("ready", os.getpid()))
+        results.put(Ready(os.getpid()))
         while True:
             try:
                 message = requests.get(timeout=1.0)
@@ -200,22 +201,22 @@ def serve(composed: dict, device: str, buffers: dict[str, torch.Tensor], probe: 
                 if os.getppid() != parent:  # the trainer died (kill -9): nobody will ask for more
                     return
                 continue
-            if message[0] == "close":
+            if isinstance(message, Close):
                 return
-            if message[0] == "sync":
+            if isinstance(message, Sync):
                 if os.environ.get(SKIP_SYNC_TEST_HOOK) != "1":
                     with torch.no_grad():
                         for name, p in params.items():
                             p.copy_(buffers[name])
                     engine.policy_changed()
                 logp = rollout_logprobs(lm.model, probe, cfg.rollout.temperature, cfg.trainer.logprob_chunk_size)
-                results.put(("synced", message[1], logp))
+                results.put(Synced(message.version, logp))
             else:
-                _, step, version, prompt_ids, seed = message
-                results.put(("batch", step, version, *generate(cfg, lm, engine, prompt_ids, seed, reference)))
+                roll, stats = generate(cfg, lm, engine, message.prompt_ids, message.seed, reference)
+                results.put(Batch(message.step, message.version, roll, stats))
     except Exception as err:  # noqa: BLE001  every failure goes back to the trainer, which says it in one line
         told = isinstance(err, (UserError, RunError)) and _picklable(err)  # a line for the user already
-        results.put(("failed", err if told else WorkerError(f"the rollout worker failed: {error_line(err)}")))
+        results.put(Failed(err if told else WorkerError(f"the rollout worker failed: {error_line(err)}")))
 
 
 def end_with_the_trainer() -> None:
