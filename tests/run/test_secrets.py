@@ -80,3 +80,23 @@ def test_a_secret_is_never_written_or_printed(tmp_path):
     assert "resum" in resumed.stdout + resumed.stderr
     assert not _leaks(tmp_path, [ENV_KEY, TYPED_TOKEN, rotated])
     assert rotated not in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.slow
+def test_a_secret_typed_for_a_sweep_is_never_written_or_printed(tmp_path):
+    """A sweep of 2 one-step jobs whose reward takes a token typed on the command line and a key from the environment:
+    neither is in any file of the sweep dir (Hydra's multirun.yaml, each job's .hydra/, the sweep's summaries) nor
+    in what the sweep printed (Hydra's launcher lists each job's overrides)."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "+recipe=quickstart", "model=tiny", "trainer.device=cpu", "rollout.max_new_tokens=4",
+            "data.prompts_per_step=2", "algo.num_generations=2", "trainer.max_steps=1", "eval.final=false",
+            "+reward.functions.varied._target_=varied_reward.by_length_with_credentials",
+            "+reward.functions.varied.weight=1.0", "+reward.functions.varied.api_key=${oc.env:GRPO_TEST_API_KEY}",
+            f"+reward.functions.varied.hf_token={TYPED_TOKEN}", "algo.beta=0.0,0.1", f"hydra.sweep.dir={sweep_dir}"]
+    env = {"GRPO_TEST_API_KEY": ENV_KEY, "EXPECTED_API_KEY": ENV_KEY, "EXPECTED_HF_TOKEN": TYPED_TOKEN}
+    proc = run_cli(args, cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (sweep_dir / "multirun.yaml").is_file() and len(list(sweep_dir.glob("*/.hydra/overrides.yaml"))) == 2
+    assert "<redacted>" in (sweep_dir / "multirun.yaml").read_text()
+    assert not _leaks(sweep_dir, [ENV_KEY, TYPED_TOKEN])
+    assert ENV_KEY not in proc.stdout + proc.stderr and TYPED_TOKEN not in proc.stdout + proc.stderr
