@@ -64,6 +64,59 @@ def redact(text: str, values: list[str] | None = None) -> str:
     return text
 
 
+def _split_override(override: str) -> tuple[str, str, str] | None:
+    """(prefix and key, "=", value) of a command-line override `[+|++|~]KEY=VALUE`; None without a value."""
+    key, sep, value = str(override).partition("=")
+    return (key, sep, value) if sep else None
+
+
+def hidden_overrides(overrides) -> list[str]:
+    """Command-line overrides as records keep them (as written, unresolved): a secret's value typed in clear is
+    hashed, so that a changed key still reads as a changed command; an interpolation stays as written."""
+    hidden = []
+    for override in overrides or []:
+        parts = _split_override(override)
+        if parts and is_secret_key(parts[0].rsplit(".", 1)[-1]) and "${" not in parts[2]:
+            override = f"{parts[0]}={hashed(parts[2])}"
+        hidden.append(str(override))
+    return hidden
+
+
+def remember_overrides(written, resolved) -> None:
+    """The secrets of a command's overrides (`written` as typed, `resolved` with interpolations resolved, in the
+    same order): a value under a secret's name or from an environment interpolation; `redact` blanks them out."""
+    for raw, value in zip(written or [], resolved or [], strict=False):
+        raw_parts, parts = _split_override(raw), _split_override(value)
+        if raw_parts and parts and (is_secret_key(raw_parts[0].rsplit(".", 1)[-1])
+                                    or _ENV_INTERPOLATION.search(raw_parts[2])):
+            remember([parts[2]])
+
+
+def redact_log_records() -> None:
+    """Every log record of this process (Hydra's launcher lists each job's overrides) has the secrets `redact`
+    knows blanked out of its message; once per process."""
+    global _log_records_redacted
+    if _log_records_redacted:
+        return
+    import logging
+
+    make = logging.getLogRecordFactory()
+
+    def redacted_record(*args, **kwargs):
+        record = make(*args, **kwargs)
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return record
+
+    logging.setLogRecordFactory(redacted_record)
+    _log_records_redacted = True
+
+
+_log_records_redacted = False
+
+
 @dataclass(frozen=True)
 class Secrets:
     """The secret leaves of a config: dotted key -> what records keep (the interpolation, or a hash), and the

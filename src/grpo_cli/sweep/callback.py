@@ -60,6 +60,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from grpo_cli.base.errors import ConfigError, RunError, UserError, error_line, exit_with, one_line, program, warn
+from grpo_cli.base.redaction import find_secrets, redact, redact_log_records, remember, remember_overrides
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config import override_key
 from grpo_cli.run.rundir import RunLock, replace_text
@@ -228,8 +229,11 @@ class SweepSummary(Callback):
             self._lock = SweepLock.acquire(sweep_dir)
         except UserError as err:
             exit_with(err)
-        command = sweep_command(OmegaConf.select(config, "hydra.overrides.task"),
-                                OmegaConf.select(config, "hydra.sweeper.params"))
+        task = OmegaConf.select(config, "hydra.overrides.task")
+        written = OmegaConf.to_container(task, resolve=False) if task is not None else []
+        remember_overrides(written, list(task or []))
+        redact_log_records()  # Hydra's launcher lists each job's overrides
+        command = sweep_command(written, OmegaConf.select(config, "hydra.sweeper.params"))
         overwrite = bool(OmegaConf.select(config, "trainer.overwrite"))
         if not overwrite and continues_sweep(sweep_dir, command):
             log.info(f"continuing the sweep in {sweep_dir}: finished jobs are skipped, unfinished ones resumed")
@@ -273,6 +277,10 @@ class SweepSummary(Callback):
             self._end_sweep(f"stopped by {self._between_jobs.name} before {job_name(config)} started; the sweep "
                             "stops here; run the same command again to go on from this job", self._between_jobs.signum)
         (job_dir / ERROR_FILE).unlink(missing_ok=True)
+        remember(find_secrets(config).values)
+        sweep_record = sweep_dir_of(config, in_job=True) / "multirun.yaml"  # Hydra's, with the command's overrides
+        if sweep_record.is_file() and redact(text := sweep_record.read_text()) != text:
+            replace_text(sweep_record, redact(text))
         previous = read_json(job_dir / JOB_STATUS)
         previous.pop("previous", None)
         self._write_status(config, {"status": "running", "previous": previous or None})  # for decide_job

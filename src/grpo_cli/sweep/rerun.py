@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.base.metrics import ADAPTER_DIR
+from grpo_cli.base.redaction import find_secrets, hidden_overrides
 from grpo_cli.config import override_key
 from grpo_cli.config.schema import Config
 from grpo_cli.sweep.summary import (
@@ -49,7 +50,7 @@ def job_dir_of(config: DictConfig) -> Path:
 def sweep_command(overrides, params) -> dict:
     """What makes two sweeps the same: the command's overrides (less those that only say how to start) and
     the sweeper's search space."""
-    return {"overrides": [str(o) for o in overrides or [] if override_key(str(o).partition("=")[0])
+    return {"overrides": [o for o in hidden_overrides(overrides) if override_key(o.partition("=")[0])
                           not in RUN_CONTROL_KEYS],
             "params": {str(k): str(v) for k, v in (params or {}).items()}}
 
@@ -65,15 +66,17 @@ def continues_sweep(sweep_dir: Path, command: dict) -> bool:
 
 def job_config(config: DictConfig | Mapping) -> dict:
     """A job's composed config (Hydra's part and the keys that only say how to start left out), resolved, as
-    dotted keys: what a finished job is compared by when its sweep runs again. `config`: the job's config as
-    Hydra holds it, or a typed Config's `composed`."""
+    dotted keys, each secret as records keep it (grpo_cli.base.redaction): what a finished job is compared by when
+    its sweep runs again. `config`: the job's config as Hydra holds it, or a typed Config's `recorded`."""
     from grpo_cli.run.rundir import flatten
 
     flat: dict = {}
-    for key in config:
-        if key != "hydra":
-            flatten(str(key), OmegaConf.to_container(config[key], resolve=True)
-                    if OmegaConf.is_config(config[key]) else config[key], flat)
+    plain = {str(key): OmegaConf.to_container(config[key], resolve=True) if OmegaConf.is_config(config[key])
+             else config[key] for key in config if key != "hydra"}
+    if OmegaConf.is_config(config):  # its secrets as records keep them (a typed Config's `recorded` has them so)
+        plain = find_secrets(config).recorded(plain)
+    for key, value in plain.items():
+        flatten(key, value, flat)
     return {k: v for k, v in flat.items() if k not in RUN_CONTROL_KEYS}
 
 
@@ -111,7 +114,7 @@ def decide_job(cfg: Config, config: DictConfig) -> JobDecision:
     name = job_name(config)
     finished = previous.get("status") == "ok" and "config" in previous and (job_dir / ADAPTER_DIR).is_dir()
     if finished and not rundir.commanded(cfg):
-        current = job_config(cfg.composed)
+        current = job_config(cfg.recorded)
         changes = rundir.changed_keys(previous["config"], current)
         if not changes:
             return JobDecision("skip", f"{name} finished before with the same config; skipped", previous.get("result"))
