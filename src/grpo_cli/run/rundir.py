@@ -30,6 +30,7 @@ from pathlib import Path
 
 from grpo_cli.base.errors import CheckpointError, UserError
 from grpo_cli.base.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES
+from grpo_cli.config.rules import ranks
 from grpo_cli.config.schema import Config, default_of
 
 LOCK_FILE = ".lock"
@@ -174,8 +175,6 @@ def _composed_value(composed: dict, key: str):
 def fingerprint(config: Config) -> dict:
     """The resolved value of every fingerprinted key of the composed config, flattened to dotted keys, and the
     number of ranks (`world_size`: each rank samples its own share of a step)."""
-    from grpo_cli.run.validate import ranks
-
     out: dict = {"world_size": ranks(config)}
     for key in FINGERPRINT_KEYS:
         flatten(key, _composed_value(dict(config.recorded or config.composed), key), out)  # secrets as written
