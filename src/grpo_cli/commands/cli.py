@@ -5,7 +5,6 @@ from its first instruction (stopping.exits_at_once), and what runs before that i
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import signal
@@ -17,7 +16,6 @@ from typing import TYPE_CHECKING
 from grpo_cli.base.errors import ConfigError, Interrupted, one_line, warn
 from grpo_cli.base.ranks import is_rank_zero
 from grpo_cli.base.redaction import redact
-from grpo_cli.base.registry import import_plugins
 from grpo_cli.base.stopping import exits_at_once
 from grpo_cli.config import override_key
 
@@ -152,21 +150,10 @@ def _quiet_libraries() -> None:
 
 
 def _validated(cfg) -> tuple[Config, list[str]]:
-    """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked,
-    and the engine's library found; returns the typed config, which everything below reads (trainer.epochs made
-    trainer.max_steps), and the warnings for legal but doubtful values."""
-    from grpo_cli.config.schema import Config
-    from grpo_cli.run.validate import check_engine_installed, validate
-    from grpo_cli.tasks.sources import steps_from_epochs
+    """The typed config, checked (grpo_cli.run.validate.validated), and the warnings for legal but doubtful values."""
+    from grpo_cli.run.validate import validated
 
-    import_plugins(cfg.plugins)
-    warnings = validate(cfg)
-    config = Config.of(cfg)
-    check_engine_installed(config)
-    if config.logger.backend == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("logger.backend=tensorboard is invalid: the tensorboard package is not installed; pip "
-                          "install 'grpo-cli[tensorboard]' (or tensorboard), or use logger=none")
-    return steps_from_epochs(config), warnings
+    return validated(cfg)
 
 
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
@@ -231,15 +218,11 @@ def _shared_base_loader(config: Config):
 
 def _validated_job(cfg):
     """The config checked (typed, and its warnings), and in a sweep what this job does (sweep_rerun.decide_job)."""
-    from grpo_cli.rewards import build_before_model_load
-    from grpo_cli.rollout import episodes
-    from grpo_cli.tasks import sources as data
+    from grpo_cli.run.validate import before_model_load, validated
 
     with _restoring_hydra():
-        config, warnings = _validated(cfg)
-        build_before_model_load(config.reward)  # user code fails here in one line, not after the model loads
-        data.check_before_model_load(config)
-        episodes.check_before_model_load(config)  # tools, environment, template: one line, before the model loads
+        config, warnings = validated(cfg)
+        before_model_load(config)  # user code, data, tools, template: one line, before the model loads
         if not _is_multirun():
             return config, warnings, None
         from hydra.core.hydra_config import HydraConfig
