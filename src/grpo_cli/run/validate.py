@@ -73,7 +73,8 @@ def validate(cfg: DictConfig) -> list[str]:
     from grpo_cli.rollout.tools import reward_owning_environment
     from grpo_cli.step.optim import check_optimizer
 
-    check_functions(config, environment=reward_owning_environment(config.env._target_))
+    environment = reward_owning_environment(config.env._target_)  # a bad env._target_ is its own line first
+    check_functions(config, environment)
     check_optimizer(config.optimizer)
     return warnings
 
