@@ -24,9 +24,11 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.base.errors import CheckpointError, UserError
 from grpo_cli.base.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES
@@ -51,6 +53,8 @@ NOT_FINGERPRINTED = ("algo.check", "reward.timeout_s", "reward.accuracy")  # che
 # 1024 positions train the quickstart bit for bit), and lowering them is how a run that ran out of memory goes on
 # the saved adapter, base weights or optimizer state cannot take a change of these: refused even when allowed
 NEVER_CHANGED = ("model.name_or_path", "model.lora.r", "model.lora.target_modules", "model.tiny", "optimizer.name")
+# what only says how to start (resume, start over), never what a finished job computed
+RUN_CONTROL_KEYS = ("trainer.resume", "trainer.overwrite", "trainer.resume_allow_changes")
 
 
 class RunDirError(UserError):
@@ -162,6 +166,18 @@ def flatten(prefix: str, value, out: dict) -> None:
             flatten(f"{prefix}.{key}", sub, out)
     else:
         out[prefix] = value
+
+
+def job_config(config: DictConfig | Mapping) -> dict:
+    """A job's composed config (Hydra's part and the keys that only say how to start left out), resolved, as
+    dotted keys: what a finished sweep job is compared by when its sweep runs again. `config`: the job's config as
+    Hydra holds it, or a typed Config's `composed`."""
+    flat: dict = {}
+    for key in config:
+        if key != "hydra":
+            flatten(str(key), OmegaConf.to_container(config[key], resolve=True)
+                    if OmegaConf.is_config(config[key]) else config[key], flat)
+    return {k: v for k, v in flat.items() if k not in RUN_CONTROL_KEYS}
 
 
 def _composed_value(composed: dict, key: str):
@@ -297,15 +313,19 @@ def roll_back_records(run_dir: Path, step: int, found: Path) -> None:
 class ResumeDecision:
     """What an attempt does with its run dir: resume from `checkpoint` (None: start at step 0), `overwrite` the
     old run's records first, the lines to show at startup (`warnings`), and for a sweep job the line that says
-    which it does (`line`, without the job's name)."""
+    which it does (`line`, without the job's name); a sweep job that `finished` before with the same config is
+    skipped (nothing claimed)."""
 
     checkpoint: Path | None = None
     overwrite: bool = False
     warnings: tuple[str, ...] = ()
     line: str = ""
+    finished: bool = False
 
     @property
     def action(self) -> str:
+        if self.finished:
+            return "skip"
         return "resume" if self.checkpoint is not None else "restart" if self.overwrite else "fresh"
 
 
@@ -315,12 +335,15 @@ def commanded(config: Config) -> bool:
     return config.trainer.overwrite or config.trainer.resume not in (None, "auto")
 
 
-def decide_resume(config: Config, run_dir: Path, *, sweep_job: bool = False) -> ResumeDecision:
+def decide_resume(config: Config, run_dir: Path, *, sweep_job: bool = False,
+                  previous: dict | None = None) -> ResumeDecision:
     """The one decision of what to resume (raises RunDirError or CheckpointError, nothing written, when the dir
-    cannot take this attempt). A sweep job run again resumes its newest intact checkpoint when it was written
-    with the same config, and else starts over; a single run does what trainer.resume and trainer.overwrite say."""
+    cannot take this attempt). A sweep job run again (`previous`: the record of its earlier attempt, kept by the
+    sweep) is skipped when it finished with the same config, resumes its newest intact checkpoint when it did not
+    finish and that was written with the same config, and else starts over; trainer.overwrite=true or a
+    trainer.resume path decide alone, in a sweep job too; a single run does what those two say."""
     if sweep_job and not commanded(config):
-        return _sweep_job_decision(config, run_dir)
+        return _sweep_job_decision(config, run_dir, previous or {})
     resume, overwrite = config.trainer.resume, config.trainer.overwrite
     records = holds_run(run_dir)
     if resume and overwrite:
@@ -369,9 +392,18 @@ def _named_checkpoint(run_dir: Path, resume: str, records: list[str]) -> Path:
     return found
 
 
-def _sweep_job_decision(config: Config, job_dir: Path) -> ResumeDecision:
-    """A sweep job whose dir holds an unfinished attempt: resumed when its newest intact checkpoint has this
-    config's fingerprint, else started over."""
+def _sweep_job_decision(config: Config, job_dir: Path, previous: dict) -> ResumeDecision:
+    """A sweep job that finished before (`previous`, with its adapter saved): skipped when its composed config is the
+    same, else started over. One whose dir holds an unfinished attempt: resumed when its newest intact checkpoint
+    has this config's fingerprint, else started over."""
+    if previous.get("status") == "ok" and "config" in previous and (job_dir / ADAPTER_DIR).is_dir():
+        current = job_config(config.composed)
+        changes = changed_keys(previous["config"], current)
+        if not changes:
+            return ResumeDecision(finished=True, line="finished before with the same config; skipped")
+        return ResumeDecision(overwrite=True, line=f"finished before with another config "
+                                                   f"({describe_changes(changes, previous['config'], current)}); "
+                                                   "starting it over")
     if not holds_run(job_dir):
         return ResumeDecision()
     from grpo_cli.run import checkpoint
