@@ -21,6 +21,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,7 +63,7 @@ def _train(overrides: tuple[str, ...], rewards, run_dir) -> TrainResult:
     from grpo_cli.config.compose import register_recipes
     from grpo_cli.run.runner import Run
     from grpo_cli.run.validate import before_model_load, validated
-    from grpo_cli.step.evaluate import final_eval_on
+    from grpo_cli.step.evaluate import Evaluator, final_eval_on
 
     for argument in overrides:
         if not isinstance(argument, str) or argument.startswith("-") or "=" not in argument:
@@ -84,7 +85,7 @@ def _train(overrides: tuple[str, ...], rewards, run_dir) -> TrainResult:
         cli._quiet_libraries()
         for text in [*warnings, *run.warnings]:
             warn(text)
-        summary = run.train(stop=StopRequest("grpo_cli.train"), make_evaluator=cli._evaluator_factory(config),
+        summary = run.train(stop=StopRequest("grpo_cli.train"), make_evaluator=partial(Evaluator.for_training, config),
                             final_eval=final_eval_on(config, multirun=False))
     return TrainResult(directory, summary)
 
