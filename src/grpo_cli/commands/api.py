@@ -21,6 +21,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -60,11 +61,9 @@ def _train(overrides: tuple[str, ...], rewards, run_dir) -> TrainResult:
     from grpo_cli.base.stopping import StopRequest
     from grpo_cli.commands import cli
     from grpo_cli.config.compose import register_recipes
-    from grpo_cli.rewards import build_before_model_load
-    from grpo_cli.rollout import episodes
     from grpo_cli.run.runner import Run
-    from grpo_cli.step.evaluate import final_eval_on
-    from grpo_cli.tasks import sources as data
+    from grpo_cli.run.validate import before_model_load, validated
+    from grpo_cli.step.evaluate import Evaluator, final_eval_on
 
     for argument in overrides:
         if not isinstance(argument, str) or argument.startswith("-") or "=" not in argument:
@@ -76,19 +75,17 @@ def _train(overrides: tuple[str, ...], rewards, run_dir) -> TrainResult:
                  f"hydra.run.dir={directory}"]
     register_recipes()
     cfg = cli._precheck("grpo_cli.train", arguments)  # one line for a bad recipe, key or type; sets Hydra's config
-    config, warnings = cli._validated(cfg)
+    config, warnings = validated(cfg)
     if config.trainer.nproc > 1:
         raise ConfigError(f"trainer.nproc={config.trainer.nproc} is invalid here: grpo_cli.train runs in this "
                           "process; run grpo-train trainer.nproc=N for several")
-    build_before_model_load(config.reward)  # user code fails here, before the model loads
-    data.check_before_model_load(config)
-    episodes.check_before_model_load(config)
+    before_model_load(config)  # user code, data, tools, template fail here, before the model loads
     with Run(config, directory) as run:
         _write_hydra_records(directory, cfg, arguments)
         cli._quiet_libraries()
         for text in [*warnings, *run.warnings]:
             warn(text)
-        summary = run.train(stop=StopRequest("grpo_cli.train"), make_evaluator=cli._evaluator_factory(config),
+        summary = run.train(stop=StopRequest("grpo_cli.train"), make_evaluator=partial(Evaluator.for_training, config),
                             final_eval=final_eval_on(config, multirun=False))
     return TrainResult(directory, summary)
 

@@ -5,7 +5,6 @@ from its first instruction (stopping.exits_at_once), and what runs before that i
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import signal
@@ -17,7 +16,6 @@ from typing import TYPE_CHECKING
 from grpo_cli.base.errors import ConfigError, Interrupted, one_line, warn
 from grpo_cli.base.ranks import is_rank_zero
 from grpo_cli.base.redaction import redact
-from grpo_cli.base.registry import import_plugins
 from grpo_cli.base.stopping import exits_at_once
 from grpo_cli.config import override_key
 
@@ -152,21 +150,10 @@ def _quiet_libraries() -> None:
 
 
 def _validated(cfg) -> tuple[Config, list[str]]:
-    """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked,
-    and the engine's library found; returns the typed config, which everything below reads (trainer.epochs made
-    trainer.max_steps), and the warnings for legal but doubtful values."""
-    from grpo_cli.config.schema import Config
-    from grpo_cli.run.validate import check_engine_installed, validate
-    from grpo_cli.tasks.sources import steps_from_epochs
+    """The typed config, checked (grpo_cli.run.validate.validated), and the warnings for legal but doubtful values."""
+    from grpo_cli.run.validate import validated
 
-    import_plugins(cfg.plugins)
-    warnings = validate(cfg)
-    config = Config.of(cfg)
-    check_engine_installed(config)
-    if config.logger.backend == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("logger.backend=tensorboard is invalid: the tensorboard package is not installed; pip "
-                          "install 'grpo-cli[tensorboard]' (or tensorboard), or use logger=none")
-    return steps_from_epochs(config), warnings
+    return validated(cfg)
 
 
 def _stopped(prog: str, stop: Interrupted, run_dir: Path) -> None:
@@ -209,12 +196,17 @@ def _train_task(cfg) -> float:
     with one_line("grpo-train", in_sweep=_is_multirun()):
         try:
             with stop.installed():  # for the whole run: Ctrl-C while the model loads is a stop request too
-                config, warnings, plan = _validated_job(cfg)
-                if plan is not None and plan.action == "skip":
-                    return plan.result
-                with _claimed(config, run_dir, plan, warnings) as run:  # leaving it releases the dir and the ranks
-                    summary = run.train(stop=stop, make_evaluator=_evaluator_factory(config),
-                                        final_eval=_final_eval(config), load_model=_shared_base_loader(config))
+                config, warnings = _validated_job(cfg)
+                load_model = _shared_base_loader(config)
+                run, skipped = _claimed(config, run_dir, warnings)
+                if run is None:
+                    return skipped
+                with run:  # leaving it releases the dir and the ranks
+                    from grpo_cli.step.evaluate import Evaluator, final_eval_on  # once the libraries are quiet
+
+                    summary = run.train(stop=stop, make_evaluator=partial(Evaluator.for_training, config),
+                                        final_eval=final_eval_on(config, multirun=_is_multirun()),
+                                        load_model=load_model)
         except Interrupted as stopped:
             _on_stop(stopped, run_dir)
     return float(summary["final_reward"])
@@ -229,27 +221,15 @@ def _shared_base_loader(config: Config):
     return job_loader(config)
 
 
-def _validated_job(cfg):
-    """The config checked (typed, and its warnings), and in a sweep what this job does (sweep_rerun.decide_job)."""
-    from grpo_cli.rewards import build_before_model_load
-    from grpo_cli.rollout import episodes
-    from grpo_cli.tasks import sources as data
+def _validated_job(cfg) -> tuple[Config, list[str]]:
+    """The config checked (typed, and its warnings), and what user code and the data would meet only once the model
+    has loaded met now."""
+    from grpo_cli.run.validate import before_model_load, validated
 
     with _restoring_hydra():
-        config, warnings = _validated(cfg)
-        build_before_model_load(config.reward)  # user code fails here in one line, not after the model loads
-        data.check_before_model_load(config)
-        episodes.check_before_model_load(config)  # tools, environment, template: one line, before the model loads
-        if not _is_multirun():
-            return config, warnings, None
-        from hydra.core.hydra_config import HydraConfig
-
-        from grpo_cli.sweep.rerun import decide_job
-
-        plan = decide_job(config, HydraConfig.instance().cfg)
-        if plan.line and is_rank_zero():
-            print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
-        return config, warnings, plan
+        config, warnings = validated(cfg)
+        before_model_load(config)  # user code, data, tools, template: one line, before the model loads
+    return config, warnings
 
 
 def _restoring_hydra():
@@ -260,14 +240,23 @@ def _restoring_hydra():
     return rundir.restoring_hydra(Path(HydraConfig.get().runtime.output_dir), _hydra_before)
 
 
-def _claimed(config: Config, run_dir: Path, plan, warnings: list[str]):
-    """The run dir claimed (grpo_cli.run.Run: refusals before anything is written), then every warning said."""
+def _claimed(config: Config, run_dir: Path, warnings: list[str]):
+    """What this attempt does with its run dir, then the dir claimed (grpo_cli.run.Run: refusals before anything is
+    written) and every warning said: (the Run, None). A sweep job decides first from its earlier attempt
+    (sweep_rerun.decide_job, its line said); one that finished with the same config claims nothing: (None, the
+    result it recorded)."""
     from hydra.core.hydra_config import HydraConfig
 
     from grpo_cli.run.runner import Run
     from grpo_cli.run.validate import explicit_clip_warning
+    from grpo_cli.sweep.rerun import decide_job
 
     with _restoring_hydra():
+        plan = decide_job(config, HydraConfig.instance().cfg) if _is_multirun() else None
+        if plan is not None and plan.line and is_rank_zero():
+            print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
+        if plan is not None and plan.action == "skip":
+            return None, plan.result
         run = Run(config, run_dir, decision=None if plan is None else plan.decision)
     if is_rank_zero():
         from grpo_cli.run.rundir import redact_hydra_records
@@ -280,19 +269,7 @@ def _claimed(config: Config, run_dir: Path, plan, warnings: list[str]):
         warnings += [clip] if clip else []
     for text in warnings if is_rank_zero() else []:
         warn(text)
-    return run
-
-
-def _evaluator_factory(config: Config):
-    from grpo_cli.step.evaluate import Evaluator
-
-    return partial(Evaluator.for_training, config)
-
-
-def _final_eval(config: Config) -> bool:
-    from grpo_cli.step.evaluate import final_eval_on
-
-    return final_eval_on(config, multirun=_is_multirun())
+    return run, None
 
 
 def _on_stop(stopped: Interrupted, run_dir: Path) -> None:

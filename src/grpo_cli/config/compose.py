@@ -1,8 +1,9 @@
 """Composing the config: the recipes (packaged, then ./recipes of the working directory) in Hydra's ConfigStore,
 the resolvers (${system_prompt:...}, ${packaged_data:...}, help), the schema's typed node Hydra composes into (a
 value of the wrong type is refused while Hydra composes: `composition_checked` says it in the option's one line),
-and every `${...}` resolving. What the composed config may hold beyond its types is checked in run/validate.py,
-which asks the components."""
+and every `${...}` resolving (`checked`: the composed config typed, once its sections, interpolations and options
+are checked). What it may hold beyond its types is checked in config/rules.py (several keys together) and
+run/validate.py, which asks the components."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 from grpo_cli.base.errors import ConfigError
 from grpo_cli.config.prompts import SYSTEM_PROMPTS
 from grpo_cli.config.schema import (
+    Config,
+    check_options,
+    check_sections,
     composition_problem,
     options_help,
     options_markdown,
@@ -209,3 +213,12 @@ def check_interpolations(cfg: DictConfig) -> None:
         reason = str(err).strip().splitlines()[0]
         raise ConfigError(f"{key}={raw_value(cfg, key)} is invalid: it does not resolve ({reason}); refer to an "
                           "existing key such as ${rollout.max_new_tokens}, or give a plain value") from None
+
+
+def checked(cfg: DictConfig) -> Config:
+    """The composed config as the typed Config, once its sections, every `${...}` and every option's value are
+    checked (ConfigError in one line)."""
+    check_sections(cfg)  # `algo=3`: before an option in it, or an interpolation into it, is blamed
+    check_interpolations(cfg)
+    check_options(cfg)
+    return Config.of(cfg)

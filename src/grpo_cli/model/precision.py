@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 
 from grpo_cli.base.errors import ConfigError
+from grpo_cli.config.rules import beyond_the_machine
+from grpo_cli.config.schema import Config, fail
+from grpo_cli.model.prepack import wanted
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHOICES = ("auto", *DTYPES)
@@ -71,3 +74,13 @@ def slow_dtype_warning(dtype: torch.dtype, device: torch.device) -> str | None:
                 "them and a training step runs many times slower than in float32; model.dtype=auto picks float32 here")
     return None
 
+
+def check_precision(config: Config) -> list[str]:
+    """model.dtype runs on trainer.device (ConfigError in one line if not), known before any weights load; a
+    warning where it runs but slowly; what asks for more than the machine or the run holds (beyond_the_machine)."""
+    device = device_of(config.trainer.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    if config.model.prepack is True and not wanted(True, device, dtype, config.model.quantization):
+        fail("model.prepack", True, f"needs the CPU, an unquantized base and oneDNN's packed linear for {dtype} "
+                                    "in this torch build; use model.prepack=auto")
+    return [w for w in (slow_dtype_warning(dtype, device),) if w] + beyond_the_machine(config, device)

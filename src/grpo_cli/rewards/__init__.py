@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from grpo_cli.base import user_code
 from grpo_cli.base.errors import ConfigError, RewardError
 from grpo_cli.base.user_code import raised, shown
-from grpo_cli.config.schema import RewardConfig, RewardFunctionConfig
+from grpo_cli.config.schema import Config, RewardConfig, RewardFunctionConfig, fail
 from grpo_cli.rewards.aggregation import combine
 
 SCORE_TYPES = "a number per completion (int, float, bool, or a numpy/torch scalar)"
@@ -477,3 +477,43 @@ def build_before_model_load(cfg_reward: RewardConfig) -> None:
         if inspect.isclass(target) and any(k in inspect.signature(target).parameters for k in CONTEXT_ARGS):
             continue
         _prebuilt[_spec_key(name, spec)] = build_reward(name, spec)
+
+
+def check_functions(config: Config, environment: type | None = None) -> None:
+    """Each reward entry's _target_ imports and takes the entry's options; reward.accuracy names an entry,
+    which eval.every > 0 and eval.final=true need. No entry at all is a run whose environment's get_reward() is
+    the reward (TRL's environment-owned reward): `environment`, the class of env._target_ when it has one."""
+    functions = config.reward.functions or {}
+    if not functions and environment is None:
+        fail("reward.functions", functions or None, "list at least one reward function with _target_ and weight, or "
+             "set env._target_ to an environment with a get_reward() method (its reward alone)")
+    if environment is not None and environment.__name__ in functions:
+        fail(f"reward.functions.{environment.__name__}", functions[environment.__name__]._target_, "has the name "
+             f"under which the environment's get_reward() is logged (reward/{environment.__name__}); rename the entry")
+    for name, spec in functions.items():
+        key = f"reward.functions.{name}._target_"
+        try:
+            target = resolve_callable(spec._target_)
+        except (ImportError, AttributeError, ValueError) as err:
+            fail(key, spec._target_, f"cannot be imported ({err}); "
+                                     + ("fix the module" if isinstance(err, ImportRaised) else "check the dotted path"))
+        _check_options(f"reward.functions.{name}", target, spec)
+    accuracy, named = config.reward.accuracy, ", ".join(functions)
+    if accuracy is not None and accuracy not in functions:
+        fail("reward.accuracy", accuracy, f"name one of reward.functions ({named})" if functions else
+             "reward.functions is empty (the environment's get_reward() is the reward); set reward.accuracy=null")
+    if accuracy is None and config.eval.every:
+        fail("reward.accuracy", None, "eval.every > 0 needs the 0/1 reward function that judges correctness; name one "
+                                      f"of reward.functions ({named})")
+    if accuracy is None and config.eval.final is True:
+        fail("reward.accuracy", None, "eval.final=true needs the 0/1 reward function that judges correctness; name one "
+                                      f"of reward.functions ({named}), or set eval.final=auto")
+
+
+def _check_options(prefix: str, target, spec: RewardFunctionConfig) -> None:
+    """Keys of a reward entry besides _target_ and weight are the target's own options (a function's keyword
+    arguments, a class's constructor arguments): each must be one it takes, and pass its own check_options."""
+    check_option_names(prefix, target, dict(spec.options))  # the closest name offered; **kwargs' under .kwargs
+    check = getattr(target, "check_options", None)
+    if callable(check):
+        check(prefix, dict(spec.options))

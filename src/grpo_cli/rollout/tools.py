@@ -392,3 +392,12 @@ def environment_class(dotted: str, key: str = "env._target_"):
         raise ConfigError(f"{key}={dotted} has no reset(**row) method; an environment needs reset(**row) -> str | None "
                           "and its tools as public methods (TRL's environment_factory)")
     return cls
+
+
+def reward_owning_environment(dotted: str | None):
+    """The environment class of env._target_ (`dotted`) when it has a get_reward() method (imported: a bad path is
+    its own one-line error), else None."""
+    if dotted is None:
+        return None
+    cls = environment_class(dotted)
+    return cls if callable(getattr(cls, "get_reward", None)) else None

@@ -24,12 +24,16 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+
 from grpo_cli.base.errors import CheckpointError, UserError
 from grpo_cli.base.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES
+from grpo_cli.base.redaction import find_secrets, is_recorded_secret, is_secret_key, redact
+from grpo_cli.config.rules import ranks
 from grpo_cli.config.schema import Config, default_of
 
 LOCK_FILE = ".lock"
@@ -50,6 +54,8 @@ NOT_FINGERPRINTED = ("algo.check", "reward.timeout_s", "reward.accuracy")  # che
 # 1024 positions train the quickstart bit for bit), and lowering them is how a run that ran out of memory goes on
 # the saved adapter, base weights or optimizer state cannot take a change of these: refused even when allowed
 NEVER_CHANGED = ("model.name_or_path", "model.lora.r", "model.lora.target_modules", "model.tiny", "optimizer.name")
+# what only says how to start (resume, start over), never what a finished job computed
+RUN_CONTROL_KEYS = ("trainer.resume", "trainer.overwrite", "trainer.resume_allow_changes")
 
 
 class RunDirError(UserError):
@@ -163,6 +169,20 @@ def flatten(prefix: str, value, out: dict) -> None:
         out[prefix] = value
 
 
+def job_config(config: DictConfig | Mapping) -> dict:
+    """A job's composed config (Hydra's part and the keys that only say how to start left out), resolved, as
+    dotted keys, each secret as records keep it (grpo_cli.base.redaction): what a finished sweep job is compared by
+    when its sweep runs again. `config`: the job's config as Hydra holds it, or a typed Config's `recorded`."""
+    flat: dict = {}
+    plain = {str(key): OmegaConf.to_container(config[key], resolve=True) if OmegaConf.is_config(config[key])
+             else config[key] for key in config if key != "hydra"}
+    if OmegaConf.is_config(config):  # its secrets as records keep them (a typed Config's `recorded` has them so)
+        plain = find_secrets(config).recorded(plain)
+    for key, value in plain.items():
+        flatten(key, value, flat)
+    return {k: v for k, v in flat.items() if k not in RUN_CONTROL_KEYS}
+
+
 def _composed_value(composed: dict, key: str):
     """The value at dotted `key` of a composed config (plain values), None where it has none."""
     value = composed
@@ -174,8 +194,6 @@ def _composed_value(composed: dict, key: str):
 def fingerprint(config: Config) -> dict:
     """The resolved value of every fingerprinted key of the composed config, flattened to dotted keys, and the
     number of ranks (`world_size`: each rank samples its own share of a step)."""
-    from grpo_cli.run.validate import ranks
-
     out: dict = {"world_size": ranks(config)}
     for key in FINGERPRINT_KEYS:
         flatten(key, _composed_value(dict(config.recorded or config.composed), key), out)  # secrets as written
@@ -241,8 +259,6 @@ def describe_changes(keys: list[str], saved: dict, current: dict) -> str:
 def _secret(key: str, saved: dict, current: dict) -> bool:
     """Whether a fingerprinted key holds a credential (grpo_cli.base.redaction): by its name, or recorded as written
     (an environment interpolation) or hashed."""
-    from grpo_cli.base.redaction import is_recorded_secret, is_secret_key
-
     return (any(is_secret_key(part) for part in key.split("."))
             or any(is_recorded_secret(side.get(key)) for side in (saved, current)))
 
@@ -251,8 +267,6 @@ def _secret(key: str, saved: dict, current: dict) -> bool:
 def redact_hydra_records(run_dir: Path) -> None:
     """Hydra wrote the command line's overrides and the config as given into RUN_DIR/.hydra/: a credential typed
     there in clear (grpo_cli.base.redaction) is blanked out of them."""
-    from grpo_cli.base.redaction import redact
-
     for path in sorted((run_dir / ".hydra").glob("*.yaml")):
         text = path.read_text(encoding="utf-8")
         if redact(text) != text:
@@ -298,15 +312,19 @@ def roll_back_records(run_dir: Path, step: int, found: Path) -> None:
 class ResumeDecision:
     """What an attempt does with its run dir: resume from `checkpoint` (None: start at step 0), `overwrite` the
     old run's records first, the lines to show at startup (`warnings`), and for a sweep job the line that says
-    which it does (`line`, without the job's name)."""
+    which it does (`line`, without the job's name); a sweep job that `finished` before with the same config is
+    skipped (nothing claimed)."""
 
     checkpoint: Path | None = None
     overwrite: bool = False
     warnings: tuple[str, ...] = ()
     line: str = ""
+    finished: bool = False
 
     @property
     def action(self) -> str:
+        if self.finished:
+            return "skip"
         return "resume" if self.checkpoint is not None else "restart" if self.overwrite else "fresh"
 
 
@@ -316,12 +334,15 @@ def commanded(config: Config) -> bool:
     return config.trainer.overwrite or config.trainer.resume not in (None, "auto")
 
 
-def decide_resume(config: Config, run_dir: Path, *, sweep_job: bool = False) -> ResumeDecision:
+def decide_resume(config: Config, run_dir: Path, *, sweep_job: bool = False,
+                  previous: dict | None = None) -> ResumeDecision:
     """The one decision of what to resume (raises RunDirError or CheckpointError, nothing written, when the dir
-    cannot take this attempt). A sweep job run again resumes its newest intact checkpoint when it was written
-    with the same config, and else starts over; a single run does what trainer.resume and trainer.overwrite say."""
+    cannot take this attempt). A sweep job run again (`previous`: the record of its earlier attempt, kept by the
+    sweep) is skipped when it finished with the same config, resumes its newest intact checkpoint when it did not
+    finish and that was written with the same config, and else starts over; trainer.overwrite=true or a
+    trainer.resume path decide alone, in a sweep job too; a single run does what those two say."""
     if sweep_job and not commanded(config):
-        return _sweep_job_decision(config, run_dir)
+        return _sweep_job_decision(config, run_dir, previous or {})
     resume, overwrite = config.trainer.resume, config.trainer.overwrite
     records = holds_run(run_dir)
     if resume and overwrite:
@@ -370,9 +391,18 @@ def _named_checkpoint(run_dir: Path, resume: str, records: list[str]) -> Path:
     return found
 
 
-def _sweep_job_decision(config: Config, job_dir: Path) -> ResumeDecision:
-    """A sweep job whose dir holds an unfinished attempt: resumed when its newest intact checkpoint has this
-    config's fingerprint, else started over."""
+def _sweep_job_decision(config: Config, job_dir: Path, previous: dict) -> ResumeDecision:
+    """A sweep job that finished before (`previous`, with its adapter saved): skipped when its composed config is the
+    same, else started over. One whose dir holds an unfinished attempt: resumed when its newest intact checkpoint
+    has this config's fingerprint, else started over."""
+    if previous.get("status") == "ok" and "config" in previous and (job_dir / ADAPTER_DIR).is_dir():
+        current = job_config(config.recorded)
+        changes = changed_keys(previous["config"], current)
+        if not changes:
+            return ResumeDecision(finished=True, line="finished before with the same config; skipped")
+        return ResumeDecision(overwrite=True, line=f"finished before with another config "
+                                                   f"({describe_changes(changes, previous['config'], current)}); "
+                                                   "starting it over")
     if not holds_run(job_dir):
         return ResumeDecision()
     from grpo_cli.run import checkpoint

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import TYPE_CHECKING
 
 from grpo_cli.base.registry import Registry
-
-if TYPE_CHECKING:
-    from grpo_cli.config.schema import OptimizerConfig
+from grpo_cli.config.schema import OptimizerConfig, fail
 
 # keys every optimizer config has: the name, and the learning rate and its schedule (lr, warmup_steps and
 # schedule are read by LRSchedule as well)
@@ -40,8 +37,24 @@ def optimizer_keys(name: str) -> tuple[str, ...]:
     return tuple(key for key in builder_keys(name) if key not in COMMON_KEYS)
 
 
+def check_optimizer(optimizer: OptimizerConfig) -> None:
+    """An optimizer config holds the common keys and exactly the extra keys its optimizer.name reads."""
+    wanted, given = optimizer_keys(optimizer.name), optimizer.builder_keys()
+    allowed = (*COMMON_KEYS, *wanted)
+    for key, value in given.items():
+        if key not in allowed:
+            fail(f"optimizer.{key}", value, f"optimizer.name={optimizer.name} does not use it (its keys: "
+                                            f"{', '.join(allowed)}); pick optimizer=NAME as a group")
+    for key in wanted:
+        if key not in given:
+            fail(f"optimizer.{key}", None, f"optimizer.name={optimizer.name} needs it; pick optimizer="
+                                           f"{optimizer.name} as a group rather than only optimizer.name")
+    if optimizer.nesterov and not (optimizer.momentum is not None and optimizer.momentum > 0):
+        fail("optimizer.nesterov", True, "needs optimizer.momentum > 0")
+
+
 def build_optimizer(params, cfg_opt: OptimizerConfig):
-    """The optimizer `cfg_opt.name` names, given the keys of its config it reads (validated by run.validate)."""
+    """The optimizer `cfg_opt.name` names, given the keys of its config it reads (check_optimizer)."""
     return OPTIMIZERS.lookup(cfg_opt.name)(params, **{key: cfg_opt.value(key) for key in builder_keys(cfg_opt.name)})
 
 

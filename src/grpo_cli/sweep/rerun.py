@@ -10,17 +10,17 @@ unfinished without a fitting checkpoint -> started over; one line says which.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_cli.base.metrics import ADAPTER_DIR
-from grpo_cli.base.redaction import find_secrets, hidden_overrides
+from grpo_cli.base.redaction import hidden_overrides
 from grpo_cli.config import override_key
 from grpo_cli.config.schema import Config
+from grpo_cli.run import rundir
+from grpo_cli.run.rundir import RUN_CONTROL_KEYS, job_config  # noqa: F401  job_config: the sweep's records use it
 from grpo_cli.sweep.summary import (
     JOB_STATUS,
     SWEEP_COMMAND_FILE,
@@ -29,8 +29,6 @@ from grpo_cli.sweep.summary import (
     read_json,
     swept_keys,
 )
-
-RUN_CONTROL_KEYS = ("trainer.resume", "trainer.overwrite", "trainer.resume_allow_changes")
 
 
 def sweep_dir_of(config: DictConfig, in_job: bool = False) -> Path:
@@ -64,22 +62,6 @@ def continues_sweep(sweep_dir: Path, command: dict) -> bool:
     return (sweep_dir / SWEEP_ID_FILE).is_file() and recorded == command
 
 
-def job_config(config: DictConfig | Mapping) -> dict:
-    """A job's composed config (Hydra's part and the keys that only say how to start left out), resolved, as
-    dotted keys, each secret as records keep it (grpo_cli.base.redaction): what a finished job is compared by when
-    its sweep runs again. `config`: the job's config as Hydra holds it, or a typed Config's `recorded`."""
-    from grpo_cli.run.rundir import flatten
-
-    flat: dict = {}
-    plain = {str(key): OmegaConf.to_container(config[key], resolve=True) if OmegaConf.is_config(config[key])
-             else config[key] for key in config if key != "hydra"}
-    if OmegaConf.is_config(config):  # its secrets as records keep them (a typed Config's `recorded` has them so)
-        plain = find_secrets(config).recorded(plain)
-    for key, value in plain.items():
-        flatten(key, value, flat)
-    return {k: v for k, v in flat.items() if k not in RUN_CONTROL_KEYS}
-
-
 @dataclass
 class JobDecision:
     """What a sweep job does with what an earlier attempt of its sweep left in its dir: `fresh` (nothing
@@ -105,21 +87,13 @@ def job_name(config: DictConfig) -> str:
 def decide_job(cfg: Config, config: DictConfig) -> JobDecision:
     """Decide what a sweep job does with `cfg` (its typed config), given `config` (a config holding its
     `hydra` part), from the record of its previous attempt that `SweepSummary.on_job_start` kept in
-    job_status.json (Hydra has rewritten `.hydra/` by then). A job that did not finish is left to
-    rundir.decide_resume, the one resume decision; trainer.overwrite=true or a trainer.resume path decide alone."""
-    from grpo_cli.run import rundir
-
+    job_status.json (Hydra has rewritten `.hydra/` by then): rundir.decide_resume, the one resume decision, takes it
+    whole; here the job's name is put before its line, and a skipped job gets its recorded result."""
     job_dir = job_dir_of(config)
     previous = read_json(job_dir / JOB_STATUS).get("previous") or {}
     name = job_name(config)
-    finished = previous.get("status") == "ok" and "config" in previous and (job_dir / ADAPTER_DIR).is_dir()
-    if finished and not rundir.commanded(cfg):
-        current = job_config(cfg.recorded)
-        changes = rundir.changed_keys(previous["config"], current)
-        if not changes:
-            return JobDecision("skip", f"{name} finished before with the same config; skipped", previous.get("result"))
-        described = rundir.describe_changes(changes, previous["config"], current)
-        return JobDecision("restart", f"{name} finished before with another config ({described}); starting it over",
-                           decision=rundir.ResumeDecision(overwrite=True))
-    decision = rundir.decide_resume(cfg, job_dir, sweep_job=True)
-    return JobDecision(decision.action, f"{name} {decision.line}" if decision.line else None, decision=decision)
+    decision = rundir.decide_resume(cfg, job_dir, sweep_job=True, previous=previous)
+    line = f"{name} {decision.line}" if decision.line else None
+    if decision.action == "skip":
+        return JobDecision("skip", line, previous.get("result"))
+    return JobDecision(decision.action, line, decision=decision)
