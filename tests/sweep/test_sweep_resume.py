@@ -18,6 +18,7 @@ from conftest import read_jsonl, run_cli, script
 from omegaconf import OmegaConf
 
 from grpo_cli.config.schema import Config
+from grpo_cli.run.rundir import job_config
 from grpo_cli.sweep import callback as sweep
 from grpo_cli.sweep import rerun as sweep_rerun
 
@@ -110,7 +111,7 @@ def test_a_finished_job_is_skipped_with_its_result_or_started_over_when_its_conf
         {"overrides": ["algo.beta=0.0,0.04", "trainer.max_steps=2"], "params": {}}))
     cfg, hydra, job_dir = _job(compose, sweep_dir, 1, "algo.beta=0.04", "trainer.max_steps=2")
     (job_dir / "adapter").mkdir()
-    _previous(job_dir, status="ok", result=0.25, config=sweep_rerun.job_config(cfg.composed))
+    _previous(job_dir, status="ok", result=0.25, config=job_config(cfg.recorded))
     plan = sweep_rerun.decide_job(cfg, hydra)
     assert (plan.action, plan.result) == ("skip", 0.25)
     assert plan.line == f"job 1 (algo.beta=0.04) {SKIPPED}"  # the swept override names the job

@@ -182,3 +182,13 @@ def find_secrets(cfg) -> Secrets:
     if isinstance(cfg, DictConfig):
         visit(cfg, "", False)
     return Secrets(recorded_as, tuple(values))
+
+
+def recorded(cfg) -> dict:
+    """A composed OmegaConf config as records keep it: resolved, plain values, Hydra's part left out, each secret as
+    written (the interpolation) or hashed (what `Config.recorded` holds of a typed config)."""
+    from omegaconf import OmegaConf
+
+    plain = {str(key): OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
+             for key in cfg if key != "hydra"}
+    return find_secrets(cfg).recorded(plain)

@@ -28,11 +28,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from grpo_cli.base.errors import CheckpointError, UserError
 from grpo_cli.base.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES
-from grpo_cli.base.redaction import find_secrets, is_recorded_secret, is_secret_key, redact
+from grpo_cli.base.redaction import is_recorded_secret, is_secret_key, redact
 from grpo_cli.config.rules import ranks
 from grpo_cli.config.schema import Config, default_of
 
@@ -169,17 +167,13 @@ def flatten(prefix: str, value, out: dict) -> None:
         out[prefix] = value
 
 
-def job_config(config: DictConfig | Mapping) -> dict:
-    """A job's composed config (Hydra's part and the keys that only say how to start left out), resolved, as
-    dotted keys, each secret as records keep it (grpo_cli.base.redaction): what a finished sweep job is compared by
-    when its sweep runs again. `config`: the job's config as Hydra holds it, or a typed Config's `recorded`."""
+def job_config(recorded: Mapping) -> dict:
+    """A job's composed config as records keep it (`recorded`: a typed Config's, or `redaction.recorded` of the
+    config Hydra holds: resolved, each secret as written or hashed, Hydra's part left out), as dotted keys less those
+    that only say how to start: what a finished sweep job is compared by when its sweep runs again."""
     flat: dict = {}
-    plain = {str(key): OmegaConf.to_container(config[key], resolve=True) if OmegaConf.is_config(config[key])
-             else config[key] for key in config if key != "hydra"}
-    if OmegaConf.is_config(config):  # its secrets as records keep them (a typed Config's `recorded` has them so)
-        plain = find_secrets(config).recorded(plain)
-    for key, value in plain.items():
-        flatten(key, value, flat)
+    for key, value in recorded.items():
+        flatten(str(key), value, flat)
     return {k: v for k, v in flat.items() if k not in RUN_CONTROL_KEYS}
 
 

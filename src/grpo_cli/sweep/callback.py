@@ -60,13 +60,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from grpo_cli.base.errors import ConfigError, RunError, UserError, error_line, exit_with, one_line, program, warn
-from grpo_cli.base.redaction import find_secrets, redact, redact_log_records, remember, remember_overrides
+from grpo_cli.base.redaction import find_secrets, recorded, redact, redact_log_records, remember, remember_overrides
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config import override_key
-from grpo_cli.run.rundir import RunLock, replace_text
+from grpo_cli.run.rundir import RunLock, job_config, replace_text
 from grpo_cli.sweep.rerun import (
     continues_sweep,
-    job_config,
     job_dir_of,
     job_name,
     sweep_command,
@@ -303,7 +302,7 @@ class SweepSummary(Callback):
                 self._write_status(config, {"status": "failed", "error": line})
             else:  # what a re-run of the sweep compares and returns for a finished job (decide_job)
                 self._write_status(config, {"status": "ok", "result": json_value(job_return.return_value),
-                                            "config": job_config(config)})
+                                            "config": job_config(recorded(config))})
         finally:
             if failed and OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER:
                 # BasicSweeper would re-raise this after the batch and drop the rest of the sweep

@@ -20,7 +20,7 @@ from grpo_cli.base.redaction import hidden_overrides
 from grpo_cli.config import override_key
 from grpo_cli.config.schema import Config
 from grpo_cli.run import rundir
-from grpo_cli.run.rundir import RUN_CONTROL_KEYS, job_config  # noqa: F401  job_config: the sweep's records use it
+from grpo_cli.run.rundir import RUN_CONTROL_KEYS
 from grpo_cli.sweep.summary import (
     JOB_STATUS,
     SWEEP_COMMAND_FILE,

@@ -32,8 +32,10 @@ from omegaconf import DictConfig, open_dict
 
 from grpo_cli.base import errors
 from grpo_cli.base.errors import ConfigError, exit_with
+from grpo_cli.base.redaction import recorded
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.schema import Config
+from grpo_cli.run.rundir import job_config
 from grpo_cli.sweep.turns import Job, Turns
 
 log = logging.getLogger(__name__)
@@ -60,12 +62,10 @@ def flat(config: DictConfig) -> dict:
     keys."""
     from hydra.core.hydra_config import HydraConfig
 
-    from grpo_cli.sweep.rerun import job_config
-
     before = HydraConfig.instance().cfg
     HydraConfig.instance().set_config(config)
     try:
-        return job_config(config)
+        return job_config(recorded(config))
     finally:
         HydraConfig.instance().cfg = before
 
