@@ -138,22 +138,23 @@ def test_missing_model_dir_and_out_of_range_label(compose, classifier, tmp_path)
 
 
 def test_plain_function_rewards_take_options_as_keyword_arguments(compose, tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(
+    # a module name no other test writes: a `my_rewards` imported earlier in this process would be the one found
+    (tmp_path / "option_rewards.py").write_text(
         "def longer_than(prompts, completions, min_chars=0, **_):\n"
         "    return [float(len(c) > min_chars) for c in completions]\n"
         "def strict(prompts, completions, answer):\n"
         "    return [0.0 for _ in completions]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = compose(["+recipe=quickstart", "model=tiny", "+reward.functions.long._target_=my_rewards.longer_than",
-                   "+reward.functions.long.min_chars=3", "+reward.functions.strict._target_=my_rewards.strict"])
+    cfg = compose(["+recipe=quickstart", "model=tiny", "+reward.functions.long._target_=option_rewards.longer_than",
+                   "+reward.functions.long.min_chars=3", "+reward.functions.strict._target_=option_rewards.strict"])
     validate(cfg)
     totals, per_fn, _ = RewardSet.from_config(Config.of(cfg).reward).score(
         ["p"] * 3, ["12", "1234", "12345"], {"answer": ["3"] * 3, "messages": [[]] * 3})
     assert per_fn["long"] == [0.0, 1.0, 1.0] and per_fn["strict"] == [0.0] * 3  # no **kwargs: messages not passed
-    bad = compose(["+recipe=quickstart", "model=tiny", "+reward.functions.strict._target_=my_rewards.strict",
+    bad = compose(["+recipe=quickstart", "model=tiny", "+reward.functions.strict._target_=option_rewards.strict",
                    "+reward.functions.strict.min_chars=2"])
     with pytest.raises(ConfigError, match="reward.functions.strict.min_chars=2 is invalid: "
-                                          "my_rewards.strict takes no option"):
+                                          "option_rewards.strict takes no option"):
         validate(bad)
 
 
