@@ -146,3 +146,23 @@ def test_grpo_train_refuses_a_missing_column_before_the_model_loads(tmp_path):
         "grpo-train: reward.functions.acc (test_reward_columns.solution_scored) needs the column 'solution', which the "
         "data does not have (its columns: answer); add that column, or give the parameter a default"]
     assert "training" not in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["grpo-train", "grpo-eval"])
+def test_held_out_rows_without_the_accuracy_functions_column_are_refused_before_the_model_loads(tmp_path, command):
+    """The training rows have `solution`, the held-out rows (data.eval_path) do not: the eval that reward.accuracy
+    scores would fail only once it runs (for grpo-train, after the steps trained); both commands refuse it first."""
+    sums_jsonl(tmp_path / "train.jsonl")
+    (tmp_path / "test.jsonl").write_text(json.dumps({"prompt": "What is 1 + 2?", "answer": "3"}) + "\n")
+    proc = run_cli([*TINY_TRAINER, "data=hf", f"data.path={tmp_path / 'train.jsonl'}",
+                    f"data.eval_path={tmp_path / 'test.jsonl'}", "eval.final=true", "reward.functions=null",
+                    "+reward.functions.acc._target_=test_reward_columns.solution_scored",
+                    "+reward.functions.acc.weight=1.0", "reward.accuracy=acc", f"hydra.run.dir={tmp_path / 'run'}"],
+                   tmp_path, command=command)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"{command}: reward.functions.acc (test_reward_columns.solution_scored) needs the column 'solution', which "
+        "the held-out data (data.eval_split or data.eval_path) does not have (its columns: answer); add that column, "
+        "or give the parameter a default"]
+    assert "training" not in proc.stdout and "evaluating" not in proc.stdout

@@ -50,12 +50,16 @@ def missing_columns(target, options: dict, columns: list[str], rollout_fields: t
 
 
 def check_columns(cfg_reward: RewardConfig, rows: list[dict], rollout_fields: tuple[str, ...] = ("completion_ids",),
-                  where: Callable[[dict], str] = repr) -> None:
+                  where: Callable[[dict], str] = repr, held_out: bool = False) -> None:
     """DataError, before the model loads, for a reward function's parameter that no column of the training rows gives
-    (a function called without it would raise at the first step), or that some rows lack (`where` names the first)."""
+    (a function called without it would raise at the first step), or that some rows lack (`where` names the first).
+    `held_out`: `rows` are the held-out ones, which only reward.accuracy scores (at an eval, after steps trained)."""
     every = [k for k in rows[0] if all(k in row for row in rows)] if rows else []
     some = list(dict.fromkeys(k for row in rows for k in row))
+    data = "the held-out data (data.eval_split or data.eval_path)" if held_out else "the data"
     for name, spec in (cfg_reward.functions or {}).items():
+        if held_out and name != cfg_reward.accuracy:
+            continue
         try:
             target = resolve_callable(spec._target_)
         except (ImportError, AttributeError, ValueError):
@@ -67,6 +71,6 @@ def check_columns(cfg_reward: RewardConfig, rows: list[dict], rollout_fields: tu
                 raise DataError(f"{who} needs the column {column!r}, which {where(first)} lacks (and "
                                 f"{sum(column not in row for row in rows) - 1} more rows); give every row that column")
             hint = " (data.answer_column=COLUMN names the column that arrives as answer)" if column == "answer" else ""
-            raise DataError(f"{who} needs the column {column!r}, which the data does not have (its columns: "
+            raise DataError(f"{who} needs the column {column!r}, which {data} does not have (its columns: "
                             f"{', '.join(k for k in every if k != 'messages') or 'none'}){hint}; add that column, "
                             "or give the parameter a default")

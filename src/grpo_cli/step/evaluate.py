@@ -25,9 +25,10 @@ from grpo_cli.config.schema import Config, DataConfig, RewardConfig
 from grpo_cli.model.adapter_fit import check_base_name, check_shapes
 from grpo_cli.model.loading import config_context_length
 from grpo_cli.rewards import build_reward, call_reward, to_scores
+from grpo_cli.rewards.columns import check_columns
 from grpo_cli.rollout import Engine, SamplingParams, as_engine, make_engine
-from grpo_cli.rollout.episodes import EpisodeRunner
-from grpo_cli.tasks.prompts import encode_prompts
+from grpo_cli.rollout.episodes import EpisodeRunner, reward_field_names
+from grpo_cli.tasks.prompts import encode_prompts, where_of
 from grpo_cli.tasks.sources import load_rows, source_of
 
 EVAL_BATCH_PROMPTS = 16
@@ -181,7 +182,8 @@ def run_eval(cfg: Config, run_dir: Path, stop=None) -> dict:
 
     torch.manual_seed(cfg.trainer.seed)
     rows = eval_rows(cfg)  # bad data fails before the model loads
-    EpisodeRunner.from_config(cfg)  # so does a bad tool or environment
+    episodes = EpisodeRunner.from_config(cfg)  # so does a bad tool or environment
+    check_columns(cfg.reward, rows, reward_field_names(episodes), where=where_of, held_out=True)
     adapter = cfg.eval.adapter
     lm = load_within_context(cfg, ("eval.max_new_tokens",), lambda: load_trained(
         cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed, check_fit=partial(_fits_base, cfg)))
