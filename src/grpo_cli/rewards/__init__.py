@@ -2,7 +2,8 @@
 
 `RewardSet` turns the `reward` config group into the weighted sum the trainer uses. A function entry is
 `reward.functions.NAME: {_target_, weight, ...options}`: a function gets its options as keyword arguments;
-a class (e.g. `rewards.reward_model.RewardModel`) is built once with them and then called like a function.
+a class (e.g. `rewards.reward_model.RewardModel`) is built once with them and then called like a function
+(rewards/building.py: an entry resolved, its options checked, built before the model loads where it can be).
 An environment's `get_reward()` (env._target_) is one more function of weight 1, named after its class, as in TRL;
 it may be the only reward (reward.functions=null).
 
