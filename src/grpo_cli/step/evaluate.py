@@ -50,6 +50,11 @@ def eval_rows(cfg: Config) -> list[dict]:
     return load_rows(cfg.data, split="test", seed=HELD_OUT_SEED)[: cfg.eval.num_prompts]
 
 
+def check_held_out_columns(cfg: Config, rows: list[dict], episodes: EpisodeRunner | None) -> None:
+    """The held-out `rows` have every column reward.accuracy needs (DataError before the model loads)."""
+    check_columns(cfg.reward, rows, reward_field_names(episodes), where=where_of, held_out=True)
+
+
 def has_held_out_split(cfg_data: DataConfig) -> bool:
     """Whether the data has held-out rows, as its source says (generated sources always; files and datasets
     when data.eval_path or data.eval_split names them)."""
@@ -182,8 +187,7 @@ def run_eval(cfg: Config, run_dir: Path, stop=None) -> dict:
 
     torch.manual_seed(cfg.trainer.seed)
     rows = eval_rows(cfg)  # bad data fails before the model loads
-    episodes = EpisodeRunner.from_config(cfg)  # so does a bad tool or environment
-    check_columns(cfg.reward, rows, reward_field_names(episodes), where=where_of, held_out=True)
+    check_held_out_columns(cfg, rows, EpisodeRunner.from_config(cfg))  # so do a bad tool, environment or column
     adapter = cfg.eval.adapter
     lm = load_within_context(cfg, ("eval.max_new_tokens",), lambda: load_trained(
         cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed, check_fit=partial(_fits_base, cfg)))

@@ -38,7 +38,7 @@ from grpo_cli.rollout.ahead import AheadOfTheUpdate, versions_as_tensors, versio
 from grpo_cli.rollout.placement import generating_ahead
 from grpo_cli.step import distributed, dynamic_sampling, memory, parallel
 from grpo_cli.step.batch import Batch, MiniBatch, Scores, make_batch, mini_batch_layout
-from grpo_cli.step.evaluate import eval_rows, final_eval_on
+from grpo_cli.step.evaluate import check_held_out_columns, eval_rows, final_eval_on
 from grpo_cli.step.optim import LRSchedule, build_optimizer
 from grpo_cli.step.stats import StepStats, UpdateSums, check_first_update, check_invariants, metrics_row, over_ranks
 from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts, where_of
@@ -77,13 +77,12 @@ class GRPOTrainer:
             rows = load_rows(data, split="train", seed=self.tcfg.seed)
         self.sampler = PromptSampler(rows, data.prompts_per_step, self.tcfg.seed)
         self.episodes = episodes.EpisodeRunner.from_config(cfg)  # None: single-turn; a bad tool fails before the load
-        fields = episodes.reward_field_names(self.episodes)
-        check_columns(cfg.reward, rows, fields, where=where_of)  # before the load
+        check_columns(cfg.reward, rows, episodes.reward_field_names(self.episodes), where=where_of)  # before the load
         # eval.final resolved (auto: in a sweep) by the CLI, which knows; a trainer built by hand is a single run
         self.final_eval = final_eval_on(cfg, multirun=False) if final_eval is None else final_eval
         evaluates = bool(cfg.eval.every) or self.final_eval
         if evaluates and make_evaluator is not None:  # the held-out rows too: else the first eval, steps later
-            check_columns(cfg.reward, eval_rows(cfg), fields, where=where_of, held_out=True)
+            check_held_out_columns(cfg, eval_rows(cfg), self.episodes)
         lengths = ("rollout.max_new_tokens", *(("eval.max_new_tokens",) if evaluates else ()))
         sharded = {"sharded": True} if self.parallel.sharded else {}  # hydra/launcher=shared_base: refused under fsdp
         self.lm = load_within_context(cfg, lengths, lambda: lm or load_model(cfg.model, device, seed=self.tcfg.seed,
