@@ -18,8 +18,10 @@ def __getattr__(name: str):
 
 
 def _no_kernels_note(record: logging.LogRecord) -> bool:
-    """peft imports bitsandbytes whenever it is installed, quantized base or not; on a CPU that logs, every run,
-    that an optional package (`kernels`) for its 4-bit matmul is missing, and bitsandbytes falls back to its own."""
+    """peft imports bitsandbytes whenever it is installed, quantized base or not; on a CPU with AVX-512 BF16 it asks
+    `kernels` for a 4-bit matmul from the Hub at import, and logs, every run, that it could not have it (kernels
+    missing, or the Hub offline: then kernels logs that it skipped the publisher check too); bitsandbytes falls back
+    to its own."""
     return "kernels-community" not in record.getMessage()
 
 
@@ -37,6 +39,7 @@ def _first_time_only(record: logging.LogRecord) -> bool:
 
 # here, once: every entry point and every program that imports grpo_cli gets it, however many runs it makes
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_kernels_note)
+logging.getLogger("kernels._internals.hf_hub").addFilter(_no_kernels_note)
 logging.getLogger("bitsandbytes.autograd._functions").addFilter(_first_time_only)
 # urllib3 logs each retry of a remote reward's request ("Retrying (Retry(total=1, ...)) after connection broken by
 # ...") around the run's lines: the request's end is said once, in its own line (rewards.remote.Service)
