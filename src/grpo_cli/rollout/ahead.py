@@ -35,6 +35,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -78,13 +79,20 @@ def rollout_logprobs(model, rollout: Rollout, temperature: float, chunk_size: in
 
 def moved(rollout: Rollout, device: torch.device) -> Rollout:
     """A single-turn rollout with its tensors on `device`."""
-    return Rollout(**{name: value.to(device) if isinstance(value := getattr(rollout, name), torch.Tensor) else value
-                      for name in Rollout.__dataclass_fields__})
+    fields: dict[str, Any] = {name: value.to(device) if isinstance(value := getattr(rollout, name), torch.Tensor)
+                              else value for name in Rollout.__dataclass_fields__}
+    return Rollout(**fields)
 
 
 def trainable(model) -> dict[str, torch.Tensor]:
     """The adapter's tensors by name: what a sync moves."""
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+class Outbox(Protocol):
+    """Where the trainer's messages go: a queue (a server client's thread reads it, or the worker process)."""
+
+    def put(self, item: Any, /) -> None: ...
 
 
 Versions = dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]]  # version -> (adapter tensors, trainer's probe)
@@ -115,7 +123,7 @@ class AheadOfTheUpdate:
     who = "the generator"
     cause = "the new weights did not reach it"
     probe_temperature: float | None = None  # None: rollout.temperature
-    requests: queue.Queue
+    requests: Outbox
     results: queue.Queue
 
     def __init__(self, cfg: Config, lm, prompts_of: Callable[[int], tuple[list[dict], EncodedPrompts]],
@@ -130,7 +138,9 @@ class AheadOfTheUpdate:
         self.history[start] = (self._adapter_copy(), self._trainer_probe())
         self.received: dict[int, tuple] = {}    # step -> (version, rollout, stats), not yet taken
         self.expected: dict[int, torch.Tensor] = {}  # version -> the trainer's probe log-probs, until checked
-        self.last_gap, self.synced_to, self.next_step, self.unacknowledged = 0.0, None, start, None
+        self.last_gap, self.next_step = 0.0, start
+        self.synced_to: int | None = None       # the version the generator was last asked to load
+        self.unacknowledged: int | None = None  # the version of the sync the generator has not answered yet
         self.replica_gaps: dict[str, float] = {}  # a fleet's: each replica's gap at the last sync, by metric key
 
     def begin(self, what: str) -> None:

@@ -8,22 +8,26 @@ import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from grpo_cli.base.registry import Registry
 from grpo_cli.config.schema import RolloutConfig
 from grpo_cli.rollout.inference_copy import merge_obstacle
-from grpo_cli.rollout.rows import PAD_TOKEN, per_group, per_row, per_token
+from grpo_cli.rollout.rows import PAD_TOKEN, per_group, per_row, per_token, row_dataclass
 from grpo_cli.rollout.rows import join as join_rows
 from grpo_cli.rollout.rows import select as select_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 StopFn = Callable[[], bool]
 # rollout.engine: name -> an Engine class (anything with `from_config(cfg_rollout, lm, max_prompt_tokens)`)
 ENGINES = Registry("rollout engine", key="rollout.engine")
 
 
-@dataclass
+@row_dataclass
 class Rollout:
     """G completions for each of P prompts; completion row i belongs to prompt i // G. What each field holds per row
     is declared once (rollout/rows.py), so `select_groups` and `join` carry every field, a subclass's too."""
@@ -160,7 +164,7 @@ def finish_rollout(tokenizer, eos: list[int], prompt_ids: torch.Tensor, prompt_m
     return Rollout(prompt_ids, prompt_mask, completion, cmask, truncated, texts, num_generations, interrupted)
 
 
-def hf_model(model) -> torch.nn.Module:
+def hf_model(model) -> PreTrainedModel:
     """The transformers model under a peft wrapper (the LoRA layers stay injected in it), or the model itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -194,13 +198,17 @@ def stop_criteria(stop: StopFn | None, stop_strings: Sequence[str] = (), tokeniz
     if stop is None:
         return criteria or None, lambda: False
 
+    asked: StopFn = stop  # not None from here: the criterion's method cannot see the check above
+
     class StopWhenAsked(StoppingCriteria):
         fired = False
 
         def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
-            if not self.fired and stop():
+            if not self.fired and asked():
                 self.fired = True
-            return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+            # a bool tensor: transformers annotates it with the legacy BoolTensor type, which torch.full never returns
+            return cast(torch.BoolTensor,
+                        torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device))
 
     criterion = StopWhenAsked()
     criteria.append(criterion)
@@ -295,6 +303,7 @@ def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float
         return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k or 0,
                 "min_p": min_p or None, "repetition_penalty": repetition_penalty}
     from transformers import (
+        LogitsProcessor,
         LogitsProcessorList,
         MinPLogitsWarper,
         TemperatureLogitsWarper,
@@ -302,7 +311,7 @@ def sampling_kwargs(greedy: bool = False, temperature: float = 1.0, top_p: float
         TopPLogitsWarper,
     )
 
-    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+    warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
     warpers += [TopKLogitsWarper(top_k)] if top_k else []
     warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
     warpers += [MinPLogitsWarper(min_p)] if min_p else []

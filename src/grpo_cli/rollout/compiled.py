@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from grpo_cli.rollout.common import (
 )
 from grpo_cli.rollout.inference_copy import FollowsThePolicy
 
+if TYPE_CHECKING:
+    from transformers import StaticCache
+
 log = logging.getLogger(__name__)
 WARMUP_TOKENS = 4   # decode steps of the timed first call: compile, CUDA-graph warm-up, record, replay
 MAX_CACHES = 2      # static caches kept (training rows, evaluation rows); the least recently used goes
@@ -54,7 +58,7 @@ class CompiledEngine(FollowsThePolicy, Engine):
         self.compile_fallback, self.compile_backend = compile_fallback, compile_backend
         self.max_prompt_tokens = max_prompt_tokens or 0
         self.follow(model, self.name)
-        self.caches: OrderedDict[tuple[int, int], object] = OrderedDict()  # (rows, length) -> StaticCache
+        self.caches: OrderedDict[tuple[int, int], StaticCache] = OrderedDict()  # (rows, length) -> its cache
         self.compile_s = 0.0
 
     @classmethod
@@ -132,7 +136,7 @@ class CompiledEngine(FollowsThePolicy, Engine):
             return {"compile_config": CompileConfig(mode="reduce-overhead", backend=self.compile_backend)}
         # no CUDA graphs off CUDA; transformers compiles on CUDA only unless told
         config = CompileConfig(mode="default", backend=self.compile_backend)
-        config._compile_all_devices = True
+        config._compile_all_devices = True  # type: ignore[assignment]  # transformers declares it `= None`, untyped
         return {"compile_config": config}
 
     def stop_compiling(self, err: BaseException) -> None:

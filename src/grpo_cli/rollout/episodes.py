@@ -42,7 +42,7 @@ import torch
 
 from grpo_cli.base.errors import ConfigError, Interrupted, UserCodeError
 from grpo_cli.rollout.common import Engine, Rollout, SamplingParams, StopFn, eos_ids, left_pad
-from grpo_cli.rollout.rows import per_row, per_token
+from grpo_cli.rollout.rows import per_row, per_token, row_dataclass
 from grpo_cli.rollout.tools import (
     Tool,
     ToolFormat,
@@ -62,7 +62,14 @@ if TYPE_CHECKING:
     from grpo_cli.config.schema import Config
 
 
-@dataclass
+def _counted(counts: torch.Tensor | None) -> torch.Tensor:
+    """An Episodes' per-episode count (tool_calls, turns, cut, ...): `run_episodes` records each; a record built
+    without it has none to report."""
+    assert counts is not None
+    return counts
+
+
+@row_dataclass
 class Episodes(Rollout):
     """A Rollout whose rows are episodes; `texts` are the model's own turns, joined by newlines."""
 
@@ -97,19 +104,22 @@ class Episodes(Rollout):
         its counts."""
         conversation = "\n".join(f"{m['role']}: {m.get('content') or ''}" + (
             f" {[c['function'] for c in m['tool_calls']]}" if m.get("tool_calls") else "") for m in self.messages[i])
-        return {"conversation": conversation, "tool_calls": int(self.tool_calls[i]),
-                "failed_calls": int(self.failed_calls[i]), "turns": int(self.turns[i]), "cut": bool(self.cut[i])}
+        return {"conversation": conversation, "tool_calls": int(_counted(self.tool_calls)[i]),
+                "failed_calls": int(_counted(self.failed_calls)[i]), "turns": int(_counted(self.turns)[i]),
+                "cut": bool(_counted(self.cut)[i])}
 
     def tool_use(self) -> list[tuple[int, int]]:
-        return [(int(c), int(f)) for c, f in zip(self.tool_calls, self.failed_calls, strict=True)]
+        return [(int(c), int(f)) for c, f in zip(_counted(self.tool_calls), _counted(self.failed_calls), strict=True)]
 
     def metrics(self) -> dict[str, float]:
         """tool calls per episode, the failed-call rate, turns per episode, the share cut by the budget."""
-        calls = float(self.tool_calls.sum())
-        return {"tool_calls_per_episode": float(self.tool_calls.float().mean()),
-                "failed_call_rate": float(self.failed_calls.sum()) / calls if calls else 0.0,
-                "turns_per_episode": float(self.turns.float().mean()), "cut_frac": float(self.cut.float().mean()),
-                "tool_outputs_cut": float(self.tool_outputs_cut.sum())}
+        tool_calls = _counted(self.tool_calls)
+        calls = float(tool_calls.sum())
+        return {"tool_calls_per_episode": float(tool_calls.float().mean()),
+                "failed_call_rate": float(_counted(self.failed_calls).sum()) / calls if calls else 0.0,
+                "turns_per_episode": float(_counted(self.turns).float().mean()),
+                "cut_frac": float(_counted(self.cut).float().mean()),
+                "tool_outputs_cut": float(_counted(self.tool_outputs_cut).sum())}
 
 
 @dataclass

@@ -4,6 +4,7 @@ adapter folded into separate copies of the adapted weights, the frozen base unto
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
 
@@ -46,13 +47,14 @@ class InferenceCopy:
     def __init__(self, peft_model, engine: str = "merged", lean: bool = False):
         import copy
 
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.tuners.lora import Linear as LoraLinear
 
         obstacle = merge_obstacle(peft_model)
         if obstacle:
             raise ModelLoadError(f"rollout.engine={engine} {obstacle}; use rollout.engine=hf")
         inner = peft_model.get_base_model()
-        self.layers = {name: m for name, m in inner.named_modules() if isinstance(m, BaseTunerLayer)}
+        # the tuner layers: with no obstacle, every one is a plain LoRA Linear (merge_obstacle)
+        self.layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLinear)}
         memo = {id(t): t for t in (*inner.parameters(), *inner.buffers())}  # share everything ...
         for layer in self.layers.values():
             del memo[id(layer.get_base_layer().weight)]                    # ... but the weights that get merged
@@ -84,13 +86,13 @@ class InferenceCopy:
         for name, layer in self.layers.items():
             if layer.merged:
                 raise ModelLoadError(f"{name} has its adapter merged in place; the reference policy is lost")
-            merged = layer.get_base_layer().weight.float()
+            merged = cast(torch.Tensor, layer.get_base_layer().weight).float()
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
                     merged = merged + layer.get_delta_weight(adapter).float()
             target = self.plain[name]
             if self.lean:
-                target.pack_only(merged.to(target.weight.dtype))
+                cast(PackedLinear, target).pack_only(merged.to(target.weight.dtype))  # lean: all PackedLinear
             else:
                 target.weight.copy_(merged)
 
@@ -98,7 +100,7 @@ class InferenceCopy:
         """A lean copy lets go of its merged layers until the next `refresh()`; any other keeps them."""
         if self.lean:
             for plain in self.plain.values():
-                plain.release()
+                cast(PackedLinear, plain).release()  # lean: all PackedLinear
 
 
 class FollowsThePolicy:

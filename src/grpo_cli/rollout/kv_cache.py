@@ -32,10 +32,13 @@ class ReservedLayer(DynamicLayer):
         self.keys, self.values = self._keys[:, :, :n], self._values[:, :, :n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n, m = self.keys.shape[-2], key_states.shape[-2]
-        holds_views = self.keys.data_ptr() == self._keys.data_ptr() and self.keys.shape[0] == self._keys.shape[0]
+        keys, values = self.keys, self.values
+        # built filled, and DynamicLayer's reorder, select, repeat and crop keep tensors (only its reset empties them)
+        assert keys is not None and values is not None
+        n, m = keys.shape[-2], key_states.shape[-2]
+        holds_views = keys.data_ptr() == self._keys.data_ptr() and keys.shape[0] == self._keys.shape[0]
         if not holds_views or n + m > self._keys.shape[-2]:  # replaced by a reorder/select, or out of room
-            self._move_into_buffer(self.keys, self.values)
+            self._move_into_buffer(keys, values)
         self._keys[:, :, n:n + m].copy_(key_states)
         self._values[:, :, n:n + m].copy_(value_states)
         self.keys, self.values = self._keys[:, :, :n + m], self._values[:, :, :n + m]

@@ -7,15 +7,17 @@ every selection and every join without being named again.
     truncated: torch.Tensor = per_row()                              # [N] tensor or a list of N
     reward_errors: int = summed()                                    # added up when records are joined
 
-A field with none of these (a flag, the group size, a stats dict) is the first record's. A per-row or per-group
-field may be None (nothing recorded) in every record at once, and a per-row list may be empty (an episode
+A record class is declared with `@row_dataclass` (dataclasses.dataclass, with type checkers told that these helpers
+declare its fields). A field with none of these (a flag, the group size, a stats dict) is the first record's. A per-row
+or per-group field may be None (nothing recorded) in every record at once, and a per-row list may be empty (an episode
 without an environment has no instances), never in some records and not in others.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -51,7 +53,21 @@ def summed(**kwargs):
     return dataclasses.field(metadata={KIND: "sum"}, **kwargs)
 
 
-def _kinds(record) -> list[tuple[str, str | None, dict]]:
+if TYPE_CHECKING:
+    from typing_extensions import dataclass_transform
+
+    _Record = TypeVar("_Record")
+
+    # `dataclasses.dataclass` for a type checker that knows the field helpers above: without it, a field such as
+    # `prompt_ids: torch.Tensor = per_group()` reads as one with a default, and a later field without one as an error
+    @dataclass_transform(field_specifiers=(dataclasses.field, per_group, per_row, per_token, nested, per_row_dict,
+                                           summed))
+    def row_dataclass(cls: type[_Record]) -> type[_Record]: ...
+else:
+    row_dataclass = dataclasses.dataclass
+
+
+def _kinds(record) -> list[tuple[str, str | None, Mapping[str, Any]]]:
     return [(f.name, f.metadata.get(KIND), f.metadata) for f in dataclasses.fields(record)]
 
 
@@ -87,7 +103,7 @@ def _padded(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
     return torch.cat([fill, t] if left else [t, fill], dim=1)
 
 
-def _joined(name: str, values: list, meta: dict, pad_token_id: int, width: int | None):
+def _joined(name: str, values: list, meta: Mapping[str, Any], pad_token_id: int, width: int | None):
     if all(v is None for v in values):
         return None
     if any(v is None for v in values):

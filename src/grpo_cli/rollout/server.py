@@ -84,6 +84,7 @@ class ServerRollouts(AheadOfTheUpdate):
              "adapter under the name, or another run loading its own: give each run its own server)")
     # vLLM's prompt_logprobs are the model's own distribution, before any temperature: the trainer's probe at 1
     probe_temperature = 1.0
+    requests: queue.Queue  # the client thread reads them, and the servers' answers among them
 
     def __init__(self, cfg: Config, lm, prompts_of: Callable[[int], tuple[list[dict], EncodedPrompts]],
                  seed_of: Callable[[int], int], *, start: int, stop: Callable[[], bool], run_dir: Path,
@@ -210,6 +211,7 @@ class ServerRollouts(AheadOfTheUpdate):
                     if isinstance(message, Close):
                         return
                     if isinstance(message, Sync):
+                        assert message.folder is not None  # this transport's syncs name their folder (_deliver)
                         self._load_everywhere(message.version, message.folder)
                     else:
                         self._dispatch(message)
@@ -344,9 +346,10 @@ class ServerRollouts(AheadOfTheUpdate):
             self._take_out(replica, f"at step {batch.step}: {err}")
             group = i // batch.group_size
             if not batch.group_replica[group].up:
-                batch.group_replica[group] = pick(self.replicas, batch.version)
-                if batch.group_replica[group] is None:
+                replacement = pick(self.replicas, batch.version)
+                if replacement is None:
                     raise none_left(self.replicas, f"generate the batch of step {batch.step}") from None
+                batch.group_replica[group] = replacement
             self._send(batch, i, batch.group_replica[group])
             return
         batch.choices[i] = choice
@@ -357,8 +360,10 @@ class ServerRollouts(AheadOfTheUpdate):
     def _finish(self, batch: PendingBatch) -> None:
         del self.batches[batch.step]
         gen_time = time.perf_counter() - batch.started
+        choices = [c for c in batch.choices if c is not None]
+        assert len(choices) == len(batch.choices)  # finished once whole: `left` is 0
         roll_out = sampled_rollout(self.tokenizer, self.eos, batch.prompt_ids, batch.group_size,
-                                   [sampled(c) for c in batch.choices],
+                                   [sampled(c) for c in choices],
                                    SamplingParams.of(self.cfg.rollout).stop_strings, False, torch.device("cpu"))
         tokens = int(roll_out.loss_mask().sum())
         stats = {"gen_time_s": gen_time, "gen_tokens_per_s": tokens / max(gen_time, 1e-9), "gen_compile_s": 0.0,

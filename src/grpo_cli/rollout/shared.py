@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -25,6 +26,9 @@ from grpo_cli.model.loading import LoadedModel
 from grpo_cli.rollout.common import ENGINES, Engine, Rollout, SamplingParams, StopFn, eos_ids, stop_criteria
 from grpo_cli.rollout.hf import generate
 from grpo_cli.rollout.inference_copy import merge_obstacle
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 @dataclass
@@ -47,7 +51,9 @@ class RngState:
     def generator(self, device: torch.device) -> torch.Generator:
         """A generator in this state, for draws on `device`."""
         generator = torch.Generator(device=device)
-        generator.set_state(self.device if device.type == "cuda" else self.cpu)
+        state = self.device if device.type == "cuda" else self.cpu
+        assert state is not None  # the state of a job on CUDA, taken there (`now`), holds the device's
+        generator.set_state(state)
         return generator
 
     def after(self, generator: torch.Generator, device: torch.device) -> RngState:
@@ -99,17 +105,20 @@ class JobEngine(Engine):
                  stop: StopFn | None = None) -> Rollout:
         request = Request(self.lm.adapter, prompt_ids, num_generations, sampling, stop, RngState.now(self.device),
                           self.version)
+        assert self.lm.submit is not None  # job_engine makes a JobEngine only for a job with a sweep to submit to
         self.lm.submit(request)
         if request.rng_after is not None:
             request.rng_after.restore(self.device)
         if request.error is not None:
             raise request.error
+        assert request.rollout is not None  # the sweep fills the rollout where no error ended the request
         return request.rollout
 
     def policy_changed(self) -> None:
         self.version += 1
 
     def update_begins(self) -> None:
+        assert self.lm.shared is not None  # the sweep gives a job its SharedGeneration with its submit
         self.lm.shared.update_begins()
 
 
@@ -119,7 +128,8 @@ class SharedGeneration:
     else one pass per adapter on one engine of the kind rollout.engine names."""
 
     def __init__(self, lm: LoadedModel, cfg_rollout: RolloutConfig, max_prompt_tokens: int | None = None):
-        self.model, self.tokenizer, self.device = lm.model, lm.tokenizer, lm.device
+        # a peft model holding every job's adapter
+        self.model, self.tokenizer, self.device = cast("PeftModel", lm.model), lm.tokenizer, lm.device
         self.mixed = cfg_rollout.engine == "hf" and merge_obstacle(lm.model) is None
         self.engine = None if self.mixed else ENGINES.lookup(cfg_rollout.engine).from_config(
             cfg_rollout, lm, max_prompt_tokens)
@@ -128,8 +138,9 @@ class SharedGeneration:
     @property
     def kind(self) -> str:
         """How it generates, for the sweep's line at the start."""
-        return "one batch across the jobs' adapters (hf)" if self.mixed else \
-            f"one pass per job on one {self.engine.name} engine"
+        if self.engine is None:  # mixed
+            return "one batch across the jobs' adapters (hf)"
+        return f"one pass per job on one {self.engine.name} engine"
 
     def run(self, requests: list[Request]) -> None:
         """Every request done: its rollout and RNG state after, or the error that ended its batch."""
@@ -145,6 +156,7 @@ class SharedGeneration:
                         request.error = error
 
     def _alone(self, request: Request) -> None:
+        assert self.engine is not None  # not mixed: run() calls this only then
         self.model.set_adapter(request.adapter)
         if self.holds != (request.adapter, request.version):
             self.engine.policy_changed()  # its inference copy is made from this adapter at the call

@@ -20,7 +20,7 @@ import functools
 import inspect
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from grpo_cli.base import user_code
@@ -376,6 +376,7 @@ def reset_arguments(reset: Callable, row: dict) -> dict:
     fields = {k: v for k, v in row.items() if k != "messages"}
     if not row.get("messages"):  # an environment that owns the prompt: nothing to pass
         return fields
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(reset).parameters
     except (TypeError, ValueError):

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from grpo_cli.base.errors import ConfigError, WorkerError, program
 
@@ -167,7 +168,7 @@ class ServerAPI:
 
         where = f"{method} {self.url}{path}"
         # no `timeout` keeps the pool's (rollout.server_timeout_s): urllib3 takes timeout=None as none at all
-        deadline = {} if timeout is None else {"timeout": timeout}
+        deadline: dict[str, Any] = {} if timeout is None else {"timeout": timeout}  # request's **urlopen_kw
         try:
             response = self.pool.request(method, self.url + path, **deadline,
                                          body=None if body is None else json.dumps(body).encode(),

@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.multiprocessing as mp
@@ -55,6 +55,9 @@ from grpo_cli.rollout.common import Rollout, SamplingParams
 from grpo_cli.rollout.logprobs import completion_logprobs
 from grpo_cli.rollout.messages import Batch, Close, Failed, Ready, Sync, Synced
 from grpo_cli.tasks.prompts import EncodedPrompts
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue as ProcessQueue
 
 # A test hook, read by the worker: "1" makes it acknowledge every weight sync without loading the new adapter, to
 # show that the sync check stops the run (tests/rollout/test_async_rollouts.py). Nothing else sets it.
@@ -100,6 +103,7 @@ class RolloutWorker(AheadOfTheUpdate):
 
     who = "the rollout worker"
     cause = "the new weights did not reach the worker (a bug: please report it)"
+    requests: ProcessQueue  # the worker process reads them
 
     def __init__(self, cfg: Config, lm, prompts_of: Callable[[int], tuple[list[dict], EncodedPrompts]],
                  seed_of: Callable[[int], int], *, start: int, stop: Callable[[], bool],
