@@ -88,7 +88,7 @@ def to_scores(name: str, returned, expected: int, allow_none: bool = False,
     if len(values) != expected:
         raise RewardError(f"{who} returned {len(values)} scores for {expected} completions; it must return "
                           f"{SCORE_TYPES}")
-    scores = []
+    scores: list[float | None] = []
     for i, value in enumerate(values):
         if value is None and allow_none:
             scores.append(None)
@@ -278,10 +278,14 @@ class RewardSet:
         return self._call(rf, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in fields.items()})
 
     def _one_at_a_time(self, rf: RewardFunction, prompts, completions,
-                       fields) -> tuple[list[float], int, Outcomes | None, str | None]:
+                       fields) -> tuple[list[float | None], int, Outcomes | None, list[str | None]]:
         """Scores of each completion on its own; those that time out or raise get 0 (on_error=zero), and the
         outcome "error" when the function gives outcomes; and what failed, per completion (None: nothing)."""
-        scores, errors, texts, kinds, failures = [], 0, [], None, []
+        scores: list[float | None] = []
+        texts: list[str | None] = []
+        failures: list[str | None] = []
+        kinds: tuple[str, ...] | None = None
+        errors = 0
         for i in range(len(completions)):
             try:
                 returned = self._call_one(rf, prompts, completions, fields, i)
@@ -295,7 +299,7 @@ class RewardSet:
                 kinds = returned.kinds if isinstance(returned, Scored) else kinds
         return scores, errors, None if kinds is None else Outcomes(texts, (*kinds, "error")), failures
 
-    def _failed(self, rf: RewardFunction, failure: Exception, i: int) -> str:
+    def _failed(self, rf: RewardFunction, failure: user_code.Raised | user_code.TimedOut, i: int) -> str:
         """What went wrong with completion `i` (on_error=zero says it in the step's line)."""
         if isinstance(failure, user_code.TimedOut):
             return f"{rf.label} did not return within reward.timeout_s={self.timeout_s} s on completion {i}"
@@ -311,7 +315,10 @@ class RewardSet:
     def score_all(self, prompts: list, completions: list[str], fields: dict[str, list],
                   group_size: int | None = None) -> Scoring:
         """`score`, with the outcomes of the functions that give them."""
-        per_fn, errors, outcomes, failures = {}, 0, {}, [None] * len(completions)
+        per_fn: dict[str, list[float | None]] = {}
+        outcomes: dict[str, Outcomes] = {}
+        failures: list[str | None] = [None] * len(completions)
+        errors = 0
         for rf in self.functions:
             try:
                 returned = self._call(rf, prompts, completions, fields)
@@ -323,7 +330,8 @@ class RewardSet:
                     zeroed = [0.0 if i in partial.failed else s for i, s in enumerate(partial.scores)]
                     scores = to_scores(rf.name, zeroed, len(completions), allow_none=True)
                     failed, given = len(partial.failed), None
-                    why = [None] * len(completions)  # the exception's message is that of the first it names
+                    # the exception's message is that of the first it names
+                    why: list[str | None] = [None] * len(completions)
                     for i in partial.failed:
                         why[i] = f"{rf.label} could not score completion {i}" + (
                             said(partial) if i == partial.failed[0] else "")
@@ -352,7 +360,8 @@ class RewardSet:
                               f"{self.aggregation}); rewards must sum to a finite number: lower the weights")
         return Scoring(totals, per_fn, errors, outcomes, failures)
 
-    def _one_line(self, rf: RewardFunction, failure: Exception, prompts, completions, fields) -> RewardError:
+    def _one_line(self, rf: RewardFunction, failure: user_code.Raised | user_code.TimedOut, prompts, completions,
+                  fields) -> RewardError:
         if isinstance(failure, user_code.TimedOut):
             return RewardError(f"{rf.label} did not return within reward.timeout_s={self.timeout_s} s for "
                                f"{len(completions)} completions; fix it, raise reward.timeout_s or set "

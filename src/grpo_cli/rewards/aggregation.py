@@ -41,9 +41,9 @@ def combine(weights: dict[str, float], per_function: dict[str, list[float | None
             raise ValueError("reward.aggregation=normalize_then_sum needs the group size")
         per_function = {name: _group_z(scores, group_size) for name, scores in per_function.items()}
     n = len(next(iter(per_function.values()), []))
-    totals = []
+    totals: list[float] = []
     for i in range(n):
-        present = [(name, scores[i]) for name, scores in per_function.items() if scores[i] is not None]
+        present = [(name, s) for name, scores in per_function.items() if (s := scores[i]) is not None]
         if not present:
             raise RewardError(f"every reward function ({', '.join(per_function)}) returned None for completion {i}; "
                               "at least one must score each completion")

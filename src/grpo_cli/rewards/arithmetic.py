@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+from typing import cast
+
+from grpo_cli.rewards.parsing import AnswerReader
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BARE = re.compile(r"\s*-?\d+(?:\.\d+)?\.?\s*")
@@ -30,7 +33,7 @@ def last_number(completion) -> float | None:
     return float(numbers[-1]) if numbers else None
 
 
-correct_last_number.parse_answer = last_number
+cast(AnswerReader, correct_last_number).parse_answer = last_number
 
 
 def bare_number(prompts, completions, **_) -> list[float]:

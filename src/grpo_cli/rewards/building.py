@@ -46,6 +46,7 @@ def check_option_names(prefix: str, target, options: dict) -> None:
     `PREFIX.kwargs`, which only a target that takes **kwargs accepts: a typo is never passed on silently."""
     import difflib
 
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):

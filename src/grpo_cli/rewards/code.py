@@ -47,10 +47,10 @@ import os
 import re
 import secrets
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 from grpo_cli.base.errors import ConfigError, inform, warn
 from grpo_cli.config.rule import is_int, is_number
@@ -276,6 +276,7 @@ def outcome_of(done: Finished, nonce: str, tests: int) -> Outcome:
     code = done.returncode  # killed by signal S: -S run directly, 128 + S through bwrap's or sh's exit status
     if "signal" in result or "exit" in result:  # the judge saw the runner end before its tests did
         code = -result["signal"] if "signal" in result else result["exit"]
+    assert code is not None  # None only for a run that timed out or overflowed, answered above
     signum = -code if code < 0 else code - 128 if code > 128 else None
     if signum == signal.SIGXCPU:  # over the CPU seconds
         return Outcome("timeout")
@@ -375,4 +376,10 @@ CONTAINED = {  # what each namespaced level holds the program to (rewards/sandbo
 }
 
 
-passes_tests.check_options = check_options
+class _ChecksOptions(Protocol):
+    """A reward function with its own `check_options` (rewards/building.py calls it on the entry's options)."""
+
+    check_options: Callable[[str, dict[str, Any]], None]
+
+
+cast(_ChecksOptions, passes_tests).check_options = check_options

@@ -10,10 +10,17 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 from grpo_cli.config.prompts import ANSWER_FORMAT_INSTRUCTION, SYSTEM_PROMPTS
-from grpo_cli.rewards.parsing import NUMBER, completion_text, extract_final_answer, gold_answer, parse_number
+from grpo_cli.rewards.parsing import (
+    NUMBER,
+    AnswerReader,
+    completion_text,
+    extract_final_answer,
+    gold_answer,
+    parse_number,
+)
 
 __all__ = ["ANSWER_FORMAT_INSTRUCTION", "SYSTEM_PROMPT", "correctness", "final_answer", "format"]
 
@@ -46,7 +53,7 @@ def final_answer(completion: Any) -> Fraction | None:
     return None if stated is None else parse_number(stated)
 
 
-correctness.parse_answer = final_answer
+cast(AnswerReader, correctness).parse_answer = final_answer
 
 
 def format(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:

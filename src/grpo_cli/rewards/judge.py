@@ -55,8 +55,8 @@ def parse_score(reply: str, max_score: float) -> float | None:
             value = float(found[-1])
             return value if 0 <= value <= max_score else None
     numbers = _NUMBER.findall(text)
-    value = float(numbers[-1]) if numbers else None
-    return value if value is not None and 0 <= value <= max_score else None
+    last = float(numbers[-1]) if numbers else None
+    return last if last is not None and 0 <= last <= max_score else None
 
 
 def template_names(template: str) -> list[str]:

@@ -26,15 +26,19 @@ def overlong_score(length: int, max_tokens: int, buffer: int) -> float:
     return -1.0
 
 
+def _positive_int(prefix: str, key: str, options: dict[str, Any]) -> int:
+    value = options.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{prefix}.{key}={value} is invalid: needs an integer >= 1")
+    return value
+
+
 class OverlongPenalty:
     """reward.functions.NAME: {_target_: grpo_cli.rewards.overlong.OverlongPenalty, max_tokens, buffer, tokenizer}."""
 
     @staticmethod
     def check_options(prefix: str, options: dict[str, Any]) -> None:
-        max_tokens, buffer = options.get("max_tokens"), options.get("buffer")
-        for key, value in (("max_tokens", max_tokens), ("buffer", buffer)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{prefix}.{key}={value} is invalid: needs an integer >= 1")
+        max_tokens, buffer = _positive_int(prefix, "max_tokens", options), _positive_int(prefix, "buffer", options)
         if buffer > max_tokens:
             raise ConfigError(f"{prefix}.buffer={buffer} is invalid: needs buffer <= max_tokens ({max_tokens})")
         if not isinstance(options.get("tokenizer"), str):

@@ -11,9 +11,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["NUMBER", "completion_text", "extract_final_answer", "gold_answer", "parse_number"]
+__all__ = ["NUMBER", "AnswerReader", "completion_text", "extract_final_answer", "gold_answer", "parse_number"]
+
+
+class AnswerReader(Protocol):
+    """A reward function that says how it reads the answer a completion gives (majority@k's vote,
+    step/evaluate.py): a module sets it as `cast(AnswerReader, fn).parse_answer = ...`."""
+
+    parse_answer: Callable[[Any], object]
+
 
 _MAX_PARSE_CHARS = 1_000  # parse_number only looks at this prefix of its input
 _MAX_NUMBER_CHARS = 100  # longer digit runs are rejected, not truncated or converted

@@ -20,7 +20,7 @@ Model output is only ever tokenized text.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from grpo_cli.base.errors import ConfigError, ModelLoadError, error_line
 
@@ -101,8 +101,9 @@ class RewardModel:
         if messages is None and prompts and all(isinstance(p, list) for p in prompts):
             messages = prompts  # TRL-style conversational prompts
         if self.templated and messages is not None:
-            return [self.tokenizer.apply_chat_template([*m, {"role": "assistant", "content": str(c or "")}],
-                                                       tokenize=False)
+            # tokenize=False gives the text, which the stubs' return type (any of its forms) does not say
+            return [cast(str, self.tokenizer.apply_chat_template([*m, {"role": "assistant", "content": str(c or "")}],
+                                                                 tokenize=False))
                     for m, c in zip(messages, completions, strict=True)], True
         return [f"{p if isinstance(p, str) else ''}{c or ''}" for p, c in zip(prompts, completions, strict=True)], False
 

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import IO, TypedDict, cast
 
 KINDS = ("bwrap", "unshare", "rlimits")
 CHOICES = ("auto", *KINDS)
@@ -168,6 +169,14 @@ def _environment(home: str) -> dict[str, str]:
 
 
 # ---- running ---------------------------------------------------------------------------------------
+class _RunAs(TypedDict, total=False):
+    """Popen's arguments for the user the program runs as (unset: this process's)."""
+
+    user: int
+    group: int
+    extra_groups: list[int]
+
+
 @dataclass(frozen=True)
 class Sandbox:
     kind: str
@@ -187,7 +196,7 @@ class Sandbox:
             else:
                 argv, cwd, env = [python, "-I", "-S", "-c", code], scratch, _environment(scratch)
             argv[0] = shutil.which(argv[0], path=TOOL_PATH) or argv[0]
-            as_nobody = {}
+            as_nobody: _RunAs = {}
             if self.kind == "rlimits" and self.as_nobody:  # another uid: it cannot signal the trainer
                 os.chmod(scratch, 0o777)
                 as_nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
@@ -199,11 +208,12 @@ class Sandbox:
                 _kill_group(proc)
 
 
-def _communicate(proc: subprocess.Popen, stdin: bytes, limits: Limits) -> Finished:
+def _communicate(proc: subprocess.Popen[bytes], stdin: bytes, limits: Limits) -> Finished:
     """Feed stdin and read stdout and stderr until the program ends, the wall clock runs out or the output
     passes its cap. A process the program left behind holding the pipes does not keep it waiting."""
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None  # Sandbox.run pipes all 3
     deadline = time.monotonic() + limits.timeout_s
-    out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    out: dict[IO[bytes], bytearray] = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     pending, total = memoryview(stdin), 0
     with selectors.DefaultSelector() as selector:
         for pipe in out:
@@ -230,11 +240,12 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, limits: Limits) -> Finish
                         selector.unregister(proc.stdin)
                         proc.stdin.close()
                     continue
-                chunk = os.read(key.fileobj.fileno(), CHUNK)
+                pipe = cast(IO[bytes], key.fileobj)  # the selector holds only the pipes registered above
+                chunk = os.read(pipe.fileno(), CHUNK)
                 if not chunk:
-                    selector.unregister(key.fileobj)
+                    selector.unregister(pipe)
                     continue
-                out[key.fileobj] += chunk
+                out[pipe] += chunk
                 total += len(chunk)
                 if total > limits.output_bytes:
                     return Finished(bytes(out[proc.stdout]), bytes(out[proc.stderr]), None, overflowed=True)
