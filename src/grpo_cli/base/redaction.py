@@ -159,7 +159,7 @@ def find_secrets(cfg) -> Secrets:
         items = (node.items_ex(resolve=False) if isinstance(node, DictConfig)
                  else enumerate(node._iter_ex(resolve=False)))
         for key, _ in items:
-            dotted = f"{prefix}.{key}" if prefix else str(key)
+            dotted = f"{prefix}.{key!s}" if prefix else str(key)
             if dotted == "hydra":
                 continue
             child = node._get_node(key)

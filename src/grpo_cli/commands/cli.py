@@ -11,7 +11,7 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from grpo_cli.base.errors import ConfigError, Interrupted, one_line, warn
 from grpo_cli.base.ranks import is_rank_zero
@@ -20,6 +20,8 @@ from grpo_cli.base.stopping import exits_at_once
 from grpo_cli.config import override_key
 
 if TYPE_CHECKING:  # the schema loads with the config, inside the entry points
+    from omegaconf import DictConfig
+
     from grpo_cli.config.schema import Config
 
 
@@ -28,6 +30,13 @@ def _is_multirun() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _hydra_config() -> DictConfig:
+    """A job's whole config, its `hydra` part included (what Hydra's stubs call an optional HydraConf)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return cast("DictConfig", HydraConfig.instance().cfg)
 
 
 def _precheck(prog: str, argv: list[str], config_name: str = "config"):
@@ -100,7 +109,8 @@ def _unswept(overrides: list[str]) -> list[str]:
     """The overrides of a sweep that are one value each (Hydra composes those into the sweep's config)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    return [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [cast(str, o.input_line) for o in parsed if not o.is_sweep_override()]  # the parser sets input_line
 
 
 def _check_keys(prog: str, argv: list[str]) -> None:
@@ -252,7 +262,7 @@ def _claimed(config: Config, run_dir: Path, warnings: list[str]):
     from grpo_cli.sweep.rerun import decide_job
 
     with _restoring_hydra():
-        plan = decide_job(config, HydraConfig.instance().cfg) if _is_multirun() else None
+        plan = decide_job(config, _hydra_config()) if _is_multirun() else None
         if plan is not None and plan.line and is_rank_zero():
             print(f"grpo-train: {plan.line}", file=sys.stderr, flush=True)
         if plan is not None and plan.action == "skip":
@@ -275,11 +285,9 @@ def _claimed(config: Config, run_dir: Path, warnings: list[str]):
 def _on_stop(stopped: Interrupted, run_dir: Path) -> None:
     """A stopped single run exits with its line; a stopped sweep job ends the sweep (sweep.JobStopped)."""
     if _is_multirun():
-        from hydra.core.hydra_config import HydraConfig
-
         from grpo_cli.sweep.callback import JobStopped, job_name
 
-        raise JobStopped(f"stopped by {signal.Signals(stopped.signum).name} in {job_name(HydraConfig.instance().cfg)}"
+        raise JobStopped(f"stopped by {signal.Signals(stopped.signum).name} in {job_name(_hydra_config())}"
                          f"{_stop_state(stopped)}; the sweep stops here; run the same command again to skip "
                          "its finished jobs and resume this one", stopped.signum) from None
     _stopped("grpo-train", stopped, run_dir)

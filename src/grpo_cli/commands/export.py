@@ -25,9 +25,10 @@ import re
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -69,7 +70,7 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
     config_file = run_dir / ".hydra" / "config.yaml"
     if not config_file.is_file():
         raise ExportError(f"{config_file} is missing; pass the run dir grpo-train wrote (it holds .hydra/config.yaml)")
-    cfg = OmegaConf.load(config_file)
+    cfg = cast(DictConfig, OmegaConf.load(config_file))  # grpo-train writes a mapping there
     if not OmegaConf.select(cfg, "model.name_or_path"):
         raise ExportError(f"{config_file} has no model.name_or_path; pass the base with --base NAME_OR_PATH")
     if checkpoint is None:
@@ -104,10 +105,11 @@ def _model_settings(cfg: DictConfig, base: str | None) -> tuple[str, bool, dict,
     name = base or str(OmegaConf.select(cfg, "model.name_or_path"))
     quantization = OmegaConf.select(cfg, "model.quantization")
     trust = OmegaConf.select(cfg, "model.trust_remote_code") is True
-    tiny = OmegaConf.select(cfg, "model.tiny")
-    tiny = OmegaConf.to_container(tiny, resolve=True) if tiny is not None else {}
+    tiny_node = OmegaConf.select(cfg, "model.tiny")
+    tiny = cast(dict, OmegaConf.to_container(tiny_node, resolve=True)) if tiny_node is not None else {}
     seed = OmegaConf.select(cfg, "trainer.seed")
-    return name, trust, tiny, int(default_of("trainer.seed") if seed is None else seed), quantization
+    seed = cast(int, default_of("trainer.seed")) if seed is None else seed  # trainer.seed is declared an int
+    return name, trust, tiny, int(seed), quantization
 
 
 def _prepare_out(out_dir: Path, run_dir: Path, overwrite: bool) -> Path:
@@ -171,7 +173,7 @@ def model_card(source: Source, base_name: str, merged: bool, dtype: str | None) 
     from grpo_cli.model.loading import EMBEDDED_MODELS, EMBEDDED_PREFIX, TINY
 
     overrides_file = source.run_dir / ".hydra" / "overrides.yaml"
-    overrides = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
+    overrides: Iterable[Any] = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
     steps = OmegaConf.select(source.cfg, "trainer.max_steps")
     final = _final_reward(source.run_dir)
     hub = hub_id(base_name)

@@ -211,20 +211,20 @@ def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
         ax.set_yticks(range(len(ys)), ys)
         ax.set(xlabel=xk, ylabel=yk)
         for i, row in enumerate(grid):
-            for j, cell in enumerate(row):
-                if cell is None or cell[f"{rank_by}_mean"] is None:
+            for j, square in enumerate(row):
+                if square is None or square[f"{rank_by}_mean"] is None:
                     continue
-                best = cell["label"] == BEST
+                best = square["label"] == BEST
                 label = {BEST: "best\n", TIED: "tied with best\n", ALL_TIED: "tied\n", WORSE: "worse\n"}.get(
-                    cell["label"], "")
-                ax.text(j, i, label + _estimate(cell, rank_by).replace(" ± ", "\n± "),
+                    square["label"], "")
+                ax.text(j, i, label + _estimate(square, rank_by).replace(" ± ", "\n± "),
                         ha="center", va="center", color="w", fontweight="bold" if best else "normal")
                 if best:
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=3))
     else:
         bars = sorted(table, key=lambda c: [_sort_key(str(c[k])) for k in axes_keys])  # in the swept values' order
-        means = [math.nan if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in bars]
-        ax.bar(range(len(bars)), means, yerr=[half_width(c, rank_by) or 0.0 for c in bars], capsize=6,
+        heights = [math.nan if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in bars]
+        ax.bar(range(len(bars)), heights, yerr=[half_width(c, rank_by) or 0.0 for c in bars], capsize=6,
                color=["tab:red" if c["label"] == BEST else "tab:blue" for c in bars])
         ticks = [f"{cell_name(c, keys)}\n{_estimate(c, rank_by)}" + ("\nbest" if c["label"] == BEST else "")
                  for c in bars]
@@ -243,7 +243,7 @@ def cell_curves(png: Path, sweep: Path, rows: list[dict], keys: list[str]) -> No
     ax = fig.add_subplot()
     for _values, jobs in group_cells(rows, keys):
         ok = [j for j in jobs if j["status"] == "ok"] or jobs
-        per_step: dict[int, list[float]] = {}
+        per_step: dict[float, list[float]] = {}
         for job in ok:
             for step, value in zip(*series(read_metrics(sweep / job["dir"] / "metrics.jsonl"), "reward"), strict=True):
                 per_step.setdefault(step, []).append(value)

@@ -142,6 +142,7 @@ def _serving(config: Config) -> list[str]:
 def write_job(config: Config, argv: list[str], run_dir: str | None) -> tuple[Path, str]:
     """Write the job of `config` (composed from `argv`) to slurm.write_job; its path and the run dir."""
     run_dir = run_dir or f"outputs/{time.strftime('%Y-%m-%d/%H-%M-%S')}"
+    assert config.slurm.write_job is not None  # the command line set it: that is what asks for a job
     path = Path(config.slurm.write_job).expanduser()
     text = render_job(config, job_overrides(argv), run_dir, str(Path.cwd()))
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import yaml
 from hydra.core.config_store import ConfigStore
@@ -61,14 +62,14 @@ def group_options_with(key: str) -> tuple[str, list[str]] | None:
         file = folder / f"{option}.yaml"
         if option in seen or not file.is_file():
             return False
-        cfg = OmegaConf.load(file)
+        cfg = cast(DictConfig, OmegaConf.load(file))  # a group option's file is a mapping of keys
         if OmegaConf.select(cfg, rest, default=None, throw_on_missing=False) is not None or rest in cfg:
             return True
         bases = [d for d in _defaults_list(cfg) if isinstance(d, str) and d != "_self_"]
         return any(has(base, seen | {option}) for base in bases)
 
     def builds_on_another(option: str) -> bool:
-        defaults = _defaults_list(OmegaConf.load(folder / f"{option}.yaml"))
+        defaults = _defaults_list(cast(DictConfig, OmegaConf.load(folder / f"{option}.yaml")))
         return any(isinstance(d, str) and d != "_self_" for d in defaults)
 
     # the options that stand alone first (hf before gsm8k, its preset): the one to suggest

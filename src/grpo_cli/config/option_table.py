@@ -20,25 +20,21 @@ import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar, Union
 
 from omegaconf import MISSING, DictConfig, IntegerNode, ListConfig, OmegaConf, StringNode, UnionNode
 from omegaconf.errors import ValidationError
 from omegaconf.nodes import BooleanNode
 
 from grpo_cli.base.errors import ConfigError
-from grpo_cli.config.rule import (
-    BOOLEAN,
-    MAPPING,
-    Rule,
-    fail,
-    one_of,
-    shown,
-)
+from grpo_cli.config.rule import BOOLEAN, MAPPING, Rule, fail, one_of, shown
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ABSENT = object()
 REQUIRED = dataclasses.MISSING  # a field without a default: the config group's option gives its value
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 
 # ---- declaring a field -----------------------------------------------------------------------------
@@ -100,11 +96,15 @@ def _members(annotation) -> tuple:
     return tuple(type(typing.get_args(m)[0]) if typing.get_origin(m) is Literal else m for m in members)
 
 
-def _entry(annotation) -> type | None:
+def _is_dataclass(annotation: object) -> TypeGuard[type[DataclassInstance]]:
+    return dataclasses.is_dataclass(annotation)  # of an annotation: a class, never an instance
+
+
+def _entry(annotation) -> type[DataclassInstance] | None:
     """The dataclass of each value of a `Mapping[str, SomeConfig]` (reward.functions), else None."""
     if typing.get_origin(annotation) is Mapping or typing.get_origin(annotation) is dict:
         value = typing.get_args(annotation)[1]
-        return value if dataclasses.is_dataclass(value) else None
+        return value if _is_dataclass(value) else None
     return None
 
 
@@ -163,8 +163,8 @@ def options_of(cls: type, prefix: str = "", *, from_group: bool = False,
                optional: bool = False) -> Iterator[Option]:
     """The options of dataclass `cls` under `prefix`, in field order: a nested dataclass's own, the entries of a
     mapping of dataclasses under `prefix.*`."""
-    if getattr(cls, "OPEN", None):
-        yield Option(prefix, (MAPPING,), cls.OPEN, REQUIRED, free=True, from_group=from_group)
+    if open_help := getattr(cls, "OPEN", None):
+        yield Option(prefix, (MAPPING,), open_help, REQUIRED, free=True, from_group=from_group)
     for field in dataclasses.fields(cls):
         if field.metadata.get(EXTRAS):
             continue
@@ -173,7 +173,7 @@ def options_of(cls: type, prefix: str = "", *, from_group: bool = False,
         annotation, nullable = _without_none(hints(cls)[field.name])
         in_group = from_group or bool(field.metadata.get(GROUP))
         below_optional = optional or (declared is not None and declared.optional)
-        if dataclasses.is_dataclass(annotation):
+        if _is_dataclass(annotation):
             yield from options_of(annotation, key, from_group=in_group, optional=below_optional)
             continue
         if declared is None:
@@ -193,7 +193,7 @@ def typed(cls: type[T], values: Mapping | DictConfig | None, prefix: str = "") -
     lists become tuples, a nested section its dataclass, the keys an open section does not declare its extras
     field. A key no field declares is a ConfigError (validation refuses it first)."""
     if isinstance(values, DictConfig):
-        values = OmegaConf.to_container(values, resolve=True)
+        values = typing.cast(dict, OmegaConf.to_container(values, resolve=True))
     values = dict(values or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
     spare = next((name for name, f in fields.items() if f.metadata.get(EXTRAS)), None)
@@ -210,7 +210,7 @@ def _typed_value(annotation, value, key: str):
     annotation, _ = _without_none(annotation)
     if value is None:
         return None
-    if dataclasses.is_dataclass(annotation):
+    if _is_dataclass(annotation):
         return typed(annotation, value, f"{key}.")
     entry = _entry(annotation)
     if entry is not None:
@@ -268,13 +268,15 @@ def schema_node(cls: type, *, from_group: bool = False) -> DictConfig:
             continue
         annotation, nullable = _without_none(hints(cls)[field.name])
         in_group = from_group or bool(field.metadata.get(GROUP))
-        if dataclasses.is_dataclass(annotation):
+        if _is_dataclass(annotation):
             node[field.name] = schema_node(annotation, from_group=in_group)
         elif declared is not None:
             default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
             node[field.name] = _value_node(annotation, nullable, plain(default))
             if declared.free and isinstance(default, Mapping):  # the user's keys below it: an override adds them
-                node._get_node(field.name)._set_flag("struct", False)
+                child = node._get_node(field.name)
+                assert child is not None  # set just above
+                child._set_flag("struct", False)
     return node
 
 
@@ -307,7 +309,7 @@ def _expand(cfg: DictConfig, key: str) -> Iterator[str]:
         return
     entries = OmegaConf.select(cfg, head)
     for name in entries.keys() if isinstance(entries, DictConfig) else ():
-        yield from _expand(cfg, f"{head}.{name}.{tail}")
+        yield from _expand(cfg, f"{head}.{name!s}.{tail}")
 
 
 def _matches(pattern: str, key: str, *, prefix: bool = False) -> bool:
@@ -435,7 +437,7 @@ class OptionTable:
         """(key, value) for each key below `node` that no option declares, nor lies above one; below a `free`
         option everything is the user's (a reward's options, a generator's arguments)."""
         for name in node.keys():
-            key, child = f"{prefix}{name}", OmegaConf.select(node, str(name))
+            key, child = f"{prefix}{name!s}", OmegaConf.select(node, str(name))
             option = next((o for o in self.options if _matches(o.key, key)), None)
             if option is not None and (option.free or not isinstance(child, DictConfig)):
                 continue
@@ -448,7 +450,8 @@ class OptionTable:
     def help(self, cfg: DictConfig) -> str:
         """The option list of --help: per section, one line per option (key, its value in `cfg`, help)."""
         lines, section_name = [], None
-        written = OmegaConf.to_container(cfg, resolve=False)  # once: every compose resolves the --help text
+        # once: every compose resolves the --help text
+        written = typing.cast(dict, OmegaConf.to_container(cfg, resolve=False))
         for option in self.options:
             head = option.key.split(".")[0]
             if head != section_name:
@@ -477,7 +480,7 @@ class OptionTable:
     @staticmethod
     def _markdown_row(cfg: DictConfig, options: list[Option]) -> str:
         if len(options) == 1:
-            cells = _markdown_cells(cfg, options[0])
+            cells: tuple[str, ...] = _markdown_cells(cfg, options[0])
             key = f"`{_display_key(options[0])}`"
         else:
             names = [o.key.rpartition(".")[2] for o in options]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from omegaconf import DictConfig, ListConfig
 
@@ -46,7 +47,7 @@ class Rule:
         return text.replace("{name}", key.rpartition(".")[2]).replace("{key}", key)
 
 
-def is_int(value) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

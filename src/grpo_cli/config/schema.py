@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -377,7 +377,7 @@ class Config:
         """The typed config of a composed (and validated) one; a Config as it is."""
         if isinstance(cfg, Config):
             return cfg
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = cast(dict, OmegaConf.to_container(cfg, resolve=True))
         composed = {str(k): v for k, v in resolved.items() if k != "hydra"}
         secrets = find_secrets(cfg)
         remember(secrets.values)  # never printed from now on

@@ -141,8 +141,11 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()  # hashlib.file_digest is Python 3.11's; grpo-cli runs on 3.10 too
     with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_manifest(folder: Path) -> None:
@@ -190,7 +193,7 @@ def damage(folder: Path) -> str | None:
 def newest_intact(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint that passes `damage`, and the newer ones skipped with the reason for each
     (temporary folders of an interrupted write are not checkpoints)."""
-    skipped = []
+    skipped: list[tuple[Path, str]] = []
     for folder in sorted(checkpoint_root(run_dir).glob(PREFIX + "*"), reverse=True):
         reason = damage(folder)
         if reason is None:

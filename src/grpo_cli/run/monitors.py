@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 WINDOW = 5
 STEPS = 10
@@ -35,7 +36,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _finite(value) -> bool:
+def _finite(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -118,20 +119,23 @@ class Monitors:
         lines = []
         for alarm in self.alarms:
             value = metrics.get(alarm.key)
-            past = _finite(value) and alarm.fires(value, metrics)
-            self.streaks[alarm.key] = self.streaks.get(alarm.key, 0) + 1 if past else 0
+            if not (_finite(value) and alarm.fires(value, metrics)):
+                self.streaks[alarm.key] = 0
+                continue
+            self.streaks[alarm.key] = self.streaks.get(alarm.key, 0) + 1
             if self.streaks[alarm.key] >= STEPS and alarm.key not in self.said:
                 self.said.add(alarm.key)
                 lines.append(alarm.says(value, metrics))
         return lines
 
     def replay(self, rows: list[dict]) -> tuple[list[dict], list[tuple[int, str]]]:
-        """Observe earlier rows (a resumed run's, a report's): copies of them with their monitor/* values, and the
-        alarms said, with the step of each."""
-        seen, said = [], []
+        """Observe earlier rows (a resumed run's, a report's: metrics.jsonl's, each with its step): copies of them with
+        their monitor/* values, and the alarms said, with the step of each."""
+        seen: list[dict] = []
+        said: list[tuple[int, str]] = []
         for row in rows:
             copy = dict(row)
-            said += [(copy.get("step"), line) for line in self.observe(copy)]
+            said += [(copy["step"], line) for line in self.observe(copy)]
             seen.append(copy)
         return seen, said
 
@@ -149,7 +153,7 @@ class Monitors:
 
     def _share_line(self, share: float, metrics: dict) -> str:
         shares = reward_shares(metrics, self.weights)
-        name = max(self._shares(metrics), key=shares.get)
+        name = max(self._shares(metrics), key=shares.__getitem__)  # a subset of shares' names
         carries = (f"monitor/top_reward_share = {share:.2f} for {STEPS} steps in a row: reward/{name} (weight "
                    f"{self.weights.get(name, 1.0):g}, mean {metrics[f'reward/{name}']:.3f}) carries almost all of the "
                    f"weighted reward and {', '.join(f'reward/{n}' for n in shares if n != name)} next to nothing")

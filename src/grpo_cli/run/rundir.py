@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from grpo_cli.base.errors import CheckpointError, UserError
 from grpo_cli.base.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES
@@ -65,6 +66,9 @@ def _under(key: str, prefix: str) -> bool:
 
 
 # ---- one writer ---------------------------------------------------------------------------------
+_Lock = TypeVar("_Lock", bound="RunLock")  # acquire gives the class it is called on: SweepLock.acquire a SweepLock
+
+
 class RunLock:
     """An exclusive flock on RUN_DIR/.lock, held until `release()` or the end of the process. The kernel drops it
     when its process dies (even by SIGKILL), so a stale file is taken over; the file names the holder for the one
@@ -83,7 +87,7 @@ class RunLock:
         return f"run dir {folder}"
 
     @classmethod
-    def acquire(cls, folder: Path) -> RunLock:
+    def acquire(cls: type[_Lock], folder: Path) -> _Lock:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             file = (folder / cls.FILE).open("a+")
@@ -179,7 +183,7 @@ def job_config(recorded: Mapping) -> dict:
 
 def _composed_value(composed: dict, key: str):
     """The value at dotted `key` of a composed config (plain values), None where it has none."""
-    value = composed
+    value: Any = composed
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
     return value
@@ -375,6 +379,7 @@ def _named_checkpoint(run_dir: Path, resume: str, records: list[str]) -> Path:
     from grpo_cli.run import checkpoint
 
     found = checkpoint.find(run_dir, resume)
+    assert found is not None  # None only for resume=auto, which _newest_to_resume takes
     why = checkpoint.damage(found)
     if why is not None:
         raise CheckpointError(f"trainer.resume={resume}: checkpoint {found} is damaged ({why}); resume from an "

@@ -106,14 +106,20 @@ class Run:
             try:
                 self.run_steps(tracker, start)
                 adapter_dir = self.save_adapter()
-                final_eval = self.final_evaluation(tracker)  # polls the stop request too
+                evaluation = self.final_evaluation(tracker)  # polls the stop request too
             except BaseException:
                 tracker.end_live()  # the line that says how the run ended is printed whole, not folded under the bar
                 raise
-        return self.finish(tracker, adapter_dir, time.time() - t_start, final_eval)
+        return self.finish(tracker, adapter_dir, time.time() - t_start, evaluation)
+
+    @property
+    def _running(self) -> GRPOTrainer:
+        """The trainer of `train`, which sets it before any step, checkpoint or eval."""
+        assert self.trainer is not None
+        return self.trainer
 
     def run_steps(self, tracker: Tracker, start: int) -> None:
-        trainer = self.trainer
+        trainer = self._running
         last_complete = rng_snapshot()
         for step in range(start, self.tcfg.max_steps):
             try:
@@ -171,7 +177,7 @@ class Run:
         if found is None:
             return 0
         state = checkpoint.load(found)
-        self.trainer.load_state_dict(state)
+        self._running.load_state_dict(state)
         start = state["step"]
         self.last_checkpoint = (start, found)
         if self.main:
@@ -201,7 +207,7 @@ class Run:
         every = self.cfg.eval.every
         if every and (step + 1) % every == 0:
             try:
-                metrics.update(self.trainer.evaluate(say=tracker.say) or {})
+                metrics.update(self._running.evaluate(say=tracker.say) or {})
             except Interrupted:
                 tracker.warn(f"evaluation after step {step} was stopped; its metrics are left out")
             distributed.barrier()
@@ -243,11 +249,11 @@ class Run:
 
     def save_checkpoint(self, done: int) -> Path:
         """The trainer's state after `done` steps (what it answers to state_dict), with the config's fingerprint."""
-        state = self.trainer.state_dict()
+        state = self._running.state_dict()
         assert state["step"] == done, (state["step"], done)
         path = checkpoint.step_dir(self.run_dir, done)
         if self.main:
-            path = checkpoint.save(self.run_dir, state, self.trainer.save_adapter,
+            path = checkpoint.save(self.run_dir, state, self._running.save_adapter,
                                    {"fingerprint": rundir.fingerprint(self.cfg)}, self.tcfg.keep_last)
         distributed.barrier()
         self.last_checkpoint = (done, path)
@@ -255,7 +261,7 @@ class Run:
 
     def save_adapter(self) -> Path:
         out = self.run_dir / ADAPTER_DIR
-        self.trainer.save_adapter(out)
+        self._running.save_adapter(out)
         distributed.barrier()
         return out
 
@@ -267,7 +273,7 @@ class Run:
         resume runs only this eval."""
         steps = self.tcfg.max_steps
         try:
-            result = self.trainer.evaluate(final=True, say=tracker.say)
+            result = self._running.evaluate(final=True, say=tracker.say)
         except Interrupted:
             raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(steps), completed=steps) from None
         if result is not None:

@@ -272,9 +272,9 @@ class SweepSummary(Callback):
         if not _is_multirun(config):
             return
         job_dir = job_dir_of(config)
-        if self._between_jobs is not None and self._between_jobs():
+        if self._between_jobs is not None and (signum := self._between_jobs.signum) is not None:
             self._end_sweep(f"stopped by {self._between_jobs.name} before {job_name(config)} started; the sweep "
-                            "stops here; run the same command again to go on from this job", self._between_jobs.signum)
+                            "stops here; run the same command again to go on from this job", signum)
         (job_dir / ERROR_FILE).unlink(missing_ok=True)
         remember(find_secrets(config).values)
         sweep_record = sweep_dir_of(config, in_job=True) / "multirun.yaml"  # Hydra's, with the command's overrides
@@ -312,9 +312,9 @@ class SweepSummary(Callback):
             write_summary(sweep_dir_of(config, in_job=True))
         except Exception as err:  # a summary problem must not fail the job
             warn(f"could not write the sweep summary: {error_line(err)}")
-        if self._between_jobs is not None and self._between_jobs():
+        if self._between_jobs is not None and (signum := self._between_jobs.signum) is not None:
             self._end_sweep(f"stopped by {self._between_jobs.name} after {job_name(config)} ended; the sweep stops "
-                            "here; run the same command again to go on from the next job", self._between_jobs.signum)
+                            "here; run the same command again to go on from the next job", signum)
 
     def _stop_sweep(self, config: DictConfig, stopped: JobStopped) -> NoReturn:
         """A stopped job stops the sweep: its status and the summary are written first."""

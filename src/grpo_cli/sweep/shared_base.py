@@ -236,15 +236,16 @@ def launch(config: DictConfig, hydra_context, task_function, job_overrides: Sequ
     setup_globals()
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-    configs, names = [], []
+    configs: list[DictConfig] = []
+    kept: list[Sequence[str]] = []  # each job's overrides less Hydra's own
     for index, overrides in enumerate(job_overrides):
         job = hydra_context.config_loader.load_sweep_config(config, list(overrides))
         with open_dict(job):
             job.hydra.job.id = job.hydra.job.num = initial_job_idx + index
         configs.append(job)
-        names.append(filter_overrides(overrides))
-    common = set.intersection(*(set(n) for n in names)) if names else set()
-    names = [" ".join(o for o in n if o not in common) for n in names]  # a job by what the sweep varies in it
+        kept.append(filter_overrides(overrides))
+    common = set.intersection(*(set(n) for n in kept)) if kept else set()
+    names = [" ".join(o for o in n if o not in common) for n in kept]  # a job by what the sweep varies in it
     try:
         check_shareable(configs, names)
     except ConfigError as err:

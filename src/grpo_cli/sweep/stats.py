@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 SEED_KEY = "trainer.seed"
 CONFIDENCE = 0.95
@@ -112,7 +113,7 @@ def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], r
     keys = cell_keys(swept)
     cells = []
     for _values, jobs in group_cells(rows, swept):
-        cell = dict(zip(keys, (jobs[0].get(k) for k in keys), strict=True))
+        cell: dict[str, Any] = dict(zip(keys, (jobs[0].get(k) for k in keys), strict=True))
         ok = [j for j in jobs if j.get("status", "ok") == "ok"]
         cell.update(jobs=len(jobs), ok=len(ok), failed=len(jobs) - len(ok),
                     seeds=[j.get(SEED_KEY) for j in jobs if SEED_KEY in j])
@@ -126,7 +127,8 @@ def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], r
     ranked = sorted(cells, key=lambda c: -math.inf if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"],
                     reverse=True)
     top = ranked[0] if ranked and ranked[0][f"{rank_by}_mean"] is not None else None
-    best, best_by_seed = (top["_values"], top["_by_seed"]) if top is not None else (None, {})
+    # (values, by seed, mean) of the best cell, kept before the loop pops its values
+    best = (top["_values"], top["_by_seed"], top[f"{rank_by}_mean"]) if top is not None else None
     for rank, cell in enumerate(ranked, 1):
         values, by_seed = cell.pop("_values"), cell.pop("_by_seed")
         cell["p_paired_vs_best"] = None
@@ -137,9 +139,10 @@ def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], r
         if rank == 1:
             cell.update(p_vs_best=None, label=BEST)
             continue
-        p = welch_p(values, best)
+        best_values, best_by_seed, best_mean = best
+        p = welch_p(values, best_values)
         cell["p_vs_best"] = p
-        same = math.isclose(cell[f"{rank_by}_mean"], top[f"{rank_by}_mean"], rel_tol=1e-12, abs_tol=1e-12)
+        same = math.isclose(cell[f"{rank_by}_mean"], best_mean, rel_tol=1e-12, abs_tol=1e-12)
         cell["label"] = TIED if same else UNTESTED if p is None else (TIED if p >= ALPHA else WORSE)
         cell["p_paired_vs_best"] = paired_p(by_seed, best_by_seed)
     ranked_cells = [c for c in ranked if c["rank"] is not None]

@@ -94,7 +94,8 @@ def parse_overrides(lines: list[str]) -> dict[str, tuple[str, str, Any]]:
     parser = OverridesParser.create()
     for line in lines:
         key, _, text = line.partition("=")
-        key, value = override_key(key), text
+        key = override_key(key)
+        value: Any = text
         with contextlib.suppress(Exception):  # an override we cannot read back keeps its text
             ov = parser.parse_override(line)
             key = override_key(ov.get_key_element())
@@ -232,7 +233,7 @@ def _row(sweep_dir: Path, job: Job, keys: list[str], problems: list[str]) -> dic
     where = job.dir.relative_to(sweep_dir).as_posix()
     if job.status_problem not in (None, "missing"):
         problems.append(f"{where}/{JOB_STATUS} is {job.status_problem}; its job is read as {state} from its dir")
-    row = {"job": int(job.num) if isinstance(job.num, int) or str(job.num).isdigit() else job.num,
+    row: dict[str, Any] = {"job": int(job.num) if isinstance(job.num, int) or str(job.num).isdigit() else job.num,
            "overrides": " ".join(job.overrides[k][0] for k in keys if k in job.overrides)}
     for key in keys:
         row[key] = job.overrides[key][2] if key in job.overrides else None

@@ -32,7 +32,7 @@ class Job:
     result: Any = None
     error: BaseException | None = None
     wake: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
+    thread: threading.Thread = field(init=False)  # Turns.add sets it: the thread needs the job
 
 
 class Turns:
@@ -74,6 +74,7 @@ class Turns:
     def ask(self, request: Any) -> None:
         """From a job's thread: wait until `request` has run with the other jobs' (its answer is in it)."""
         job = self.current()
+        assert job is not None, "Turns.ask is called from a job's thread"
         job.request, job.state = request, "waiting"
         job.context = self.save()
         self._next()
@@ -96,7 +97,9 @@ class Turns:
     def _take_turn(self, job: Job) -> None:
         job.wake.wait()
         job.wake.clear()
-        (job.context or self.start_context).restore()
+        context = job.context or self.start_context
+        assert context is not None  # start() saves start_context before any job's thread starts
+        context.restore()
 
     def _next(self) -> None:
         """Give the turn away (the caller's state is already set): to the first job that has not started or has its

@@ -38,4 +38,5 @@ class SharedBaseLauncher(Launcher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from grpo_cli.sweep.shared_base import launch
 
+        assert self.config is not None, "Hydra calls setup before launch"
         return launch(self.config, self.hydra_context, self.task_function, job_overrides, initial_job_idx)
