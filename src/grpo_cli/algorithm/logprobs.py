@@ -68,7 +68,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, tokens, temperature, chunk_size, with_entropy):  # type: ignore[override]
+    def forward(ctx, logits, tokens, temperature, chunk_size, with_entropy):
         b, t, _ = logits.shape
         logp = torch.empty((b, t), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logp)
@@ -89,7 +89,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_logp, g_ent):  # type: ignore[override]
+    def backward(ctx, g_logp, g_ent):
         logits, tokens, lse, ent = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
@@ -196,7 +196,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk_size, with_entropy, keep_grad, products):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk_size, with_entropy, keep_grad, products):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
@@ -228,7 +228,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_logp, g_ent):  # type: ignore[override]
+    def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, tokens, lse, ent, u = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         tau, products = ctx.temperature, ctx.products

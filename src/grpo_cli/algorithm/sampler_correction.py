@@ -67,6 +67,7 @@ def mismatch_sums(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: 
     if weights is not None:
         raw = sampler_correction_weights(trainer_logp, sampler_logp, mask, mode.split("_")[0] + "_truncate",
                                          clip_min=None, clip_max=None)  # the weights before any bound
+        assert raw is not None  # a *_truncate mode always weighs
         changed = weights != raw
         chosen = changed[real] if mode.startswith("token") else changed[real.any(dim=-1)].flatten()
         sums.corrected, sums.weighed = float(chosen.sum()), float(chosen.numel())

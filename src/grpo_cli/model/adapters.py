@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -23,6 +24,9 @@ from grpo_cli.model.loading import (
     resolve_device,
     sort_target_modules,
 )
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 DEFAULT = "default"
 
@@ -63,9 +67,10 @@ def load_shared_base(cfg_model: ModelConfig, device_name: str, adapter: str, see
 def add_adapter(lm: LoadedModel, lora: LoraConfig, adapter: str) -> LoadedModel:
     """A fresh adapter `adapter` of `lora` on the base of `lm`, made the active one: drawn from the global RNG as
     load_policy draws a run's (peft initialises it the same way)."""
-    lm.model.add_adapter(adapter, _peft_config(lora))  # on the device of each layer it adapts
-    sort_target_modules(lm.model)
-    lm.model.set_adapter(adapter)
+    model = cast("PeftModel", lm.model)
+    model.add_adapter(adapter, _peft_config(lora))  # on the device of each layer it adapts
+    sort_target_modules(model)
+    model.set_adapter(adapter)
     return LoadedModel(model=lm.model, tokenizer=lm.tokenizer, device=lm.device, dtype=lm.dtype,
                        quantization=lm.quantization, adapter=adapter)
 
@@ -103,8 +108,9 @@ def save_adapter(model, folder: Path, state: dict[str, torch.Tensor], adapter: s
 
 def remove_adapter(lm: LoadedModel) -> None:
     """A finished job's adapter leaves the shared base (its memory with it)."""
-    names = list(lm.model.peft_config)
+    model = cast("PeftModel", lm.model)
+    names = list(model.peft_config)
     if lm.adapter in names and len(names) > 1:
-        if lm.model.active_adapter == lm.adapter:  # another one active first: peft would warn that it chose one
-            lm.model.set_adapter(next(name for name in names if name != lm.adapter))
-        lm.model.delete_adapter(lm.adapter)
+        if model.active_adapter == lm.adapter:  # another one active first: peft would warn that it chose one
+            model.set_adapter(next(name for name in names if name != lm.adapter))
+        model.delete_adapter(lm.adapter)

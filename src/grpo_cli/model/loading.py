@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -23,6 +24,9 @@ from grpo_cli.base.errors import ModelLoadError, error_line
 from grpo_cli.config.rules import check_context_length
 from grpo_cli.config.schema import Config, ModelConfig, TinyConfig
 from grpo_cli.model.precision import device_of, resolve_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODELS = {
@@ -51,7 +55,7 @@ def quiet_libraries() -> None:
 @dataclass
 class LoadedModel:
     model: torch.nn.Module  # peft model (adapter on = policy, adapter disabled = reference)
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
     quantization: str | None = None  # model.quantization: the frozen base is a bitsandbytes model
@@ -148,7 +152,7 @@ def _embedded_tokenizer(name: str):
         return AutoTokenizer.from_pretrained(folder, gguf_file=file)
 
 
-def _cache_dir(name: str, source: Path, save: Callable[[Path], None], marker: str) -> Path:
+def _cache_dir(name: str, source: Path, save: Callable[[Path], object], marker: str) -> Path:
     """A folder in the user's cache (`~/.cache/grpo_cli/NAME-SIZE-MTIME`, keyed on `source` so that a reinstall
     invalidates it) that `save(folder)` fills once (`marker` is one of its files); written to a temporary folder
     first and renamed into place, so a crashed or racing writer never leaves half a folder."""
@@ -346,7 +350,7 @@ def load_quantized(source: str, quantization: str, dtype: torch.dtype, device: t
         # bitsandbytes repacks a 4-bit weight for its CPU inference kernel at the first eval-mode forward, for good,
         # and that kernel has no backward: training after sampling would drop the gradient through the base
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            cast(Any, module).support_avx512bf16_for_cpu = False  # bitsandbytes' flag, a plain attribute
     return model
 
 
@@ -357,7 +361,8 @@ def lora_config(r: int, alpha: float, dropout: float, target_modules, *, use_dor
     from peft import LoraConfig
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
+    return LoraConfig(r=r, lora_alpha=alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by alpha / r
+                      lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
                       use_dora=use_dora, use_rslora=use_rslora, modules_to_save=list(modules_to_save) or None)
 
 

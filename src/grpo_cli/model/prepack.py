@@ -58,18 +58,21 @@ class _FrozenLinear(torch.autograd.Function):
     """y = x W^T + b through the packed W; dx = dy W through the packed W^T; no gradient for W or b (frozen)."""
 
     @staticmethod
-    def forward(ctx, x, layer):  # type: ignore[override]
+    def forward(ctx, x, layer):
         ctx.layer = layer
         return layer.product(x)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):  # type: ignore[override]
+    def backward(ctx, dy):
         return ctx.layer.product_back(dy), None
 
 
 class PackedLinear(torch.nn.Linear):
     """An `nn.Linear` over the same parameters whose frozen CPU products go through oneDNN-packed weights."""
+
+    # direction -> (the weight's version, or PACKED_ONLY; its data_ptr; the packed weight)
+    _packs: dict[str, tuple[int | str, int, torch.Tensor]]
 
     @classmethod
     def of(cls, linear: torch.nn.Linear) -> PackedLinear:

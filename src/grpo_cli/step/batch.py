@@ -22,7 +22,7 @@ class Scores:
     """The rewards of one step's completions."""
 
     totals: torch.Tensor             # [N] weighted sum over the reward functions
-    per_function: dict[str, list[float]]
+    per_function: dict[str, list[float | None]]  # None: the function does not apply to that completion
     errors: int                      # reward calls that raised (reward.on_error=zero)
     outcomes: dict[str, Outcomes] = field(default_factory=dict)  # of the functions that give them (rewards.Scored)
     failures: list[str | None] | None = None  # per completion: what failed under on_error=zero, or None
@@ -35,7 +35,7 @@ class Batch:
     rollout: Rollout = row_ops.nested()
     prompts: list[str] = row_ops.per_row()
     rewards: torch.Tensor = row_ops.per_row()               # [N]
-    per_function: dict[str, list[float]] = row_ops.per_row_dict()
+    per_function: dict[str, list[float | None]] = row_ops.per_row_dict()
     advantages: torch.Tensor = row_ops.per_row()            # [N]
     mask: torch.Tensor = row_ops.per_token()                # [N, T] float: completion tokens that count in the loss
     reward_errors: int = row_ops.summed(default=0)

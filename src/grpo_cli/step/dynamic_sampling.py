@@ -16,12 +16,34 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from grpo_cli import algorithm
 from grpo_cli.rollout import rows as row_ops
 from grpo_cli.tasks.sources import PromptSampler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from grpo_cli.config.schema import AlgoConfig, Config
+    from grpo_cli.rollout import Generation
+    from grpo_cli.step.batch import Batch, Scores
+
+
+class Rounds(Protocol):
+    """What a step with dynamic sampling asks of the trainer (step/trainer.py's GRPOTrainer, which imports this)."""
+
+    cfg: Config
+    algo: AlgoConfig
+    tokenizer: PreTrainedTokenizerBase
+
+    def generate(self, step: int, draw: int = 0) -> Generation | None: ...
+
+    def score(self, generation: Generation) -> Scores | None: ...
+
+    def make_batch(self, generation: Generation, scores: Scores) -> Batch: ...
 
 
 def extra_prompts(sampler: PromptSampler, step: int, draw: int, max_draws: int) -> list[dict]:
@@ -42,16 +64,18 @@ def concat_batches(batches: list, pad_token_id: int):
     return row_ops.join(batches, pad_token_id)
 
 
-def filtered_batch(trainer, step: int):
+def filtered_batch(trainer: Rounds, step: int) -> Batch | None:
     """The step's batch with dynamic sampling (see the module docstring); None when a stop request came."""
     algo, G = trainer.algo, trainer.algo.num_generations
     want = trainer.cfg.data.prompts_per_step
-    kept, first, generated, extra_s = [], None, 0, 0.0
+    kept: list[Batch] = []
+    first: Batch | None = None
+    generated, extra_s = 0, 0.0
     for draw in range(algo.filter_max_draws):
         t0 = time.perf_counter()
         generation = trainer.generate(step, draw=draw)
         scores = None if generation is None else trainer.score(generation)
-        if scores is None:
+        if generation is None or scores is None:
             return None
         batch = trainer.make_batch(generation, scores)
         extra_s += time.perf_counter() - t0 if draw else 0.0
@@ -61,6 +85,7 @@ def filtered_batch(trainer, step: int):
         kept.append(batch.select_groups(groups[:want - sum(b.rewards.numel() // G for b in kept)]))
         if sum(b.rewards.numel() // G for b in kept) >= want:
             break
+    assert first is not None  # algo.filter_max_draws >= 1: round 0 made a batch or returned
     found = sum(b.rewards.numel() // G for b in kept)
     if found < want:  # at the bound: fill with the first round's groups without signal
         quiet = [g for g in range(first.rewards.numel() // G) if g not in signal_groups(first.rewards, G)]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import torch
 from rich.console import Console
@@ -112,7 +113,8 @@ class Evaluator:
     def _score(self, texts: list[str], rows: list[dict]) -> list[float]:
         fields = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
         name = getattr(self.judge, "__name__", "accuracy")
-        return to_scores(name, call_reward(self.judge, [None] * len(texts), texts, fields), len(texts))
+        scores = to_scores(name, call_reward(self.judge, [None] * len(texts), texts, fields), len(texts))
+        return cast("list[float]", scores)  # without allow_none every score is a float
 
     @staticmethod
     def _check(roll, stop) -> None:

@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
 from grpo_cli.rewards import RewardSet, TrainerState
 from grpo_cli.rewards.columns import check_columns
 from grpo_cli.rollout import Generation, SamplingParams, completion_logprobs, episodes, make_engine, sampling_seed
-from grpo_cli.rollout.ahead import AheadOfTheUpdate, versions_as_tensors, versions_from_tensors
+from grpo_cli.rollout.ahead import AheadOfTheUpdate, Versions, versions_as_tensors, versions_from_tensors
 from grpo_cli.rollout.placement import generating_ahead
 from grpo_cli.step import distributed, dynamic_sampling, memory, parallel
 from grpo_cli.step.batch import Batch, MiniBatch, Scores, make_batch, mini_batch_layout
@@ -43,6 +44,9 @@ from grpo_cli.step.optim import LRSchedule, build_optimizer
 from grpo_cli.step.stats import StepStats, UpdateSums, check_first_update, check_invariants, metrics_row, over_ranks
 from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts, where_of
 from grpo_cli.tasks.sources import PromptSampler, load_rows
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def seed_everything(seed: int) -> None:
@@ -87,7 +91,7 @@ class GRPOTrainer:
         sharded = {"sharded": True} if self.parallel.sharded else {}  # hydra/launcher=shared_base: refused under fsdp
         self.lm = load_within_context(cfg, lengths, lambda: lm or load_model(cfg.model, device, seed=self.tcfg.seed,
                                                                              **sharded))
-        self.model, self.tokenizer = self.lm.model, self.lm.tokenizer
+        self.model, self.tokenizer = cast("PeftModel", self.lm.model), self.lm.tokenizer
         self.engine = make_engine(self.roll, self.lm, max_prompt_tokens=data.max_prompt_tokens)
         self.memory = memory.plan(self.tcfg, self.lm, self.engine, chunk_size=self.tcfg.logprob_chunk_size,
                                   rows=data.prompts_per_step * self.algo.num_generations // self.dist.world_size,
@@ -106,7 +110,9 @@ class GRPOTrainer:
         self.evaluator = make_evaluator(self.lm) if make_evaluator is not None and evaluates else None
         # rollout.placement=worker or server: started at the first step (from the resumed versions, if any)
         self.ahead: AheadOfTheUpdate | None = None
-        self.resumed_versions, self.log_dir, self.steps_done, self.last_eval = None, log_dir, 0, None
+        self.resumed_versions: Versions | None = None  # rollout.placement: the versions a checkpoint kept
+        self.last_eval: tuple[int, dict] | None = None  # (steps_done, metrics) of the latest held-out eval
+        self.log_dir, self.steps_done = log_dir, 0
 
     # ---- one step -------------------------------------------------------------------------------
     def prompts(self, step: int, draw: int = 0) -> tuple[list[dict], EncodedPrompts]:
@@ -140,8 +146,7 @@ class GRPOTrainer:
         return Generation(roll, rows, roll.prompt_texts(enc.texts), stats={
             "gen_time_s": gen_time, "gen_tokens_per_s": int(roll.loss_mask().sum()) / max(gen_time, 1e-9),
             "prompts_truncated": enc.truncated, "prompts_dropped": enc.dropped, "gen_compile_s": compile_s,
-            "gen_sync_s": self.engine.sync_s,  # of gen_time_s: bringing the updated policy into the engine
-        })
+            "gen_sync_s": self.engine.sync_s})  # of gen_time_s: bringing the updated policy into the engine
 
     def score(self, generation: Generation) -> Scores | None:
         """Every reward function (an environment's get_reward() too) on every completion, with the fields of its
@@ -286,9 +291,9 @@ class GRPOTrainer:
         else:
             generation, batch = self.generation(step), None
             scores = None if generation is None else self.score(generation)  # None: a stop request came first
-            if scores is not None:
+            if generation is not None and scores is not None:
                 batch = self.make_batch(generation, scores)
-        if distributed.any_rank(batch is None or self.stop()):
+        if distributed.any_rank(batch is None or self.stop()) or batch is None:  # None here made any_rank true
             return None
         on_phase(step, "updating")
         try:
@@ -300,9 +305,8 @@ class GRPOTrainer:
         self.steps_done = step + 1
         if self.algo.check:
             check_invariants(step, batch, stats, self.algo)
-        row = metrics_row(step, batch, stats, time.perf_counter() - t0, self.algo.num_generations,
-                          {"lr": self.lr_schedule.lr, "skipped_updates": self.skipped_updates,
-                           **self.sampler_correction.metrics()})
+        row = metrics_row(step, batch, stats, time.perf_counter() - t0, self.algo.num_generations, {
+            "lr": self.lr_schedule.lr, "skipped_updates": self.skipped_updates, **self.sampler_correction.metrics()})
         return over_ranks(row, self.dist, self.lm.device), batch
 
     # ---- what a run asks of the step ------------------------------------------------------------

@@ -190,7 +190,7 @@ def _task(template: Template, name: str, k) -> Task:
 
 def all_generated() -> list[Task]:
     """Every generated task, in a fixed order (names that do not use the constant appear once)."""
-    tasks = {}
+    tasks: dict[str, Task] = {}
     for template in TEMPLATES:
         for name in template.names:
             for k in template.constants if "{k}" in name or "{k}" in template.returns else (None,):

@@ -18,7 +18,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from grpo_cli.base.errors import ConfigError, DataError, error_line, inform
 from grpo_cli.base.registry import Registry
@@ -28,6 +28,8 @@ from grpo_cli.tasks.tables import LOCAL_FORMS, datasets_quiet, read_table, saved
 
 if TYPE_CHECKING:
     from grpo_cli.config.schema import Config, DataConfig
+
+T = TypeVar("T")
 
 
 def _reasoning_gym_rows(task: str, size: int, seed: int, task_args: dict, suffix: str, system_prompt) -> list[dict]:
@@ -73,28 +75,34 @@ SOURCES = Registry("data source", key="data.source")
 HELD_OUT_OFFSET = 10_007
 
 
+def _needed(cfg_data: DataConfig, key: str, value: T | None, example: str = "N") -> T:
+    """The value of data.`key`, which this source cannot go without."""
+    if value is None:
+        raise DataError(f"data.source={cfg_data.source} generates its prompts and needs data.{key}; pick a data "
+                        f"option of that source (data=NAME), or add +data.{key}={example}")
+    return value
+
+
 def _generated(cfg_data: DataConfig, split: str, seed: int) -> tuple[int, int]:
     """(size, seed) of a generated split: data.size prompts to train on, data.eval_size held out."""
     key, size = ("size", cfg_data.size) if split == "train" else ("eval_size", cfg_data.eval_size)
-    if size is None:
-        raise DataError(f"data.source={cfg_data.source} generates its prompts and needs data.{key}; pick a data "
-                        f"option of that source (data=NAME), or add +data.{key}=N")
-    return size, seed if split == "train" else seed + HELD_OUT_OFFSET
+    return _needed(cfg_data, key, size), seed if split == "train" else seed + HELD_OUT_OFFSET
 
 
 @SOURCES.register("sums")
 class Sums(Source):
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         size, seed = _generated(cfg_data, split, seed)
-        return _sum_rows(size, seed, cfg_data.low, cfg_data.high, cfg_data.question_suffix, cfg_data.system_prompt,
-                         cfg_data.operation)
+        low, high = _needed(cfg_data, "low", cfg_data.low), _needed(cfg_data, "high", cfg_data.high)
+        return _sum_rows(size, seed, low, high, cfg_data.question_suffix, cfg_data.system_prompt, cfg_data.operation)
 
 
 @SOURCES.register("reasoning_gym")
 class ReasoningGym(Source):
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         size, seed = _generated(cfg_data, split, seed)
-        return _reasoning_gym_rows(cfg_data.task, size, seed, dict(cfg_data.task_args), cfg_data.question_suffix,
+        task = _needed(cfg_data, "task", cfg_data.task, "NAME")
+        return _reasoning_gym_rows(task, size, seed, dict(cfg_data.task_args), cfg_data.question_suffix,
                                    cfg_data.system_prompt)
 
 

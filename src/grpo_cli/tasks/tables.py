@@ -99,6 +99,8 @@ class Columns:
     def check(self, table: Table) -> None:
         """One line for a column the config names that the table lacks, listing the columns it has."""
         names = table.columns
+        if names is None:  # rows may differ (jsonl): each row is checked as it is read
+            return
         wanted = [("data.prompt_column", self.prompt or "prompt"), ("data.answer_column", self.answer)]
         if self.prompt is None and "messages" in names:
             wanted = wanted[1:]
@@ -113,7 +115,7 @@ class Columns:
     def row(self, where: str, row: dict, system_prompt, suffix: str) -> dict:
         """A data row: the prompt as chat `messages`, the answer column as `answer`, every other column as is."""
         key = self.prompt or next((k for k in ("prompt", "messages") if k in row), None)
-        if key not in row:
+        if key is None or key not in row:
             raise DataError(f"{where} lacks a prompt; every row needs " + (
                 f'a "{key}" field (data.prompt_column)' if key else PROMPT_FORMS))
         if self.answer and self.answer not in row:
@@ -175,7 +177,7 @@ def _files(key: str, pattern: str) -> tuple[str, list[Path]]:
     if None in builders or len(builders) > 1:
         raise DataError(f"data.{key}={pattern} names {', '.join(sorted({f.suffix or f.name for f in files}))} files; "
                         f"give files of one format: {', '.join(BUILDERS)}")
-    return builders.pop(), files
+    return BUILDERS[files[0].suffix.lower()], files  # the one builder of them all
 
 
 def _local_table(key: str, path: str, split: str, split_key: str) -> Table:

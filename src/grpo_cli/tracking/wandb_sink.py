@@ -11,6 +11,7 @@ import secrets
 import string
 import sys
 from pathlib import Path
+from typing import Literal, cast
 from urllib.parse import urlparse
 
 from grpo_cli.base.errors import error_line, warn
@@ -19,6 +20,7 @@ from grpo_cli.config.schema import LoggerConfig, WandbConfig
 from grpo_cli.tracking.sinks import LOGGERS, NullSink, RunInfo, redact, scrub_secrets
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+WandbMode = Literal["online", "offline", "disabled"]  # what `auto` resolves to, and what W&B starts in
 WANDB_ID_FILE = "wandb_run_id"  # in the run dir: a resumed run continues the same W&B run
 
 
@@ -49,7 +51,7 @@ def has_wandb_credentials() -> bool:
     return False
 
 
-def resolve_wandb_mode(mode: str | None) -> tuple[str, str | None]:
+def resolve_wandb_mode(mode: str | None) -> tuple[WandbMode, str | None]:
     """(mode to start W&B in, a warning or None). `auto` honours WANDB_MODE when it is set, else goes online
     only with credentials; `online` without credentials would prompt or fail, so it is offline with a warning."""
     mode = str(mode or "auto").lower()  # one of WANDB_MODES: run.validate checked it
@@ -57,12 +59,12 @@ def resolve_wandb_mode(mode: str | None) -> tuple[str, str | None]:
         env = os.environ.get("WANDB_MODE", "").lower()
         env = {"dryrun": "offline", "run": "online"}.get(env, env)
         if env in ("offline", "disabled"):
-            return env, None
+            return cast(WandbMode, env), None
         return ("online" if has_wandb_credentials() else "offline"), None
     if mode == "online" and not has_wandb_credentials():
         return "offline", ("logger.wandb.mode=online but no W&B credentials were found (set WANDB_API_KEY or run "
                            "`wandb login`); logging offline instead")
-    return mode, None
+    return cast(WandbMode, mode), None  # not auto, and one of WANDB_MODES
 
 
 def _hydra_names(cfg_wandb: WandbConfig) -> tuple[str | None, str | None]:
@@ -148,7 +150,7 @@ class WandbSink(NullSink):
     """One W&B run: its config is the resolved (scrubbed) Hydra config, its history one row per step. Best
     effort: a failing call is a warning, metrics.jsonl keeps the data."""
 
-    def __init__(self, cfg_wandb: WandbConfig, run: RunInfo, mode: str):
+    def __init__(self, cfg_wandb: WandbConfig, run: RunInfo, mode: WandbMode):
         # Before W&B starts its service (which inherits the environment): its own banner lines stay off, and so
         # does its crash reporting to Sentry, which off the network holds the process ~20 s at exit after a
         # failed online init. Either can be turned back on by setting the variable.
@@ -187,7 +189,7 @@ class WandbSink(NullSink):
             if self.location:
                 run.say(f"W&B: {self.location}")
 
-    def _init(self, mode: str):
+    def _init(self, mode: WandbMode):
         # reinit=create_new: a sweep's jobs that share the process (hydra/launcher=shared_base) each have their run
         # open at once; W&B would otherwise hand every job the first one's run
         settings = self.wandb.Settings(silent=True, console="off", init_timeout=self.init_timeout,
@@ -219,7 +221,9 @@ class WandbSink(NullSink):
             columns += [c for c in r if c not in columns]
         data = [[redact(v) if isinstance(v, str) else v for v in (r.get(c) for c in columns)] for r in rows]
         try:
-            self.run.log({"samples": self.wandb.Table(columns=columns, data=data)}, step=int(step))
+            # W&B annotates columns as list[str | int], though it only reads them
+            self.run.log({"samples": self.wandb.Table(columns=cast("list[str | int]", columns), data=data)},
+                         step=int(step))
         except Exception as err:
             warn(f"W&B sample table failed at step {step} ({_said(err)})")
 
