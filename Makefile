@@ -61,7 +61,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests scripts
-	$(VENV)/bin/mypy   # tests/typecheck_config.py: the typed config's options have their declared types
+	$(VENV)/bin/mypy   # src/ and tests/typecheck_config.py (the typed config's options have their declared types)
 
 quickstart: $(STAMP)
 	$(VENV)/bin/grpo-train +recipe=quickstart

@@ -68,10 +68,10 @@ class ReferencePlan(Protocol):
     """What the worker's reference pass takes of the trainer's memory plan (step/memory.py's MemoryPlan, given to
     the worker): its micro-batches and LM-head blocks, so that the pass is the trainer's own, bit for bit."""
 
-    head_chunk: int | None
+    @property
+    def head_chunk(self) -> int | None: ...  # read only: the plan is a frozen record
 
     def micro_batches(self, rollout: Rollout, rows: slice, max_rows: int | None) -> list[slice]: ...
-
 
 
 def thread_split(worker_threads: int | None, threads: int) -> tuple[int, int]:
