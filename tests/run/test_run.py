@@ -119,3 +119,27 @@ def test_the_resume_decision_is_a_value_and_the_config_stays_as_composed(compose
     claim = rundir.claim(typed, tmp_path)
     claim.release()
     assert claim.decision == decision and OmegaConf.to_container(cfg) == before
+
+
+@pytest.mark.slow  # the tiny model loads, then one training step
+def test_a_program_trainer_beside_what_builds_one_is_refused_in_one_line(compose, tmp_path):
+    """grpo_cli.run.train(cfg, dir, trainer, rows=...) would run the given trainer on its own rows: each collaborator
+    that only a trainer the run builds takes is named in one line, before anything is written; the trainer's own
+    stop request given again is no conflict, and the same trainer then trains."""
+    from conftest import make_trainer
+
+    from grpo_cli.base.errors import ConfigError
+    from grpo_cli.base.metrics import METRICS
+    from grpo_cli.run.runner import train
+
+    trainer = make_trainer(compose, tmp_path, "rollout.max_new_tokens=2", "data.prompts_per_step=2",
+                           "algo.num_generations=2", "trainer.max_steps=1", "trainer.save_every=0",
+                           "trainer.log_samples_every=0", "eval.final=false")
+    with pytest.raises(ConfigError) as refused:
+        train(trainer.cfg, tmp_path, trainer, rows=[{"prompt": "2+2?", "answer": "4"}], final_eval=True)
+    line = str(refused.value)
+    assert "\n" not in line and "rows=, final_eval=" in line and "GRPOTrainer(" in line, line
+    assert not (tmp_path / METRICS).exists()
+    with pytest.raises(ConfigError, match=r"stop="):
+        train(trainer.cfg, tmp_path, trainer, stop=type(trainer.stop)())
+    assert train(trainer.cfg, tmp_path, trainer, stop=trainer.stop)["steps"] == 1

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 import grpo_cli.config.compose  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
-from grpo_cli.base.errors import Interrupted, OutOfMemory, RunError, UserCodeError, WorkerError
+from grpo_cli.base.errors import ConfigError, Interrupted, OutOfMemory, RunError, UserCodeError, WorkerError
 from grpo_cli.base.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
 from grpo_cli.base.ranks import is_rank_zero
 from grpo_cli.base.stopping import StopRequest
@@ -78,10 +78,14 @@ class Run:
               make_evaluator: Callable[[LoadedModel], Callable] | None = None, final_eval: bool | None = None,
               load_model: Callable[..., LoadedModel] | None = None) -> dict:
         """The whole run with `trainer`, or one built here from the config and the other arguments (see
-        GRPOTrainer; `load_model`: how it loads the policy, load_policy unless given). A stop request (SIGINT/SIGTERM)
-        before the first step leaves the dir as if the run never started; during generation it discards the step in
-        progress; during the update the step finishes; either way the state after the last complete step is
-        checkpointed."""
+        GRPOTrainer; `load_model`: how it loads the policy, load_policy unless given; beside a given `trainer` they are
+        refused, since it would run without them). A stop request (SIGINT/SIGTERM) before the first step leaves the
+        dir as if the run never started; during generation it discards the step in progress; during the update the
+        step finishes; either way the state after the last complete step is checkpointed."""
+        if trainer is not None:  # the stop request it polls is the run's: the same one given again is no conflict
+            _refuse_collaborators_of_a_given_trainer(lm=lm, rows=rows, stop=None if stop is trainer.stop else stop,
+                                                     make_evaluator=make_evaluator, final_eval=final_eval,
+                                                     load_model=load_model)
         stop = self.stop = trainer.stop if trainer is not None else stop or StopRequest()
         # the CLI installs the handlers for the whole run (model load included); a program's run does it here
         with contextlib.nullcontext() if stop.installed_now else stop.installed(), self.one_line_if_ranks_part():
@@ -298,6 +302,17 @@ class Run:
         }
         tracker.close(summary)
         return summary
+
+
+def _refuse_collaborators_of_a_given_trainer(**given) -> None:
+    """What builds a trainer (GRPOTrainer's arguments) would be silently unused beside a trainer the program built:
+    refused in one line that names it."""
+    unused = [name for name, value in given.items() if value is not None]
+    if unused:
+        named = ", ".join(f"{name}=" for name in unused)
+        raise ConfigError(f"train() got a trainer and {named}, which only a trainer the run builds takes: the given "
+                          f"trainer would run without it; pass {named} to GRPOTrainer(...) instead, or leave out "
+                          "the trainer")
 
 
 def train(cfg: Config | DictConfig, run_dir: Path, trainer: GRPOTrainer | None = None, **collaborators) -> dict:
