@@ -70,6 +70,8 @@ def _train(overrides: tuple[str, ...], rewards, run_dir) -> TrainResult:
             raise ConfigError(f"{argument!r} is no override; give each as grpo-train takes it, KEY=VALUE, "
                               "GROUP=OPTION or +recipe=NAME (a sweep, -m, is grpo-train's)")
     given = next((a.split("=", 1)[1] for a in overrides if a.startswith("hydra.run.dir=")), None)
+    if run_dir is not None and given is not None and Path(given) != Path(run_dir):
+        raise ConfigError(f"run_dir={str(run_dir)!r} and hydra.run.dir={given} name two run dirs; give one of them")
     directory = Path(run_dir or given or time.strftime("outputs/%Y-%m-%d/%H-%M-%S"))  # fixed once, as grpo-train's
     arguments = [*(a for a in overrides if not a.startswith("hydra.run.dir=")), *_reward_overrides(rewards),
                  f"hydra.run.dir={directory}"]
