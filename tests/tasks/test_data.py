@@ -3,6 +3,7 @@ line naming the file or column for every bad input."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -127,6 +128,17 @@ def test_a_missing_column_is_named_with_the_columns_there_are(tmp_path):
     message = refused(hf_cfg(path=parquet_of(tmp_path, [{"question": "q", "solution": "1", "answer": "1"}]),
                              prompt_column="question", answer_column="solution"))
     assert 'a column "answer" besides data.answer_column=solution' in message
+
+
+def test_a_jsonl_rows_own_answer_beside_the_answer_column_is_refused_not_overwritten(tmp_path):
+    """jsonl rows may differ, so each is checked as it is read: its own "answer" would be replaced by the
+    data.answer_column's value without a word."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "gold": "4"}) + "\n"
+                    + json.dumps({"prompt": "3+3?", "gold": "6", "answer": "six"}) + "\n")
+    message = refused(hf_cfg(path=str(path), answer_column="gold"))
+    assert message.startswith(f'{path}:2 has a field "answer" besides data.answer_column=gold'), message
+    assert 'has a field "answer" besides data.answer_column=gold' in message, message
 
 
 def test_an_empty_split_is_refused(tmp_path):

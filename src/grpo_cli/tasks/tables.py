@@ -120,6 +120,9 @@ class Columns:
                 f'a "{key}" field (data.prompt_column)' if key else PROMPT_FORMS))
         if self.answer and self.answer not in row:
             raise DataError(f'{where} lacks "{self.answer}" (data.answer_column); every row needs it')
+        if self.answer not in (None, "answer") and "answer" in row:  # a table's columns were checked whole (check)
+            raise DataError(f'{where} has a field "answer" besides data.answer_column={self.answer}, which reaches the '
+                            "rewards as answer; rename one of them, or set data.answer_column=null")
         value = row[key]
         if isinstance(value, str) and key != "messages":
             messages = chat_messages(value, system_prompt, suffix)
