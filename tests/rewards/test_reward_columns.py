@@ -91,6 +91,19 @@ def test_what_the_trainer_passes_and_options_are_no_columns(compose):
     check_columns(reward_config(compose, {"a": {"_target_": "test_reward_columns.answer_needed"}}), ROWS)
 
 
+def test_a_column_named_as_what_the_trainer_passes_is_refused_not_passed_in_its_place(compose):
+    """A data column "completions" would reach every reward in place of the model's completions (TRL's call raises
+    on the doubled keyword); it is named with its row, before the model loads."""
+    rows = [Row(ROWS[0], "data.jsonl:1"), Row({**ROWS[0], "completions": ["from the data"]}, "data.jsonl:2")]
+    assert reward_arguments(lambda prompts, completions, **kw: [], ["P"], ["MODEL"], {"completions": ["DATA"]})[1][
+        "completions"] == ["DATA"]  # why: the call itself lets a field win over the trainer's argument
+    trl = reward_config(compose, {"acc": {"_target_": "test_reward_columns.solution_scored"}})
+    assert refusal(trl, rows) == ("data.jsonl:2 has a column 'completions', the name under which every reward gets "
+                                  "the model's completions: the column would take their place; rename the column")
+    for name in ("prompts", "completion_ids", "trainer_state", "environments"):
+        assert f"has a column {name!r}, the name under which" in refusal(trl, [Row({**ROWS[0], name: 1}, "d:1")])
+
+
 def test_rows_that_lack_a_column_others_have_are_named(compose):
     trl = reward_config(compose, {"acc": {"_target_": "test_reward_columns.solution_scored"}})
     rows = [Row({**ROWS[0], "solution": "3"}, "data.jsonl:1"), Row(ROWS[0], "data.jsonl:2"),

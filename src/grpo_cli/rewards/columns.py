@@ -15,6 +15,10 @@ from grpo_cli.config.schema import RewardConfig
 from grpo_cli.rewards import BY_NAME_ONLY, EXTRA_FIELDS, resolve_callable, with_free_options
 
 TRAINER_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "environments", "messages")  # TRL's
+# what each of them holds, for the line that refuses a data column of that name (`messages` is the prompt's form)
+PASSED_MEANING = {"prompts": "the prompts", "completions": "the model's completions",
+                  "completion_ids": "the completions' token ids", "trainer_state": "the trainer's state",
+                  "environments": "the episodes' environments"}
 
 
 def _call_target(target, options: dict):
@@ -53,9 +57,14 @@ def check_columns(cfg_reward: RewardConfig, rows: list[dict], rollout_fields: tu
                   where: Callable[[dict], str] = repr, held_out: bool = False) -> None:
     """DataError, before the model loads, for a reward function's parameter that no column of the training rows gives
     (a function called without it would raise at the first step), or that some rows lack (`where` names the first).
-    `held_out`: `rows` are the held-out ones, which only reward.accuracy scores (at an eval, after steps trained)."""
+    `held_out`: `rows` are the held-out ones, which only reward.accuracy scores (at an eval, after steps trained).
+    A column named as what the trainer passes (PASSED_MEANING) is refused: every reward would get it instead."""
     every = [k for k in rows[0] if all(k in row for row in rows)] if rows else []
     some = list(dict.fromkeys(k for row in rows for k in row))
+    for column in (k for k in some if k in PASSED_MEANING):  # TRL's call raises on it; a silent swap here
+        first = next(row for row in rows if column in row)
+        raise DataError(f"{where(first)} has a column {column!r}, the name under which every reward gets "
+                        f"{PASSED_MEANING[column]}: the column would take their place; rename the column")
     data = "the held-out data (data.eval_split or data.eval_path)" if held_out else "the data"
     for name, spec in (cfg_reward.functions or {}).items():
         if held_out and name != cfg_reward.accuracy:
