@@ -189,7 +189,7 @@ def test_checkpoint_export(tiny_cfg, tiny_run, tmp_path):
     expected = reference_logits(tiny_cfg, step / "adapter", ids)
     for name, args in (("by-number", [str(run), "--checkpoint", "3"]), ("by-dir", [str(step)])):
         out = tmp_path / name
-        assert export_main([args[0], str(out), *args[1:], "--dtype", "fp32", "--adapter-only"]) == 0
+        assert export_main([args[0], str(out), *args[1:], "--adapter-only"]) == 0
         base = tiny_base(tiny_cfg, tokenizer)
         with torch.no_grad():
             got = PeftModel.from_pretrained(base, out)(input_ids=ids).logits
@@ -225,6 +225,21 @@ def test_run_without_adapter_is_one_line(tiny_cfg, tmp_path, capsys):
     one_line_exit_2(capsys, [str(run), str(tmp_path / "out"), "--checkpoint", "latest"], "--checkpoint latest", "none")
     one_line_exit_2(capsys, [str(tmp_path / "nowhere"), str(tmp_path / "out")], "not a directory")
     one_line_exit_2(capsys, [str(tmp_path), str(tmp_path / "out")], ".hydra/config.yaml")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_option_that_would_go_unused_is_one_line(tiny_cfg, tmp_path, capsys):
+    """--checkpoint beside RUN_DIR that is a checkpoint folder already (the folder won), --dtype beside --adapter-only
+    (nothing is cast): each refused before anything is written."""
+    run = fake_run(tmp_path / "run", tiny_cfg)
+    step = run / "checkpoints" / "step-000003"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text('{"step": 3}')
+    line = one_line_exit_2(capsys, [str(step), str(tmp_path / "out"), "--checkpoint", "latest"])
+    assert line == (f"grpo-export: RUN_DIR={step} is a checkpoint, and --checkpoint latest names one too; give the "
+                    "run dir with --checkpoint latest, or the checkpoint folder alone")
+    one_line_exit_2(capsys, [str(run), str(tmp_path / "out"), "--adapter-only", "--dtype", "fp16"],
+                    "--dtype fp16 is the merged weights' dtype", "leave out --dtype")
     assert not (tmp_path / "out").exists()
 
 

@@ -66,6 +66,9 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
         raise ExportError(f"RUN_DIR={path} is not a directory; pass a grpo-train run dir (outputs/DATE/TIME)")
     run_dir = path
     if ckpt.is_checkpoint(path):  # RUN_DIR/checkpoints/step-N given directly
+        if checkpoint is not None:
+            raise ExportError(f"RUN_DIR={path} is a checkpoint, and --checkpoint {checkpoint} names one too; give the "
+                              f"run dir with --checkpoint {checkpoint}, or the checkpoint folder alone")
         run_dir, checkpoint = path.parent.parent, str(path)
     config_file = run_dir / ".hydra" / "config.yaml"
     if not config_file.is_file():
@@ -219,8 +222,13 @@ def export_adapter(source: Source, base_name: str, tmp: Path) -> None:
 
 
 def export(run_dir: Path, out_dir: Path, *, base: str | None = None, checkpoint: str | None = None,
-           dtype: str = "bf16", adapter_only: bool = False, overwrite: bool = False) -> Path:
-    """Write the export; returns OUT_DIR. Raises UserError subclasses on bad input."""
+           dtype: str | None = None, adapter_only: bool = False, overwrite: bool = False) -> Path:
+    """Write the export; returns OUT_DIR. Raises UserError subclasses on bad input. `dtype`: the merged weights'
+    (bf16 unless given); an adapter is copied as it was trained."""
+    if adapter_only and dtype is not None:
+        raise ExportError(f"--dtype {dtype} is the merged weights' dtype, and --adapter-only merges nothing (it copies "
+                          "the adapter as trained); leave out --dtype, or --adapter-only")
+    dtype = dtype or "bf16"
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype} is invalid; use one of {', '.join(DTYPES)}")
     steps = 3 if adapter_only else 5
@@ -368,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the base model (hub id, local dir, embedded:NAME); default: the run's model.name_or_path")
     ap.add_argument("--checkpoint", default=None, metavar="N|latest|PATH",
                     help="export a checkpoint's adapter instead of the run's final one")
-    ap.add_argument("--dtype", default="bf16", choices=DTYPES, help="dtype of the merged weights (default bf16)")
+    ap.add_argument("--dtype", default=None, choices=DTYPES, help="dtype of the merged weights (default bf16)")
     ap.add_argument("--adapter-only", action="store_true",
                     help="write a clean adapter with a model card, not a merged model")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
