@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from grpo_cli.base.errors import ConfigError, send_warnings_to, warn
+from grpo_cli.config import override_key
 
 # The callables given to `train(rewards=...)`, as a module of their own: a reward's `_target_` names them here
 # (grpo_cli.commands.api.callables.NAME), so that validation, the reward set and the evaluator find them as any
@@ -73,7 +74,7 @@ def _train(overrides: tuple[str, ...], rewards, run_dir) -> TrainResult:
     if run_dir is not None and given is not None and Path(given) != Path(run_dir):
         raise ConfigError(f"run_dir={str(run_dir)!r} and hydra.run.dir={given} name two run dirs; give one of them")
     directory = Path(run_dir or given or time.strftime("outputs/%Y-%m-%d/%H-%M-%S"))  # fixed once, as grpo-train's
-    arguments = [*(a for a in overrides if not a.startswith("hydra.run.dir=")), *_reward_overrides(rewards),
+    arguments = [*(a for a in overrides if not a.startswith("hydra.run.dir=")), *_reward_overrides(rewards, overrides),
                  f"hydra.run.dir={directory}"]
     register_recipes()
     cfg = cli._precheck("grpo_cli.train", arguments)  # one line for a bad recipe, key or type; sets Hydra's config
@@ -92,10 +93,14 @@ def _train(overrides: tuple[str, ...], rewards, run_dir) -> TrainResult:
     return TrainResult(directory, summary)
 
 
-def _reward_overrides(rewards: Sequence[Callable] | Mapping[str, Callable] | None) -> list[str]:
+def _reward_overrides(rewards: Sequence[Callable] | Mapping[str, Callable] | None,
+                      overrides: tuple[str, ...] = ()) -> list[str]:
     """`reward.only=[...]` naming the callables, each put in the `callables` module under its name."""
     if rewards is None:
         return []
+    if (chosen := next((a for a in overrides if override_key(a) == "reward.only"), None)) is not None:
+        raise ConfigError(f"rewards= and {chosen} both choose the reward functions, and rewards= would win; give one "
+                          "of them (a dotted path in reward.only, or the callable in rewards=)")
     named = dict(rewards) if isinstance(rewards, Mapping) else {_name_of(fn): fn for fn in rewards}
     if not named or (not isinstance(rewards, Mapping) and len(named) < len(rewards)):
         raise ConfigError("rewards= needs one reward function at least, each of its own name (pass {name: fn} to "
