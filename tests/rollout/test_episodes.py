@@ -803,3 +803,20 @@ def test_the_embedded_model_calls_a_tool_when_the_call_opener_is_prefilled():
     tool = (roll.completion_mask[i] - roll.model_mask[i]).bool()
     assert roll.messages[i][2]["content"] in lm.tokenizer.decode(roll.completion_ids[i][tool])
     assert int(roll.model_mask[i].sum()) <= 40
+
+
+@pytest.mark.parametrize("option", ["rollout.max_tool_calls=8", "rollout.tool_timeout_s=30", "rollout.tool_format=native",
+                                    "rollout.tool_output_max_chars=100", "rollout.call_opener=Call"])
+def test_a_tool_option_without_tools_or_an_environment_is_one_line(compose, option):
+    """Single-turn runs never read the tool options: one set there would go unused, so it is refused; with a tool
+    the same option is taken."""
+    from conftest import TINY_TRAINER
+
+    from grpo_cli.run.validate import validate
+
+    key, value = option.split("=")
+    with pytest.raises(ConfigError) as err:
+        validate(compose([*TINY_TRAINER, option]))
+    assert str(err.value) == (f"{key}={value} is invalid: is read only with tools or an environment (rollout.tools, "
+                              f"env._target_); add them, or drop {key}")
+    validate(compose([*TINY_TRAINER, "rollout.tools=[grpo_cli.calculator.calculator]", option]))

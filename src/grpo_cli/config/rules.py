@@ -12,7 +12,7 @@ import sys
 from operator import attrgetter
 
 from grpo_cli.base.errors import ConfigError
-from grpo_cli.config.schema import AlgoConfig, Config, RolloutConfig, fail
+from grpo_cli.config.schema import AlgoConfig, Config, RolloutConfig, default_of, fail
 
 
 def is_on_policy(algo: AlgoConfig) -> bool:
@@ -83,6 +83,7 @@ def check(config: Config, n_ranks: int) -> list[str]:
              f"must be a multiple of model.tiny.num_heads ({tiny.num_heads})")
     _check_vllm(config)
     _check_placement(config, n_ranks)
+    _check_tool_options(config)
     _check_parallel(config, n_ranks)
     check_libraries_installed(config)
     quantization = config.model.quantization
@@ -170,6 +171,21 @@ def _check_placement(config: Config, n_ranks: int) -> None:
     for present, what in unsupported:
         if present:
             fail("rollout.placement", rollout.placement, f"does not run {what} yet; use rollout.placement=local")
+
+
+TOOL_OPTIONS = ("max_tool_calls", "tool_timeout_s", "tool_output_max_chars", "tool_format", "call_opener")
+
+
+def _check_tool_options(config: Config) -> None:
+    """The rollout's tool options, set to other than their defaults, are read only by episodes: with rollout.tools or
+    an environment (env._target_); without either the run is single-turn and they would go unused."""
+    if config.rollout.tools or config.env._target_ is not None:
+        return
+    for name in TOOL_OPTIONS:
+        value = getattr(config.rollout, name)
+        if value != default_of(f"rollout.{name}"):
+            fail(f"rollout.{name}", value, "is read only with tools or an environment (rollout.tools, env._target_); "
+                 f"add them, or drop rollout.{name}")
 
 
 def _check_parallel(config: Config, n_ranks: int) -> None:
