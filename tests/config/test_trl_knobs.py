@@ -61,6 +61,7 @@ def test_rewards_see_the_step_and_the_epoch_during_training_by_epochs(tmp_path):
 
 # ---- trainer.epochs -------------------------------------------------------------------------------------------
 def test_epochs_set_max_steps_from_the_training_prompts(config, tmp_path):
+    from grpo_cli.run.rundir import changed_keys, fingerprint
     from grpo_cli.tasks.sources import steps_from_epochs
 
     rows = [json.dumps({"prompt": f"q{i}", "answer": "1"}) + "\n" for i in range(10)]
@@ -68,6 +69,10 @@ def test_epochs_set_max_steps_from_the_training_prompts(config, tmp_path):
     base = ["+recipe=quickstart", "data=jsonl", f"data.path={tmp_path / 'rows.jsonl'}", "data.prompts_per_step=4"]
     resolved = steps_from_epochs(config([*base, "trainer.epochs=2"]))
     assert resolved.trainer.max_steps == 5 and resolved.composed["trainer"]["max_steps"] == 5  # 20 prompts, 4 a step
+    # what the records pin: a resume with other epochs is a changed trainer.max_steps, refused unless allowed
+    assert resolved.recorded["trainer"]["max_steps"] == 5 and fingerprint(resolved)["trainer.max_steps"] == 5
+    three = steps_from_epochs(config([*base, "trainer.epochs=3"]))
+    assert changed_keys(fingerprint(resolved), fingerprint(three)) == ["trainer.max_steps"]
     assert steps_from_epochs(config([*base, "trainer.epochs=0.5"])).trainer.max_steps == 2  # ceil(5 / 4)
     unset = config(base)
     assert steps_from_epochs(unset) is unset and unset.trainer.max_steps == 40  # the recipe's

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -180,7 +181,7 @@ class PromptSampler:
 
 def steps_from_epochs(config: Config) -> Config:
     """trainer.epochs set: the config with trainer.max_steps = ceil(epochs x training prompts / prompts_per_step)
-    (in its composed record too), said in one line; as it is otherwise."""
+    (in its composed and recorded configs too), said in one line; as it is otherwise."""
     epochs = config.trainer.epochs
     if epochs is None:
         return config
@@ -188,8 +189,12 @@ def steps_from_epochs(config: Config) -> Config:
     steps = max(1, math.ceil(epochs * prompts / config.data.prompts_per_step))
     inform(f"trainer.epochs={epochs:g}: {steps} steps of {config.data.prompts_per_step} prompts over the {prompts} "
            f"training prompts (trainer.max_steps={steps})")
-    composed = {**config.composed, "trainer": {**config.composed.get("trainer", {}), "max_steps": steps}}
-    return replace(config, trainer=replace(config.trainer, max_steps=steps), composed=composed)
+    def with_steps(record: Mapping) -> dict:
+        return {**record, "trainer": {**record.get("trainer", {}), "max_steps": steps}} if record else {}
+
+    # the records too: the checkpoint's fingerprint and the logger's config pin the steps the run takes
+    return replace(config, trainer=replace(config.trainer, max_steps=steps), composed=with_steps(config.composed),
+                   recorded=with_steps(config.recorded))
 
 
 # ---- checks before the model loads -------------------------------------------------------------------
