@@ -156,6 +156,16 @@ def test_a_finished_run_is_not_marked_and_one_without_samples_says_so(tmp_path: 
     assert unfinished(run, rows) is None
     assert unfinished(run, rows[:29]) == "unfinished: 29 of 30 steps logged (still running, stopped or crashed)"
     assert "No samples" in "".join(samples_html(run))
+    epochs = write_run(tmp_path / "epochs", [], steps=12)  # trainer.epochs made 12 steps of the recipe's 30
+    finish(epochs, max_steps=30, adapter=False)
+    with (epochs / ".hydra" / "config.yaml").open("a") as f:
+        f.write("  epochs: 2\n")
+    rows = [json.loads(line) for line in (epochs / "metrics.jsonl").read_text().splitlines()]
+    assert unfinished(epochs, rows) == ("unfinished: 12 steps logged, no final adapter (still running, stopped or "
+                                        "crashed)")
+    (epochs / "adapter").mkdir()
+    (epochs / "adapter" / "adapter_config.json").write_text("{}")
+    assert unfinished(epochs, rows) is None
 
 
 def test_final_value_uses_last_tenth() -> None:

@@ -325,10 +325,13 @@ def _csv_table(f: Path) -> str:
 
 def unfinished(run: Path, rows: list[dict]) -> str | None:
     """Why a run dir holds an unfinished run (still running, stopped or crashed), None when it finished: its final
-    adapter is written and it logged trainer.max_steps steps."""
+    adapter is written and it logged trainer.max_steps steps (with trainer.epochs: its final adapter is written)."""
     config = run / ".hydra" / "config.yaml"
     trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {} if config.is_file() else {}
-    max_steps = trainer.get("max_steps") if isinstance(trainer, dict) else None
+    # trainer.epochs: the steps come from the data's size, which .hydra/config.yaml does not hold (its max_steps is
+    # the one that option replaced); only the final adapter tells
+    by_epochs = isinstance(trainer, dict) and trainer.get("epochs") is not None
+    max_steps = trainer.get("max_steps") if isinstance(trainer, dict) and not by_epochs else None
     adapter = (run / ADAPTER_DIR / "adapter_config.json").is_file()
     short = isinstance(max_steps, int) and len(rows) < max_steps
     if adapter and not short:
