@@ -123,6 +123,25 @@ def test_a_finished_job_is_skipped_with_its_result_or_started_over_when_its_conf
                          "starting it over")
 
 
+def test_a_finished_job_trained_by_epochs_is_skipped_and_started_over_when_its_epochs_changed(compose, tmp_path):
+    """The sweep's record of a finished job holds the composed max_steps that trainer.epochs replaced; the job's typed
+    config the steps it gives: the steps follow from the epochs and the data, which are compared."""
+    from grpo_cli.tasks.sources import steps_from_epochs
+
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    (sweep_dir / sweep.SWEEP_COMMAND_FILE).write_text(json.dumps({"overrides": ["algo.beta=0.0,0.04"], "params": {}}))
+    cfg, hydra, job_dir = _job(compose, sweep_dir, 1, "algo.beta=0.04", "trainer.epochs=0.01")
+    (job_dir / "adapter").mkdir()
+    _previous(job_dir, status="ok", result=0.25, config=job_config(cfg.recorded))  # as SweepSummary records it
+    resolved = steps_from_epochs(cfg)
+    assert resolved.trainer.max_steps != cfg.trainer.max_steps
+    assert sweep_rerun.decide_job(resolved, hydra).action == "skip"
+    changed, hydra, _ = _job(compose, sweep_dir, 1, "algo.beta=0.04", "trainer.epochs=0.02")
+    plan = sweep_rerun.decide_job(steps_from_epochs(changed), hydra)
+    assert plan.action == "restart" and "(trainer.epochs 0.01 -> 0.02)" in plan.line, plan.line
+
+
 def test_an_unfinished_job_without_a_checkpoint_starts_over_and_an_empty_dir_starts_fresh(compose, tmp_path):
     sweep_dir = tmp_path / "sweep"
     cfg, hydra, job_dir = _job(compose, sweep_dir, 0, "algo.beta=0.0")

@@ -178,7 +178,10 @@ def job_config(recorded: Mapping) -> dict:
     flat: dict = {}
     for key, value in recorded.items():
         flatten(str(key), value, flat)
-    return {k: v for k, v in flat.items() if k not in RUN_CONTROL_KEYS}
+    # with trainer.epochs the steps follow from it and the data (both compared): the sweep's record holds the
+    # max_steps it replaced, the job's typed config the steps it gives
+    derived = ("trainer.max_steps",) if flat.get("trainer.epochs") is not None else ()
+    return {k: v for k, v in flat.items() if k not in RUN_CONTROL_KEYS and k not in derived}
 
 
 def _composed_value(composed: dict, key: str):
