@@ -350,6 +350,25 @@ def test_grpo_eval_with_an_adapter_of_another_base_is_one_line(tmp_path, finishe
     one_line_exit_2(proc, "but base embedded:smollm2-135m has", "it was trained on another base", "model=NAME")
 
 
+@pytest.mark.slow
+def test_grpo_eval_into_a_training_run_or_an_earlier_eval_is_one_line_and_leaves_its_records(tmp_path, used):
+    """Hydra would write grpo-eval's .hydra/ over the run's (grpo-report and grpo-export read it), and eval.json over an
+    earlier eval's."""
+    before = {p.name: p.read_bytes() for p in (used / ".hydra").iterdir()}
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "eval.num_prompts=2", f"hydra.run.dir={used}"], tmp_path,
+                   command="grpo-eval")
+    one_line_exit_2(proc, f"hydra.run.dir={used} holds a training run (metrics.jsonl", "give the eval a dir of its own",
+                    f"eval.adapter={used / 'adapter'}")
+    assert {p.name: p.read_bytes() for p in (used / ".hydra").iterdir()} == before
+    earlier = tmp_path / "eval"
+    earlier.mkdir()
+    (earlier / "eval.json").write_text('{"accuracy": 0.5}')
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "eval.num_prompts=2", f"hydra.run.dir={earlier}"], tmp_path,
+                   command="grpo-eval")
+    one_line_exit_2(proc, f"hydra.run.dir={earlier} holds an eval already (eval.json)")
+    assert (earlier / "eval.json").read_text() == '{"accuracy": 0.5}' and not (earlier / ".hydra").exists()
+
+
 # a file may not grow past 20 kB, and a write past it fails (EFBIG; Python ignores SIGXFSZ) instead of killing the
 # process: a full disk as a test can have it
 FILES_OF_AT_MOST_20_KB = {"RLIMIT_FSIZE": (20_000, 20_000)}

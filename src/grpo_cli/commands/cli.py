@@ -138,7 +138,22 @@ def _check_run_dir(prog: str, run_dir: Path) -> None:
     problem = check_writable(run_dir)
     if problem:
         raise ConfigError(f"hydra.run.dir={run_dir} cannot be created or written: {problem}; pick another dir")
+    if prog == "grpo-eval":
+        _check_eval_dir(run_dir)
     _hydra_before = HydraSnapshot.read(run_dir)
+
+
+def _check_eval_dir(run_dir: Path) -> None:
+    """grpo-eval's own records (.hydra/, eval.json) never replace a training run's or an earlier eval's."""
+    from grpo_cli.run.rundir import holds_run
+
+    if records := holds_run(run_dir):
+        raise ConfigError(f"hydra.run.dir={run_dir} holds a training run ({', '.join(records)}): grpo-eval would write "
+                          f"its .hydra/ over the run's; give the eval a dir of its own, with eval.adapter="
+                          f"{run_dir / 'adapter'} for that run's adapter")
+    if (run_dir / "eval.json").exists():
+        raise ConfigError(f"hydra.run.dir={run_dir} holds an eval already (eval.json), which another would replace; "
+                          "give this one another hydra.run.dir")
 
 
 def _hydra_app(task, prog: str, config_name: str = "config"):
