@@ -42,7 +42,8 @@ def test_a_bad_value_is_the_one_line_config_error_raised_before_anything_loads(t
     with pytest.raises(ConfigError, match=r"each of its own name"):
         grpo_cli.train("+recipe=quickstart", rewards=[lambda completions, **_: [], lambda completions, **_: []])
     with pytest.raises(ConfigError, match=r"^rewards= and reward.only=\[m.f\] both choose the reward functions"):
-        grpo_cli.train("+recipe=quickstart", "reward.only=[m.f]", "algo.clip_eps=2", rewards=[lambda completions, **_: []])
+        grpo_cli.train("+recipe=quickstart", "reward.only=[m.f]", "algo.clip_eps=2",
+                       rewards=[lambda completions, **_: []])
     with pytest.raises(ConfigError, match=r"^run_dir='a' and hydra.run.dir=b name two run dirs; give one of them$"):
         grpo_cli.train("+recipe=quickstart", "hydra.run.dir=b", "algo.clip_eps=2", run_dir="a")  # before any value
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -805,8 +805,9 @@ def test_the_embedded_model_calls_a_tool_when_the_call_opener_is_prefilled():
     assert int(roll.model_mask[i].sum()) <= 40
 
 
-@pytest.mark.parametrize("option", ["rollout.max_tool_calls=8", "rollout.tool_timeout_s=30", "rollout.tool_format=native",
-                                    "rollout.tool_output_max_chars=100", "rollout.call_opener=Call"])
+@pytest.mark.parametrize("option", ["rollout.max_tool_calls=8", "rollout.tool_timeout_s=30",
+                                    "rollout.tool_format=native", "rollout.tool_output_max_chars=100",
+                                    "rollout.call_opener=Call"])
 def test_a_tool_option_without_tools_or_an_environment_is_one_line(compose, option):
     """Single-turn runs never read the tool options: one set there would go unused, so it is refused; with a tool
     the same option is taken."""
