@@ -21,9 +21,10 @@ from grpo_cli.base.errors import ConfigError
 from grpo_cli.commands.report import make_report
 from grpo_cli.config.schema import Config
 from grpo_cli.run.validate import validate
-from grpo_cli.step.evaluate import eval_rows, final_eval_on
+from grpo_cli.step.evaluate import eval_rows
 from grpo_cli.sweep import callback as sweep
 from grpo_cli.sweep.stats import BEST, TIED, UNTESTED, WORSE
+from grpo_cli.tasks.sources import final_eval_on
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -182,6 +183,9 @@ def test_held_out_rows_do_not_depend_on_the_seed(base_cfg):
     ({"sweep__metric": "accuracy"},
      "sweep.metric=accuracy is invalid: use one of auto, final_eval_accuracy, mean_reward"),
     ({"sweep__metric": "final_eval_accuracy", "eval__final": False}, "sweep.metric=final_eval_accuracy is invalid"),
+    # eval.final=auto runs no final eval without held-out prompts or reward.accuracy: every cell would be empty
+    ({"sweep__metric": "final_eval_accuracy", "reward__accuracy": None},
+     "sweep.metric=final_eval_accuracy is invalid: needs the final eval, which eval.final=auto runs only where"),
     ({"eval__final": True, "reward__accuracy": None}, "reward.accuracy=null is invalid: eval.final=true needs"),
     ({"eval__final": "yes"}, "eval.final=yes is invalid: use auto, true or false"),
 ])
@@ -189,6 +193,16 @@ def test_bad_eval_final_or_sweep_metric_is_one_line(base_cfg, values, words):
     with pytest.raises(ConfigError) as err:
         validate(with_values(base_cfg, **values))
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_ranking_by_the_final_eval_needs_held_out_prompts_under_eval_final_auto(base_cfg, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n")
+    no_split = {"data__source": "jsonl", "data__path": str(rows), "sweep__metric": "final_eval_accuracy"}
+    with pytest.raises(ConfigError, match="give held-out prompts \\(data.eval_path or data.eval_split\\)"):
+        validate(with_values(base_cfg, **no_split))
+    assert validate(with_values(base_cfg, **no_split, data__eval_path=str(rows))) is not None
+    assert validate(with_values(base_cfg, **no_split, eval__final=True)) is not None  # asked for: it runs
 
 
 @pytest.mark.slow  # one training step and one evaluation

@@ -14,8 +14,8 @@ from grpo_cli.base.registry import import_plugins
 from grpo_cli.rewards.arithmetic import correct_last_number
 from grpo_cli.rewards.gsm8k import correctness
 from grpo_cli.run.validate import validate
-from grpo_cli.step.evaluate import answer_reader, final_eval_on, majority
-from grpo_cli.tasks.sources import SOURCES, load_rows
+from grpo_cli.step.evaluate import answer_reader, majority
+from grpo_cli.tasks.sources import SOURCES, final_eval_on, load_rows
 
 LETTERS = textwrap.dedent('''
     """A user's data source: one class and one registration line."""

@@ -64,7 +64,8 @@ def _train(overrides: tuple[str, ...], rewards, run_dir) -> TrainResult:
     from grpo_cli.config.compose import register_recipes
     from grpo_cli.run.runner import Run
     from grpo_cli.run.validate import before_model_load, validated
-    from grpo_cli.step.evaluate import Evaluator, final_eval_on
+    from grpo_cli.step.evaluate import Evaluator
+    from grpo_cli.tasks.sources import final_eval_on
 
     for argument in overrides:
         if not isinstance(argument, str) or argument.startswith("-") or "=" not in argument:

@@ -227,7 +227,8 @@ def _train_task(cfg) -> float:
                 if run is None:
                     return skipped
                 with run:  # leaving it releases the dir and the ranks
-                    from grpo_cli.step.evaluate import Evaluator, final_eval_on  # once the libraries are quiet
+                    from grpo_cli.step.evaluate import Evaluator  # once the libraries are quiet
+                    from grpo_cli.tasks.sources import final_eval_on
 
                     summary = run.train(stop=stop, make_evaluator=partial(Evaluator.for_training, config),
                                         final_eval=final_eval_on(config, multirun=_is_multirun()),

@@ -57,12 +57,17 @@ def validate(cfg: DictConfig) -> list[str]:
     from grpo_cli.rewards import check_functions
     from grpo_cli.rollout.tools import reward_owning_environment
     from grpo_cli.step.optim import check_optimizer
-    from grpo_cli.tasks.sources import check_files_are_read
+    from grpo_cli.tasks.sources import check_files_are_read, final_eval_on
 
     check_optimizer(config.optimizer)
     environment = reward_owning_environment(config.env._target_)  # a bad env._target_ is its own line first
     check_functions(config, environment)
     check_files_are_read(config.data)  # a data file is read or refused, never ignored
+    if config.sweep.metric == "final_eval_accuracy" and not final_eval_on(config, multirun=True):
+        fail("sweep.metric", "final_eval_accuracy", "needs the final eval, which eval.final=auto runs only where the "
+             "data has held-out prompts and reward.accuracy judges them: every cell would have no result; give "
+             "held-out prompts (data.eval_path or data.eval_split), or rank by another column, e.g. "
+             "sweep.metric=mean_reward")
     return check_precision(config) + warnings
 
 

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from grpo_cli.base.console import print_table
 from grpo_cli.base.errors import ConfigError, Interrupted
-from grpo_cli.config.schema import Config, DataConfig, RewardConfig
+from grpo_cli.config.schema import Config, RewardConfig
 from grpo_cli.model.adapter_fit import check_base_name, check_shapes
 from grpo_cli.model.loading import config_context_length
 from grpo_cli.rewards import build_reward, call_reward, to_scores
@@ -30,7 +30,7 @@ from grpo_cli.rewards.columns import check_columns
 from grpo_cli.rollout import Engine, SamplingParams, as_engine, make_engine
 from grpo_cli.rollout.episodes import EpisodeRunner, reward_field_names
 from grpo_cli.tasks.prompts import encode_prompts, where_of
-from grpo_cli.tasks.sources import load_rows, source_of
+from grpo_cli.tasks.sources import load_rows
 
 EVAL_BATCH_PROMPTS = 16
 
@@ -54,20 +54,6 @@ def eval_rows(cfg: Config) -> list[dict]:
 def check_held_out_columns(cfg: Config, rows: list[dict], episodes: EpisodeRunner | None) -> None:
     """The held-out `rows` have every column reward.accuracy needs (DataError before the model loads)."""
     check_columns(cfg.reward, rows, reward_field_names(episodes), where=where_of, held_out=True)
-
-
-def has_held_out_split(cfg_data: DataConfig) -> bool:
-    """Whether the data has held-out rows, as its source says (generated sources always; files and datasets
-    when data.eval_path or data.eval_split names them)."""
-    return source_of(cfg_data).has_held_out(cfg_data)
-
-
-def final_eval_on(cfg: Config, multirun: bool) -> bool:
-    """eval.final resolved: auto = in a sweep, when the data has a held-out split and reward.accuracy judges it."""
-    setting = cfg.eval.final
-    if setting == "auto":
-        return multirun and has_held_out_split(cfg.data) and cfg.reward.accuracy is not None
-    return bool(setting)
 
 
 def answer_reader(judge) -> Callable[[str], Hashable | None]:

@@ -39,11 +39,11 @@ from grpo_cli.rollout.ahead import AheadOfTheUpdate, Versions, versions_as_tenso
 from grpo_cli.rollout.placement import generating_ahead
 from grpo_cli.step import distributed, dynamic_sampling, memory, parallel
 from grpo_cli.step.batch import Batch, MiniBatch, Scores, make_batch, mini_batch_layout
-from grpo_cli.step.evaluate import check_held_out_columns, eval_rows, final_eval_on
+from grpo_cli.step.evaluate import check_held_out_columns, eval_rows
 from grpo_cli.step.optim import LRSchedule, build_optimizer
 from grpo_cli.step.stats import StepStats, UpdateSums, check_first_update, check_invariants, metrics_row, over_ranks
 from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts, where_of
-from grpo_cli.tasks.sources import PromptSampler, load_rows
+from grpo_cli.tasks.sources import PromptSampler, final_eval_on, load_rows
 
 if TYPE_CHECKING:
     from peft import PeftModel

@@ -189,12 +189,28 @@ def steps_from_epochs(config: Config) -> Config:
     steps = max(1, math.ceil(epochs * prompts / config.data.prompts_per_step))
     inform(f"trainer.epochs={epochs:g}: {steps} steps of {config.data.prompts_per_step} prompts over the {prompts} "
            f"training prompts (trainer.max_steps={steps})")
+
     def with_steps(record: Mapping) -> dict:
         return {**record, "trainer": {**record.get("trainer", {}), "max_steps": steps}} if record else {}
 
     # the records too: the checkpoint's fingerprint and the logger's config pin the steps the run takes
     return replace(config, trainer=replace(config.trainer, max_steps=steps), composed=with_steps(config.composed),
                    recorded=with_steps(config.recorded))
+
+
+def has_held_out_split(cfg_data: DataConfig) -> bool:
+    """Whether the data has held-out rows, as its source says (generated sources always; files and datasets
+    when data.eval_path or data.eval_split names them)."""
+    return source_of(cfg_data).has_held_out(cfg_data)
+
+
+def final_eval_on(cfg: Config, multirun: bool) -> bool:
+    """eval.final resolved (for the trainer, the run and the config check): auto = in a sweep, when the data has a
+    held-out split and reward.accuracy judges it."""
+    setting = cfg.eval.final
+    if setting == "auto":
+        return multirun and has_held_out_split(cfg.data) and cfg.reward.accuracy is not None
+    return bool(setting)
 
 
 # ---- checks before the model loads -------------------------------------------------------------------
