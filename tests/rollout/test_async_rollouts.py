@@ -63,6 +63,15 @@ def test_staleness_needs_the_worker_placement_in_one_line(compose):
         "rollout.worker_device=cpu is invalid: is read only with rollout.placement=worker; add it or drop "
         "rollout.worker_device")
     assert validate(compose([*TINY_TRAINER, *WORKER, "rollout.worker_device=cpu"])) == []
+    # what only generation beside training reads: refused where generation takes turns with training
+    assert refusal("rollout.server_timeout_s=5") == ("rollout.server_timeout_s=5 is invalid: is read only with "
+                                                      "rollout.placement=server; add it or drop "
+                                                      "rollout.server_timeout_s")
+    for option in ("rollout.generator_timeout_s=5", "rollout.worker_threads=1"):
+        key = option.split("=")[0]
+        assert refusal(option).endswith(f"is invalid: is read only with rollout.placement=worker or server (generation "
+                                        f"beside training); add one, or drop {key}"), option
+        assert validate(compose([*TINY_TRAINER, *WORKER, option])) == []
     if not torch.cuda.is_available():
         assert "no CUDA device is visible here" in refusal(*WORKER, "rollout.worker_device=cuda:1")
 

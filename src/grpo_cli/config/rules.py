@@ -144,8 +144,9 @@ def _check_vllm(config: Config) -> None:
 
 
 def _check_placement(config: Config, n_ranks: int) -> None:
-    """rollout.placement, rollout.max_staleness and rollout.server_url: what generation beside training does not
-    run (yet)."""
+    """rollout.placement and the options only one placement reads (max_staleness, server_url, servers,
+    server_timeout_s, worker_device, worker_threads, generator_timeout_s), each refused elsewhere; what generation
+    beside training does not run (yet)."""
     rollout = config.rollout
     if rollout.max_staleness and rollout.placement == "local":
         fail("rollout.max_staleness", rollout.max_staleness, "needs rollout.placement=worker or server (generation "
@@ -161,6 +162,14 @@ def _check_placement(config: Config, n_ranks: int) -> None:
     if rollout.worker_device != "auto" and rollout.placement != "worker":
         fail("rollout.worker_device", rollout.worker_device, "is read only with rollout.placement=worker; add it or "
              "drop rollout.worker_device")
+    if rollout.server_timeout_s != default_of("rollout.server_timeout_s") and rollout.placement != "server":
+        fail("rollout.server_timeout_s", rollout.server_timeout_s, "is read only with rollout.placement=server; add "
+             "it or drop rollout.server_timeout_s")
+    beside = (("generator_timeout_s", rollout.generator_timeout_s), ("worker_threads", rollout.worker_threads))
+    for key, value in beside:
+        if rollout.placement == "local" and value != default_of(f"rollout.{key}"):
+            fail(f"rollout.{key}", value, f"is read only with rollout.placement=worker or server (generation beside "
+                 f"training); add one, or drop rollout.{key}")
     if rollout.placement == "local":
         return
     unsupported = [(rollout.tools or config.env._target_, "tools and environments (rollout.tools, env)"),
