@@ -106,6 +106,17 @@ def test_a_typo_in_an_option_name_names_the_closest_option(tmp_path, sweep):
                                                 "closest is algo.clip_eps; `grpo-train --help` lists them"]
 
 
+def test_an_eval_sweep_is_one_line_and_runs_nothing(tmp_path):
+    """The sweep's summary would read each job's missing metrics.jsonl and advise deleting finished jobs."""
+    proc = run_cli(["-m", "+recipe=quickstart", "model=tiny", "eval.num_prompts=1,2",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path, timeout=120, command="grpo-eval")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["grpo-eval: grpo-eval -m is not supported: a sweep's summary reads "
+                                                "training runs (metrics.jsonl), not evals; run grpo-eval once per "
+                                                "setting, each in a hydra.run.dir of its own"]
+    assert not (tmp_path / "sweep").exists()
+
+
 @pytest.mark.slow  # over ~1 s: make test-fast stays under 45 s
 def test_a_broken_recipe_is_one_line_where_it_is_named_and_nothing_where_not(tmp_path):
     (tmp_path / "recipes").mkdir()

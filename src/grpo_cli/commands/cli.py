@@ -59,6 +59,9 @@ def _precheck(prog: str, argv: list[str], config_name: str = "config"):
     if any(a in ("-h", "--help", "--hydra-help", "-sc", "--shell-completion") for a in argv):
         return None
     multirun = "-m" in argv or "--multirun" in argv
+    if multirun and prog == "grpo-eval":  # the sweep's summary, ranking and re-run decisions read training runs
+        raise ConfigError("grpo-eval -m is not supported: a sweep's summary reads training runs (metrics.jsonl), not "
+                          "evals; run grpo-eval once per setting, each in a hydra.run.dir of its own")
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
