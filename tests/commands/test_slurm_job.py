@@ -75,6 +75,18 @@ def test_a_two_role_job_from_one_config_renders_runs_and_trains_on_its_servers(t
     assert validate(compose(overrides[:-1])) == []  # the training step's config is one grpo-train runs
 
 
+def test_the_servers_take_most_of_their_gpus_or_the_share_the_config_sets(config):
+    from grpo_cli.commands.slurm import _serving
+
+    def share(*overrides: str) -> str:
+        serve = next(line for line in _serving(config([*TWO_NODE, "slurm.inference_nodes=1", *overrides]))
+                     if "CUDA_VISIBLE_DEVICES=$gpu" in line)
+        return serve.split("--gpu-memory-utilization ", 1)[1].split()[0]
+
+    assert share() == "0.9"  # the default share (0.3) is one beside a trainer
+    assert share("rollout.vllm_gpu_memory_utilization=0.6") == "0.6"
+
+
 def test_a_job_refuses_what_its_nodes_cannot_run_in_one_line(compose):
     import pytest
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from grpo_cli.base.errors import ConfigError
-from grpo_cli.config.schema import Config, fail
+from grpo_cli.config.schema import Config, default_of, fail
 from grpo_cli.rollout.vllm_server import BASE_NAME, LORA_RANKS, vllm_python
 
 # overrides the job writes itself, or that only the writing reads
@@ -100,10 +100,14 @@ def _serving(config: Config) -> list[str]:
         head = ["vllm", "serve"]  # no vLLM beside this grpo-train: the nodes' own
     dtype = next((d for d in (rollout.vllm_dtype, model.dtype) if d != "auto"), "bfloat16")  # auto on CUDA: bf16
     rank = next((r for r in LORA_RANKS if r >= model.lora.r), model.lora.r)
+    # an inference node's GPUs are the servers' alone: most of each, where rollout.vllm_gpu_memory_utilization (the
+    # share beside a trainer by default) is not set
+    given = rollout.vllm_gpu_memory_utilization
+    memory = given if given != default_of("rollout.vllm_gpu_memory_utilization") else 0.9
     serve = [*head, model.name_or_path, "--served-model-name", BASE_NAME, "--dtype", dtype, "--host", "0.0.0.0",
              "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(rollout.max_staleness + 1),
              "--seed", str(config.trainer.seed), "--logprobs-mode", "processed_logprobs",
-             "--gpu-memory-utilization", "0.9",
+             "--gpu-memory-utilization", str(memory),
              *(["--max-model-len", str(rollout.vllm_max_model_len)] if rollout.vllm_max_model_len else [])]
     return [
         f'SERVE_NODES=("${{NODES[@]:1:{servers}}}")',

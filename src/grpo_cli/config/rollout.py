@@ -70,7 +70,8 @@ class RolloutConfig:
     vllm_max_model_len: int | None = option("vllm engine: longest prompt + completion it serves; null = the "
                                             "model's context", None, integer(1), row="vllm")
     vllm_gpu_memory_utilization: float = option("vllm engine on CUDA: the share of GPU memory it takes beside the "
-                                                "trainer (weights and KV cache)", 0.3, number(0, 1, low_open=True),
+                                                "trainer (weights and KV cache); a SLURM job's inference nodes: "
+                                                "0.9 unless set", 0.3, number(0, 1, low_open=True),
                                                 row="vllm memory")
     vllm_kv_cache_gib: float = option("vllm engine on the CPU: KV cache size in GiB", 1.0, POSITIVE,
                                       row="vllm memory")
