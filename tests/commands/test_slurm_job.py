@@ -11,7 +11,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 TWO_NODE = ["+recipe=quickstart", "model=qwen2.5-0.5b-instruct", "rollout.placement=server",
             "rollout.max_staleness=1", "trainer.max_steps=20"]
@@ -118,3 +118,18 @@ def test_a_job_without_inference_nodes_is_one_training_step(tmp_path):
     assert "#SBATCH --nodes=1" in text and "vllm" not in text
     assert text.strip().splitlines()[-1].endswith(
         'grpo-train +recipe=quickstart trainer.nproc=2 hydra.run.dir="$RUN_DIR"')
+
+
+def test_a_job_path_from_a_recipe_is_one_line_not_a_run_here(tmp_path):
+    """grpo-train writes a job only for slurm.write_job on its command line: one a recipe sets trained here."""
+    (tmp_path / "recipes").mkdir()
+    quickstart = (REPO / "src" / "grpo_cli" / "recipes" / "quickstart.yaml").read_text()
+    (tmp_path / "recipes" / "cluster.yaml").write_text(quickstart + "\nslurm:\n  write_job: job.sh\n"
+                                                       "  inference_nodes: 0\n")
+    run = tmp_path / "run"
+    proc = run_cli(["+recipe=cluster", "model=tiny", f"hydra.run.dir={run}"], tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "grpo-train: slurm.write_job=job.sh is read from the command line only (a recipe or config file set it here, "
+        "and the run would train instead); give it on the command line"]
+    assert not (run / "metrics.jsonl").exists() and not (tmp_path / "job.sh").exists()

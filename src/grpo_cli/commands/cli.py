@@ -257,6 +257,10 @@ def _validated_job(cfg) -> tuple[Config, list[str]]:
 
     with _restoring_hydra():
         config, warnings = validated(cfg)
+        if config.slurm.write_job is not None:  # one on the command line wrote its job before Hydra started
+            raise ConfigError(f"slurm.write_job={config.slurm.write_job} is read from the command line only (a recipe "
+                              "or config file set it here, and the run would train instead); give it on the command "
+                              "line")
         before_model_load(config)  # user code, data, tools, template: one line, before the model loads
     return config, warnings
 
