@@ -104,8 +104,11 @@ def test_a_fresh_run_into_a_used_dir_is_refused_and_overwrite_starts_over(tmp_pa
                     "another hydra.run.dir")
     untouched(used, finished)
 
+    (used / "tensorboard").mkdir()  # logger=tensorboard's events of the old run: its curves would mix with the new
+    (used / "tensorboard" / "events.out.tfevents.1.old").write_bytes(b"old run")
     proc = train(["trainer.overwrite=true", "trainer.max_steps=1", "trainer.save_every=0"], used, tmp_path, rewards_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (used / "tensorboard").exists()
     assert [r["step"] for r in read_jsonl(used / "metrics.jsonl")] == [0]
     assert {r["step"] for r in read_jsonl(used / "samples.jsonl")} == {0}
     assert not (used / "checkpoints").exists()

@@ -16,6 +16,7 @@ SAMPLES = "samples.jsonl"  # sample completions every trainer.log_samples_every 
 FINAL_EVAL = "final_eval.json"
 ADAPTER_DIR = "adapter"  # the trained LoRA weights
 CHECKPOINTS_DIR = "checkpoints"  # checkpoint.step_dir: one folder per checkpoint
+TENSORBOARD_DIR = "tensorboard"  # logger=tensorboard's event files
 
 
 def read_metrics(path: Path) -> list[dict]:

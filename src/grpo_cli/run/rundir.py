@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from grpo_cli.base.errors import CheckpointError, UserError
-from grpo_cli.base.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES
+from grpo_cli.base.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES, TENSORBOARD_DIR
 from grpo_cli.base.redaction import is_recorded_secret, is_secret_key, redact
 from grpo_cli.config.rules import ranks
 from grpo_cli.config.schema import Config, default_of
@@ -38,8 +38,9 @@ from grpo_cli.config.schema import Config, default_of
 LOCK_FILE = ".lock"
 # append-only, one JSON row per line with its "step"; cut back to the checkpoint's step on resume
 RECORDS = (METRICS, SAMPLES)
-# what a training run leaves in its dir; any of the first four means the dir holds a run
-RUN_OUTPUTS = (*RECORDS, CHECKPOINTS_DIR, ADAPTER_DIR, "wandb_run_id", "wandb")
+# what a training run leaves in its dir (all deleted when it starts over); any of the first four means the dir
+# holds a run
+RUN_OUTPUTS = (*RECORDS, CHECKPOINTS_DIR, ADAPTER_DIR, "wandb_run_id", "wandb", TENSORBOARD_DIR)
 RUN_MARKERS = RUN_OUTPUTS[:4]
 
 # the keys (or whole sections) that decide what a step computes

@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 
 from grpo_cli.base.errors import error_line, warn
+from grpo_cli.base.metrics import TENSORBOARD_DIR
 from grpo_cli.config.schema import LoggerConfig
 from grpo_cli.tracking.sinks import LOGGERS, NullSink, RunInfo
 
-FOLDER = "tensorboard"
+FOLDER = TENSORBOARD_DIR
 
 
 @LOGGERS.register("tensorboard")
