@@ -67,6 +67,18 @@ def test_config_refuses_bad_engine_keys(compose, override, message):
         validate(compose([*TINY, override]))
 
 
+@pytest.mark.parametrize("adapter", ["model.lora.use_dora=true", "model.lora.modules_to_save=[lm_head]"])
+def test_the_vllm_engine_refuses_an_adapter_its_merge_would_change(compose, adapter):
+    """vLLM's weight sync merges B @ A * scaling into the base: DoRA's magnitudes and a trained copy of a module are
+    left out, so it would sample from another policy (the merged and compiled engines refuse the same; auto takes hf).
+    Said before the model loads, and before whether vLLM is installed here."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose([*TINY, "rollout.engine=vllm", adapter]))
+    assert str(err.value) == ("rollout.engine=vllm is invalid: samples from plain LoRA merged into the base, not from "
+                              f"an adapter with {adapter}: it would sample from another policy than the one trained; "
+                              "use rollout.engine=hf (or auto)")
+
+
 # ---- the same tokens ------------------------------------------------------------------------------
 def test_greedy_compiled_equals_hf_on_the_tiny_model(tiny):
     hf, compiled = engines(tiny)

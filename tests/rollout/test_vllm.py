@@ -109,6 +109,20 @@ def test_merged_weights_name_the_plain_model(lm):
     assert {k.replace(".base_layer.", ".") for k in plain if "lora_" not in k} == set(merged)
 
 
+@pytest.mark.parametrize("variant", [{"use_dora": True}, {"modules_to_save": ["lm_head"]}], ids=["dora", "saved"])
+def test_an_adapter_the_sync_would_change_is_refused_before_vllm_starts(compose, variant):
+    """An adapter given as it is (a program's LoadedModel), past the config's check: the sync's merge leaves DoRA's
+    magnitudes and a trained module copy out."""
+    tokenizer = load_tokenizer("tiny-random")
+    base = load_base_model("tiny-random", tokenizer, torch.float32, tiny={"hidden_size": 64, "num_layers": 2,
+                                                                          "num_heads": 1})
+    model = attach_lora(base, 8, 16, 0.0, "all-linear", **variant)
+    lm = LoadedModel(model, tokenizer, torch.device("cpu"), torch.float32)
+    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm .*: it would sample from another policy than the one "
+                                          r"trained; use rollout.engine=hf \(or auto\)$"):
+        VLLMEngine.from_config(compose(ONE_HEAD).rollout, lm)
+
+
 def test_refusals(compose):
     with pytest.raises(ConfigError, match="algo.sampler_correction"):
         validate(compose([*ONE_HEAD, "algo.sampler_correction=token_mask"]))  # hf: no sampler log-probs

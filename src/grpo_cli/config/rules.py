@@ -141,6 +141,12 @@ def _check_vllm(config: Config) -> None:
     if engine == "vllm" and quantization is not None:
         fail("rollout.engine", "vllm", f"cannot serve a bitsandbytes-quantized base (model.quantization="
              f"{quantization}) with its adapter; use rollout.engine=hf or model.quantization=null")
+    lora = config.model.lora
+    unmerged = "model.lora.use_dora=true" if lora.use_dora else \
+        f"model.lora.modules_to_save=[{','.join(lora.modules_to_save)}]" if lora.modules_to_save else None
+    if engine == "vllm" and unmerged:  # its weight sync merges plain LoRA: DoRA's magnitudes, a trained copy are lost
+        fail("rollout.engine", "vllm", f"samples from plain LoRA merged into the base, not from an adapter with "
+             f"{unmerged}: it would sample from another policy than the one trained; use rollout.engine=hf (or auto)")
 
 
 def _check_placement(config: Config, n_ranks: int) -> None:

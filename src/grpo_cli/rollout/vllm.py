@@ -40,6 +40,7 @@ from grpo_cli.rollout.common import (
     finish_rollout,
     left_pad,
 )
+from grpo_cli.rollout.inference_copy import merge_obstacle
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SEED_RANGE = 2**31 - 1
@@ -144,6 +145,9 @@ class VLLMEngine(Engine):
             raise ConfigError(f"rollout.engine=vllm cannot serve a bitsandbytes-quantized base (model.quantization="
                               f"{lm.quantization}) with a LoRA adapter; use rollout.engine=hf or "
                               "model.quantization=null")
+        if hasattr(lm.model, "get_base_model") and (obstacle := merge_obstacle(lm.model)):  # an adapter given as is
+            raise ConfigError(f"rollout.engine=vllm {obstacle}: it would sample from another policy than the one "
+                              "trained; use rollout.engine=hf (or auto)")
         dtype = lm.dtype if roll.vllm_dtype == "auto" else DTYPES[roll.vllm_dtype]
         return cls(lm.model, lm.tokenizer, lm.device, dtype=dtype, max_model_len=roll.vllm_max_model_len,
                    gpu_memory_utilization=roll.vllm_gpu_memory_utilization, kv_cache_gib=roll.vllm_kv_cache_gib,
