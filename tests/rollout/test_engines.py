@@ -67,6 +67,23 @@ def test_config_refuses_bad_engine_keys(compose, override, message):
         validate(compose([*TINY, override]))
 
 
+@pytest.mark.parametrize("option", ["rollout.vllm_dtype=float32", "rollout.vllm_max_model_len=512",
+                                    "rollout.vllm_gpu_memory_utilization=0.5", "rollout.vllm_kv_cache_gib=2",
+                                    "rollout.vllm_sync=lora"])
+def test_a_vllm_option_without_vllm_is_one_line(compose, option):
+    """The other engines never read them: set beside one, they would go unused."""
+    key, value = option.split("=")
+    with pytest.raises(ConfigError) as err:
+        validate(compose([*TINY, option]))
+    if key == "rollout.vllm_sync":  # a server is always given the adapter as a LoRA request
+        assert str(err.value) == ("rollout.vllm_sync=lora is invalid: is read only with rollout.engine=vllm; add it "
+                                  "or drop rollout.vllm_sync")
+        return
+    assert str(err.value) == (f"{key}={value} is invalid: is read only by vLLM (rollout.engine=vllm, or rollout."
+                              f"placement=server); add one of them, or drop {key}")
+    assert validate(compose([*TINY, "rollout.placement=server", option])) is not None  # the servers it starts
+
+
 @pytest.mark.parametrize("adapter", ["model.lora.use_dora=true", "model.lora.modules_to_save=[lm_head]"])
 def test_the_vllm_engine_refuses_an_adapter_its_merge_would_change(compose, adapter):
     """vLLM's weight sync merges B @ A * scaling into the base: DoRA's magnitudes and a trained copy of a module are

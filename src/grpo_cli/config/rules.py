@@ -128,8 +128,11 @@ def check_libraries_installed(config: Config) -> None:
                           "install 'grpo-cli[tensorboard]' (or tensorboard), or use logger=none")
 
 
+VLLM_OPTIONS = ("vllm_dtype", "vllm_max_model_len", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib", "vllm_sync")
+
+
 def _check_vllm(config: Config) -> None:
-    """rollout.engine=vllm and algo.sampler_correction: what only they refuse."""
+    """rollout.engine=vllm, its options (read only by vLLM) and algo.sampler_correction: what only they refuse."""
     correction, engine, quantization = config.algo.sampler_correction, config.rollout.engine, config.model.quantization
     if correction != "none" and engine != "vllm" and config.rollout.placement == "local":
         fail("algo.sampler_correction", correction, f"needs the sampler's own log-probs, which rollout.engine={engine} "
@@ -141,6 +144,16 @@ def _check_vllm(config: Config) -> None:
     if engine == "vllm" and quantization is not None:
         fail("rollout.engine", "vllm", f"cannot serve a bitsandbytes-quantized base (model.quantization="
              f"{quantization}) with its adapter; use rollout.engine=hf or model.quantization=null")
+    vllm_reads = engine == "vllm" or config.rollout.placement == "server"  # the engine, or the servers it starts
+    for key in VLLM_OPTIONS:
+        value = getattr(config.rollout, key)
+        if value == default_of(f"rollout.{key}"):
+            continue
+        if key == "vllm_sync" and engine != "vllm":  # a server is always given the adapter as a LoRA request
+            fail("rollout.vllm_sync", value, "is read only with rollout.engine=vllm; add it or drop rollout.vllm_sync")
+        if not vllm_reads:
+            fail(f"rollout.{key}", value, "is read only by vLLM (rollout.engine=vllm, or rollout.placement=server); "
+                 f"add one of them, or drop rollout.{key}")
     lora = config.model.lora
     unmerged = "model.lora.use_dora=true" if lora.use_dora else \
         f"model.lora.modules_to_save=[{','.join(lora.modules_to_save)}]" if lora.modules_to_save else None
