@@ -135,6 +135,13 @@ def test_missing_model_dir_and_out_of_range_label(compose, classifier, tmp_path)
     with pytest.raises(ConfigError, match=r"reward.functions.rm.label=3 is invalid: "
                                           rf".* has {NUM_LABELS} output logits"):
         RewardSet.from_config(Config.of(compose_with(compose, classifier, "+reward.functions.rm.label=3")).reward)
+    # longer than the classifier reads (512 positions): it was cut to 512 without a word
+    with pytest.raises(ConfigError, match=r"reward.functions.rm.max_length=4096 is invalid: .* reads at most 512 "
+                                          r"tokens; use max_length <= 512 \(null = 512\)"):
+        RewardSet.from_config(Config.of(compose_with(compose, classifier,
+                                                     "+reward.functions.rm.max_length=4096")).reward)
+    assert RewardModel(model=classifier, max_length=100).max_length == 100
+    assert RewardModel(model=classifier).max_length == 512
 
 
 def test_plain_function_rewards_take_options_as_keyword_arguments(compose, tmp_path, monkeypatch):

@@ -90,9 +90,13 @@ class RewardModel:
         if self.model.config.pad_token_id is None:  # the classifier finds each row's last token by it
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.tokenizer.truncation_side = "left"  # an over-long input keeps its end: the completion
-        limits = [max_length, getattr(self.model.config, "max_position_embeddings", None),
+        limits = [getattr(self.model.config, "max_position_embeddings", None),
                   self.tokenizer.model_max_length if self.tokenizer.model_max_length < 1e9 else None]
-        self.max_length = min(v for v in limits if v) if any(limits) else None
+        reads = min((v for v in limits if v), default=None)  # the most tokens the classifier reads
+        if max_length is not None and reads is not None and max_length > reads:
+            raise ConfigError(f"{prefix}.max_length={max_length} is invalid: {model} reads at most {reads} tokens; "
+                              f"use max_length <= {reads} (null = {reads})")
+        self.max_length = max_length or reads
         self.model.to(self.device).eval().requires_grad_(False)
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
 
