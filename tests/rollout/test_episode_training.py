@@ -235,6 +235,15 @@ def test_an_environment_that_fails_on_the_first_row_is_refused_before_the_model_
                               "the model loads: " + line.replace("prompt, start, messages", "prompt, answer, messages"))
 
 
+def test_an_environment_that_hangs_on_the_first_row_is_refused_at_its_deadline_before_the_model_loads(config):
+    cfg = config(["+recipe=quickstart", "model=tiny", "env._target_=test_episodes.SlowReset", "env.timeout_s=0.3"])
+    with pytest.raises(ConfigError) as err:
+        episodes.check_before_model_load(cfg)
+    assert str(err.value) == ("env._target_=test_episodes.SlowReset fails on the run's first row, before the model "
+                              "loads: environment SlowReset.reset took over 0.3 s (env.timeout_s) and was abandoned; "
+                              "fix it, or raise env.timeout_s (null = no limit)")
+
+
 def test_settings_that_cannot_work_are_refused_before_the_model_loads(compose):
     quickstart = ["+recipe=quickstart", "model=tiny", "rollout.tools=[test_episodes.multiply]"]
     with pytest.raises(ConfigError, match=re.escape("rollout.tool_format=native is invalid: the chat template of ")):

@@ -571,6 +571,32 @@ def test_an_environment_that_fails_is_one_line_naming_its_class_and_method(token
     assert capfd.readouterr().err == ""
 
 
+class SlowInit:
+    def __init__(self):
+        time.sleep(30)  # a connection that never answers
+
+    def reset(self, **kwargs) -> None:
+        pass
+
+
+class SlowReset:
+    def reset(self, **kwargs) -> None:
+        time.sleep(30)
+
+
+@pytest.mark.parametrize(("environment", "call"), [(SlowInit, "SlowInit()"), (SlowReset, "SlowReset.reset")])
+def test_an_environment_past_its_deadline_is_one_line_and_abandoned(tokenizer, environment, call):
+    """env.timeout_s: building or resetting an environment that hangs (a socket, a container that never starts)
+    ends the episode loop in one line instead of stalling the run with no word."""
+    t0 = time.monotonic()
+    with pytest.raises(RunError) as err:
+        episodes(tokenizer, [{**script("Hi."), "start": 1}], tools=(), environment_factory=environment,
+                 environment_timeout_s=0.3)
+    assert time.monotonic() - t0 < 10  # the 30 s call was abandoned at its deadline (with room for a slow machine)
+    assert str(err.value) == (f"environment {call} took over 0.3 s (env.timeout_s) and was abandoned; fix it, or "
+                              "raise env.timeout_s (null = no limit)")
+
+
 ENV_URL = "https://my-env.hf.space"
 
 
@@ -821,3 +847,5 @@ def test_a_tool_option_without_tools_or_an_environment_is_one_line(compose, opti
     assert str(err.value) == (f"{key}={value} is invalid: is read only with tools or an environment (rollout.tools, "
                               f"env._target_); add them, or drop {key}")
     validate(compose([*TINY_TRAINER, "rollout.tools=[grpo_cli.calculator.calculator]", option]))
+    with pytest.raises(ConfigError, match=r"^env.timeout_s=5 is invalid: is read only with an environment "):
+        validate(compose([*TINY_TRAINER, "rollout.tools=[grpo_cli.calculator.calculator]", "env.timeout_s=5"]))

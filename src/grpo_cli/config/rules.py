@@ -206,7 +206,11 @@ TOOL_OPTIONS = ("max_tool_calls", "tool_timeout_s", "tool_output_max_chars", "to
 
 def _check_tool_options(config: Config) -> None:
     """The rollout's tool options, set to other than their defaults, are read only by episodes: with rollout.tools or
-    an environment (env._target_); without either the run is single-turn and they would go unused."""
+    an environment (env._target_); without either the run is single-turn and they would go unused. env.timeout_s
+    needs an environment."""
+    if config.env._target_ is None and config.env.timeout_s != default_of("env.timeout_s"):
+        fail("env.timeout_s", config.env.timeout_s, "is read only with an environment (env._target_); add one, or "
+             "drop env.timeout_s")
     if config.rollout.tools or config.env._target_ is not None:
         return
     for name in TOOL_OPTIONS:

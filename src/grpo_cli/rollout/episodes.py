@@ -151,13 +151,14 @@ class Episode:
 
 
 def start_episode(fmt: ToolFormat, row: dict, tools: Sequence[Tool], environment_factory: Callable | None,
-                  stop: StopFn | None = None) -> Episode:
-    """The episode's environment instance (reset with the row's columns), its tools and its prompt."""
+                  stop: StopFn | None = None, environment_timeout_s: float | None = None) -> Episode:
+    """The episode's environment instance (reset with the row's columns, each within environment_timeout_s), its
+    tools and its prompt."""
     messages = [dict(m) for m in row.get("messages") or []]
     env, tools = None, list(tools)
     if environment_factory is not None:
-        env = new_environment(environment_factory, stop)
-        observation = reset_environment(env, row, stop)
+        env = new_environment(environment_factory, stop, environment_timeout_s)
+        observation = reset_environment(env, row, stop, environment_timeout_s)
         if observation is not None:
             if messages:
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
@@ -187,6 +188,7 @@ class EpisodeSetup:
     environment_factory: Callable | None = None
     tool_timeout_s: float | None = None
     tool_output_max_chars: int | None = None
+    environment_timeout_s: float | None = None  # env.timeout_s: building and resetting the environment
 
     def run(self, engine: Engine, rows: list[dict], num_generations: int, sampling: SamplingParams,
             stop: StopFn | None = None) -> Episodes | None:
@@ -210,7 +212,8 @@ def run_episodes(engine: Engine, rows: list[dict], num_generations: int, samplin
         raise ConfigError(f"max_tool_calls={max_tool_calls} and max_new_tokens={max_new_tokens} must be >= 0 and >= 1")
     G, stops = num_generations, tuple(sampling.stop_strings) + fmt.stop_strings
     standalone = make_tools(setup.tools)
-    episodes = [start_episode(fmt, row, standalone, setup.environment_factory, stop) for row in rows for _ in range(G)]
+    episodes = [start_episode(fmt, row, standalone, setup.environment_factory, stop, setup.environment_timeout_s)
+                for row in rows for _ in range(G)]
     limits = ToolLimits(setup.tool_timeout_s, setup.tool_output_max_chars, stop)
     eos = end_ids(engine, fmt.tokenizer)
     interrupted, first = False, True
@@ -359,6 +362,7 @@ class EpisodeRunner:
     tool_format: str = "auto"
     call_opener: str = ""
     tool_output_max_chars: int | None = None
+    environment_timeout_s: float | None = None
     _formats: dict = field(default_factory=dict)
 
     @classmethod
@@ -375,7 +379,7 @@ class EpisodeRunner:
             raise ConfigError(f"rollout.tools and the environment's methods offer {' and '.join(twice)} twice; every "
                               "tool needs its own name: drop one from rollout.tools or rename one")
         return cls(tools, factory, roll.max_tool_calls, roll.tool_timeout_s, roll.tool_format, roll.call_opener,
-                   roll.tool_output_max_chars)
+                   roll.tool_output_max_chars, cfg.env.timeout_s)
 
     def format_for(self, tokenizer) -> ToolFormat:
         """How `tokenizer` shows the tools; ConfigError for rollout.tool_format=native on a template without
@@ -394,7 +398,8 @@ class EpisodeRunner:
         """These settings for a model's `tokenizer` and `context_length`: `.run(engine, rows, G, sampling, stop)`
         runs its episodes (ConfigError as `format_for`)."""
         return EpisodeSetup(self.format_for(tokenizer), self.max_tool_calls, context_length, self.tools,
-                            self.environment_factory, self.tool_timeout_s, self.tool_output_max_chars)
+                            self.environment_factory, self.tool_timeout_s, self.tool_output_max_chars,
+                            self.environment_timeout_s)
 
 
 def check_before_model_load(cfg: Config) -> None:
@@ -414,7 +419,8 @@ def check_before_model_load(cfg: Config) -> None:
     rows = load_rows(cfg.data, split="train", seed=cfg.trainer.seed)
     first = PromptSampler(rows, cfg.data.prompts_per_step, cfg.trainer.seed).batch(0)[0]
     try:
-        reset_environment(new_environment(runner.environment_factory), first)
+        timeout_s = runner.environment_timeout_s
+        reset_environment(new_environment(runner.environment_factory, timeout_s=timeout_s), first, timeout_s=timeout_s)
     except UserCodeError as err:
         raise ConfigError(f"env._target_={cfg.env._target_} fails on the run's first row, before the model loads: "
                           f"{err}") from None

@@ -343,23 +343,34 @@ def import_object(dotted: str, key: str):
     return found
 
 
-def new_environment(factory: Callable, stop=None):
-    """One instance, built as TRL's environment_factory builds it (no arguments), behind the user-code boundary."""
+def _too_slow(call: str, timeout_s: float | None) -> UserCodeError:
+    return UserCodeError(f"environment {call} took over {timeout_s:g} s (env.timeout_s) and was abandoned; fix it, "
+                         "or raise env.timeout_s (null = no limit)")
+
+
+def new_environment(factory: Callable, stop=None, timeout_s: float | None = None):
+    """One instance, built as TRL's environment_factory builds it (no arguments), behind the user-code boundary,
+    within `timeout_s` seconds (env.timeout_s; None: no limit)."""
+    name = getattr(factory, "__qualname__", factory)
     try:
-        return user_code.call(factory, name="environment-init", stop=stop)
+        return user_code.call(factory, name="environment-init", stop=stop, timeout_s=timeout_s)
+    except user_code.TimedOut:
+        raise _too_slow(f"{name}()", timeout_s) from None
     except user_code.Raised as failure:
-        name = getattr(factory, "__qualname__", factory)
         raise UserCodeError(f"environment {name}() raised {raised(failure.error)}; "
                             "an environment is built without arguments (TRL's environment_factory): fix its __init__"
                             ) from None
 
 
-def reset_environment(env, row: dict, stop=None) -> str | None:
-    """`env.reset(**reset_arguments)` behind the user-code boundary: its string (added to the prompt) or None;
-    whatever it raises, exits with or returns besides is a UserCodeError naming the class."""
+def reset_environment(env, row: dict, stop=None, timeout_s: float | None = None) -> str | None:
+    """`env.reset(**reset_arguments)` behind the user-code boundary, within `timeout_s` seconds: its string (added
+    to the prompt) or None; whatever it raises, exits with or returns besides is a UserCodeError naming the class."""
     name, arguments = type(env).__qualname__, reset_arguments(env.reset, row)
     try:
-        observation = user_code.call(functools.partial(env.reset, **arguments), name="environment-reset", stop=stop)
+        observation = user_code.call(functools.partial(env.reset, **arguments), name="environment-reset", stop=stop,
+                                     timeout_s=timeout_s)
+    except user_code.TimedOut:
+        raise _too_slow(f"{name}.reset", timeout_s) from None
     except user_code.Raised as failure:
         raise UserCodeError(f"environment {name}.reset raised {raised(failure.error)} (given {', '.join(arguments)}); "
                             "fix it") from None
