@@ -95,8 +95,8 @@ def check(config: Config, n_ranks: int) -> list[str]:
     if config.sweep.metric == "final_eval_accuracy" and config.eval.final is False:
         fail("sweep.metric", "final_eval_accuracy", "needs eval.final=true or auto (eval.final=false leaves that "
              "column empty); or rank by another column, e.g. sweep.metric=mean_reward")
-    warnings = []
-    if config.algo.adv_eps >= 1e-2:
+    warnings = inert_algo_options(config.algo)
+    if config.algo.adv_eps >= 1e-2 and divides_by_the_std(config.algo):
         warnings.append(f"algo.adv_eps={config.algo.adv_eps} is near the reward scale and shrinks the advantages; 1e-4 "
                         "is usual")
     reshaping = sampling_reshapes(rollout)
@@ -110,6 +110,48 @@ def check(config: Config, n_ranks: int) -> list[str]:
         warnings.append("model.lora.dropout > 0 with mini_batches or num_iterations > 1: the ratio == 1 check is "
                         "relaxed by dropout noise")
     return warnings
+
+
+CLIPPING_OBJECTIVES = ("grpo", "luspo")  # the clipped surrogate's: the only objectives that read the clip bounds
+# (the algo keys an objective alone reads, the objective)
+OBJECTIVE_OPTIONS = ((("clip_eps", "clip_eps_high", "delta"), CLIPPING_OBJECTIVES), (("cispo_max_ratio",), ("cispo",)),
+                     (("sapo_temperature_pos", "sapo_temperature_neg"), ("sapo",)),
+                     (("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), ("vespo",)))
+
+
+def divides_by_the_std(algo: AlgoConfig) -> bool:
+    """Whether the advantage estimator divides by a reward std plus algo.adv_eps (grpo's and grpo_passk's z-scores)."""
+    return algo.advantage in ("grpo", "grpo_passk") and algo.scale_rewards != "none"
+
+
+def inert_algo_options(algo: AlgoConfig) -> list[str]:
+    """A warning for each algo option set (other than its default) where the rest of the section leaves it out of the
+    loss: the KL options with beta=0, one objective's options under another, the sampler bounds without a
+    correction, the adaptive entropy step without a target, the draws without filter_groups. Warnings, not
+    refusals: a sweep may vary the setting that turns the option on."""
+    def set_(key: str) -> bool:
+        return getattr(algo, key) != default_of(f"algo.{key}")
+
+    inert = [(key, "algo.beta=0 computes no KL term (the reference pass is skipped); set algo.beta > 0")
+             for key in ("kl_estimator", "use_bias_correction_kl") if algo.beta == 0 and set_(key)]
+    for keys, objectives in OBJECTIVE_OPTIONS:
+        if algo.objective not in objectives:
+            inert += [(key, f"only algo.objective={' or '.join(objectives)} reads it, not {algo.objective}")
+                      for key in keys if set_(key)]
+    inert += [(key, "algo.sampler_correction=none weighs nothing; set one, e.g. algo.sampler_correction="
+                    "token_truncate") for key in ("sampler_clip_min", "sampler_clip_max")
+              if algo.sampler_correction == "none" and set_(key)]
+    if algo.entropy_target is None and set_("entropy_coef_delta"):
+        inert.append(("entropy_coef_delta", "the entropy coefficient adapts only toward algo.entropy_target (null)"))
+    if not algo.filter_groups and set_("filter_max_draws"):
+        inert.append(("filter_max_draws", "it bounds the draws of algo.filter_groups=true (off)"))
+    if set_("adv_eps") and not divides_by_the_std(algo):
+        inert.append(("adv_eps", f"algo.advantage={algo.advantage} with scale_rewards={algo.scale_rewards} divides by "
+                                 "no std"))
+    def shown(value) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return [f"algo.{key}={shown(getattr(algo, key))} has no effect here: {why}" for key, why in inert]
 
 
 def check_libraries_installed(config: Config) -> None:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from grpo_cli.base.registry import import_plugins
 from grpo_cli.config import override_key
 from grpo_cli.config.compose import checked
-from grpo_cli.config.rules import check, is_on_policy, ranks
+from grpo_cli.config.rules import CLIPPING_OBJECTIVES, check, is_on_policy, ranks
 from grpo_cli.config.schema import Config, fail
 
 
@@ -85,7 +85,7 @@ def on_policy_clip_warning(keys: list[str], sweep: bool = False) -> str:
 def explicit_clip_warning(config: Config, task_overrides: list[str]) -> str | None:
     """The warning for a single run whose command line (Hydra's overrides.task) sets a clip epsilon that
     cannot act; None otherwise. A recipe's own clip_eps is not the user's choice and gets no warning."""
-    if not is_on_policy(config.algo):
-        return None
+    if not is_on_policy(config.algo) or config.algo.objective not in CLIPPING_OBJECTIVES:
+        return None  # another objective never reads them: config.rules.inert_algo_options says so
     keys = [k for k in CLIP_EPS_KEYS if any(override_key(line) == k for line in task_overrides)]
     return on_policy_clip_warning(keys) if keys else None

@@ -154,13 +154,14 @@ def check_jobs(config: DictConfig) -> None:
 
 def on_policy_clip_sweep(config: DictConfig) -> str | None:
     """The warning for a sweep that varies a clip epsilon while every job is fully on-policy; else None."""
-    from grpo_cli.config.rules import is_on_policy
+    from grpo_cli.config.rules import CLIPPING_OBJECTIVES, is_on_policy
     from grpo_cli.run.validate import CLIP_EPS_KEYS, on_policy_clip_warning
 
     swept = _swept(config)
     clip = [k for k in CLIP_EPS_KEYS if k in swept]
     policy_swept = {"algo.mini_batches", "algo.num_iterations", "recipe"} & swept  # jobs may differ: say nothing
-    if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config.algo):
+    if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config.algo) \
+            or OmegaConf.select(config, "algo.objective") not in CLIPPING_OBJECTIVES:  # the jobs' own warnings say why
         return None
     return on_policy_clip_warning(clip, sweep=True)
 
