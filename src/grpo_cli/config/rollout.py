@@ -116,6 +116,6 @@ class EnvConfig:
     _target_: str | None = option("an environment class (TRL's environment_factory): one per episode, "
                                   "reset(**row) returns a string or None, public methods are tools, optional "
                                   "get_reward(); null = none", None, DOTTED_PATH)
-    timeout_s: float | None = option("seconds an environment may take to be built or to reset(**row); past it the "
-                                     "run stops in one line with its last checkpoint (null = no limit)", 60.0,
-                                     POSITIVE)
+    timeout_s: float | None = option("seconds an environment may take to be built or to reset(**row) (room for a "
+                                     "remote one's cold start); past it the run stops in one line with its last "
+                                     "checkpoint (null = no limit)", 300.0, POSITIVE)
