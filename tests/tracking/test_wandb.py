@@ -375,6 +375,16 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, offline_run):
     assert steps == [[0, 1], [2]]
     assert f"wandb sync {run_dir}/wandb/offline-run-*-{run_id}" in second.stdout
     assert offline_run["wandb"]["run"].run_id != run_id  # another run dir, another W&B run
+    assert "W&B keeps" not in second.stdout + second.stderr  # nothing past its checkpoint was logged before
+
+    # from the checkpoint after 2 steps again: step 2 was logged, and W&B drops a step logged a second time
+    third = prewarmed.run([*args, "trainer.max_steps=3", f"trainer.resume={run_dir}/checkpoints/step-000002",
+                           "trainer.resume_allow_changes=[trainer.max_steps]"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert ("warning: W&B keeps step 2 as the earlier attempt logged them (it drops a step logged again), while this "
+            "attempt trains them again from the checkpoint after 2 step(s); metrics.jsonl holds this attempt's"
+            ) in " ".join((third.stdout + third.stderr).split()), third.stdout + third.stderr
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ class Run:
         self.trainer: GRPOTrainer | None = None
         self.built_trainer = False
         self.last_checkpoint: tuple[int, Path] | None = None  # (complete steps, folder) of the newest one
+        self.logged_again: list[int] = []  # steps an earlier attempt logged past the checkpoint this one resumes
         self.main = is_rank_zero()
         self.monitors = Monitors({name: spec.weight for name, spec in (self.cfg.reward.functions or {}).items()},
                                  self.cfg.reward.carrying_the_task())
@@ -106,6 +107,12 @@ class Run:
             if self.main:  # a final eval of an earlier attempt does not describe this one's weights
                 (self.run_dir / FINAL_EVAL).unlink(missing_ok=True)
             tracker = self.open_tracker(start)
+            if self.logged_again and self.cfg.logger.backend == "wandb":
+                first, last = self.logged_again[0], self.logged_again[-1]
+                steps = f"step {first}" if first == last else f"steps {first}-{last}"
+                tracker.warn(f"W&B keeps {steps} as the earlier attempt logged them (it drops a step logged again), "
+                             f"while this attempt trains them again from the checkpoint after {start} step(s); "
+                             f"{METRICS} holds this attempt's")
             t_start = time.time()
             try:
                 self.run_steps(tracker, start)
@@ -185,6 +192,9 @@ class Run:
         start = state["step"]
         self.last_checkpoint = (start, found)
         if self.main:
+            logged = {r["step"] for r in read_metrics(self.run_dir / METRICS)} if (self.run_dir / METRICS).is_file() \
+                else set()
+            self.logged_again = sorted(step for step in logged if step >= start)
             rundir.roll_back_records(self.run_dir, start, found)
             self.monitors.replay([r for r in read_metrics(self.run_dir / METRICS) if r["step"] < start])
         return start
