@@ -44,37 +44,40 @@ def test_a_staleness_bound_beyond_the_run_is_a_warning(compose):
                 if "max_staleness" in w]
 
 
-@pytest.mark.parametrize(("overrides", "warning"), [
+ON_POLICY = "every update is on-policy (algo.mini_batches=1, algo.num_iterations=1), so the ratio is exactly 1 and"
+
+
+@pytest.mark.parametrize(("overrides", "warning", "turned_on"), [
     (["algo.beta=0", "algo.use_bias_correction_kl=true"], "algo.use_bias_correction_kl=true has no effect here: "
-     "algo.beta=0 computes no KL term (the reference pass is skipped); set algo.beta > 0"),
-    (["algo.beta=0", "algo.kl_estimator=low_var_kl"], "algo.kl_estimator=low_var_kl has no effect here: algo.beta=0"),
+     "algo.beta=0 computes no KL term (the reference pass is skipped); set algo.beta > 0", ["algo.beta=0.04"]),
+    (["algo.beta=0", "algo.kl_estimator=low_var_kl"], "algo.kl_estimator=low_var_kl has no effect here: algo.beta=0",
+     ["algo.beta=0.04"]),
     (["algo.objective=sapo", "algo.clip_eps_high=0.28", "algo.mini_batches=2"],
-     "algo.clip_eps_high=0.28 has no effect here: only algo.objective=grpo or luspo reads it, not sapo"),
+     "algo.clip_eps_high=0.28 has no effect here: only algo.objective=grpo or luspo reads it, not sapo",
+     ["algo.objective=grpo"]),
     (["algo.cispo_max_ratio=4"], "algo.cispo_max_ratio=4 has no effect here: only algo.objective=cispo reads it, "
-     "not grpo"),
+     "not grpo", ["algo.objective=cispo", "algo.mini_batches=2"]),
     (["algo.sampler_clip_max=2"], "algo.sampler_clip_max=2 has no effect here: algo.sampler_correction=none weighs "
-     "nothing"),
+     "nothing", ["algo.sampler_correction=token_truncate", "rollout.placement=worker"]),
     (["algo.entropy_coef_delta=0.01"], "algo.entropy_coef_delta=0.01 has no effect here: the entropy coefficient "
-     "adapts only toward algo.entropy_target (null)"),
+     "adapts only toward algo.entropy_target (null)", ["algo.entropy_target=0.5"]),
     (["algo.filter_max_draws=8"], "algo.filter_max_draws=8 has no effect here: it bounds the draws of "
-     "algo.filter_groups=true (off)"),
+     "algo.filter_groups=true (off)", ["algo.filter_groups=true"]),
     (["algo.advantage=rloo", "algo.adv_eps=0.05"], "algo.adv_eps=0.05 has no effect here: algo.advantage=rloo with "
-     "scale_rewards=group divides by no std"),
+     "scale_rewards=group divides by no std", ["algo.advantage=grpo"]),
+    (["algo.delta=1.5"], f"algo.delta=1.5 has no effect here: {ON_POLICY} never reaches the cap; set "
+     "algo.mini_batches > 1", ["algo.mini_batches=2"]),
+    (["algo.objective=sapo", "algo.sapo_temperature_pos=0.5"], f"algo.sapo_temperature_pos=0.5 has no effect here: "
+     f"{ON_POLICY} the gate's slope there is 1 whatever its temperature", ["algo.num_iterations=2"]),
 ])
-@pytest.mark.slow  # 16 validations: make test-fast stays under 45 s
-def test_an_algo_option_the_rest_of_the_section_leaves_out_is_a_warning(compose, overrides, warning):
-    """Each reaches no term of the loss (a warning, not a refusal: a sweep may vary what turns it on); with what turns
-    it on, no warning."""
+@pytest.mark.slow  # 20 validations: make test-fast stays under 45 s
+def test_an_algo_option_the_rest_of_the_section_leaves_out_is_a_warning(compose, overrides, warning, turned_on):
+    """Each reaches no term of the update (a warning, not a refusal: a sweep may vary what turns it on); with what
+    turns it on (`turned_on` added last), no warning."""
     from grpo_cli.run.validate import validate
 
     base = ["+recipe=quickstart", "model=tiny", "trainer.device=cpu"]
     warnings = validate(compose([*base, *overrides]))
-    assert [w for w in warnings if w.startswith(warning)] and not any("shrinks the advantages" in w for w in warnings)
-    turned_on = {"algo.beta=0": "algo.beta=0.04", "algo.objective=sapo": "algo.objective=grpo",
-                 "algo.advantage=rloo": "algo.advantage=grpo"}
-    on = [turned_on.get(o, o) for o in overrides] + (
-        ["algo.objective=cispo"] if "cispo" in warning else ["algo.sampler_correction=token_truncate",
-                                                               "rollout.placement=worker"] if "sampler" in warning
-        else ["algo.entropy_target=0.5"] if "entropy" in warning else ["algo.filter_groups=true"]
-        if "draws" in warning else [])
-    assert not [w for w in validate(compose([*base, *on])) if "has no effect here" in w], on
+    assert [w for w in warnings if w.startswith(warning)], warnings
+    assert not any("shrinks the advantages" in w for w in warnings)
+    assert not [w for w in validate(compose([*base, *overrides, *turned_on])) if "has no effect here" in w]

@@ -126,9 +126,10 @@ def divides_by_the_std(algo: AlgoConfig) -> bool:
 
 def inert_algo_options(algo: AlgoConfig) -> list[str]:
     """A warning for each algo option set (other than its default) where the rest of the section leaves it out of the
-    loss: the KL options with beta=0, one objective's options under another, the sampler bounds without a
-    correction, the adaptive entropy step without a target, the draws without filter_groups. Warnings, not
-    refusals: a sweep may vary the setting that turns the option on."""
+    loss: the KL options with beta=0, one objective's options under another, the caps and the gate temperature of
+    the objective in use on fully on-policy updates (ratio 1), the sampler bounds without a correction, the
+    adaptive entropy step without a target, the draws without filter_groups. Warnings, not refusals: a sweep may
+    vary the setting that turns the option on."""
     def set_(key: str) -> bool:
         return getattr(algo, key) != default_of(f"algo.{key}")
 
@@ -145,6 +146,16 @@ def inert_algo_options(algo: AlgoConfig) -> list[str]:
         inert.append(("entropy_coef_delta", "the entropy coefficient adapts only toward algo.entropy_target (null)"))
     if not algo.filter_groups and set_("filter_max_draws"):
         inert.append(("filter_max_draws", "it bounds the draws of algo.filter_groups=true (off)"))
+    if is_on_policy(algo):  # the ratio is exactly 1: what acts only on a ratio away from 1 never does
+        why = ("every update is on-policy (algo.mini_batches=1, algo.num_iterations=1), so the ratio is exactly 1 and "
+               "{}; set algo.mini_batches > 1 or algo.num_iterations > 1 for it to act")
+        if algo.delta is not None and algo.objective in CLIPPING_OBJECTIVES:
+            inert.append(("delta", why.format("never reaches the cap")))
+        if algo.objective == "cispo" and set_("cispo_max_ratio") and algo.cispo_max_ratio >= 1:
+            inert.append(("cispo_max_ratio", why.format("never reaches the cap")))
+        if algo.objective == "sapo":
+            inert += [(key, why.format("the gate's slope there is 1 whatever its temperature"))
+                      for key in ("sapo_temperature_pos", "sapo_temperature_neg") if set_(key)]
     if set_("adv_eps") and not divides_by_the_std(algo):
         inert.append(("adv_eps", f"algo.advantage={algo.advantage} with scale_rewards={algo.scale_rewards} divides by "
                                  "no std"))
