@@ -168,6 +168,8 @@ def test_clip_eps_on_the_command_line_of_an_on_policy_run_warns():
     assert explicit_clip_warning(on_policy, ["+recipe=quickstart", "algo.beta=0.1"]) is None  # the recipe's own
     for off_policy in ({"mini_batches": 4, "num_iterations": 1}, {"mini_batches": 1, "num_iterations": 2}):
         assert explicit_clip_warning(OmegaConf.create({"algo": off_policy}), ["algo.clip_eps=0.1"]) is None
+    cispo = OmegaConf.create({"algo": {"mini_batches": 1, "num_iterations": 1, "objective": "cispo"}})
+    assert explicit_clip_warning(cispo, ["algo.clip_eps=0.1"]) is None  # it reads no clip: rules.inert_algo_options
 
 
 @pytest.mark.parametrize("override,allowed", [

@@ -276,6 +276,9 @@ def test_on_policy_clip_sweep_warning():
     assert line and "sweeping algo.clip_eps measures nothing" in line and "algo.num_iterations > 1" in line
     assert "algo.clip_eps_high" in sweep.on_policy_clip_sweep(_sweep_config(["algo.clip_eps_high=0.2,0.28"]))
     assert sweep.on_policy_clip_sweep(_sweep_config([], params={"algo.clip_eps": "interval(0.05, 0.3)"}))  # Optuna
+    cispo = _sweep_config(["algo.objective=cispo", "algo.clip_eps=0.1,0.3"])
+    cispo.algo.objective = "cispo"
+    assert sweep.on_policy_clip_sweep(cispo) is None  # no clip to act: each job's own warning says so
     # clipping can act, or the user compares on- and off-policy on purpose, or clip eps is not swept: no warning
     assert sweep.on_policy_clip_sweep(_sweep_config(grid, mini_batches=4)) is None
     assert sweep.on_policy_clip_sweep(_sweep_config(grid, num_iterations=2)) is None

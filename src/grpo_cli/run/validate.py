@@ -85,7 +85,7 @@ def on_policy_clip_warning(keys: list[str], sweep: bool = False) -> str:
 def explicit_clip_warning(config: Config, task_overrides: list[str]) -> str | None:
     """The warning for a single run whose command line (Hydra's overrides.task) sets a clip epsilon that
     cannot act; None otherwise. A recipe's own clip_eps is not the user's choice and gets no warning."""
-    if not is_on_policy(config.algo) or config.algo.objective not in CLIPPING_OBJECTIVES:
+    if not is_on_policy(config.algo) or getattr(config.algo, "objective", "grpo") not in CLIPPING_OBJECTIVES:
         return None  # another objective never reads them: config.rules.inert_algo_options says so
     keys = [k for k in CLIP_EPS_KEYS if any(override_key(line) == k for line in task_overrides)]
     return on_policy_clip_warning(keys) if keys else None

@@ -161,7 +161,7 @@ def on_policy_clip_sweep(config: DictConfig) -> str | None:
     clip = [k for k in CLIP_EPS_KEYS if k in swept]
     policy_swept = {"algo.mini_batches", "algo.num_iterations", "recipe"} & swept  # jobs may differ: say nothing
     if not clip or policy_swept or OmegaConf.select(config, "algo") is None or not is_on_policy(config.algo) \
-            or OmegaConf.select(config, "algo.objective") not in CLIPPING_OBJECTIVES:  # the jobs' own warnings say why
+            or OmegaConf.select(config, "algo.objective", default="grpo") not in CLIPPING_OBJECTIVES:  # jobs' warnings
         return None
     return on_policy_clip_warning(clip, sweep=True)
 
