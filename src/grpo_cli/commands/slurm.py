@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from grpo_cli.base.errors import ConfigError
-from grpo_cli.config.schema import Config, default_of, fail
+from grpo_cli.config.rules import is_set
+from grpo_cli.config.schema import Config, fail
 from grpo_cli.rollout.vllm_server import BASE_NAME, LORA_RANKS, vllm_python
 
 # overrides the job writes itself, or that only the writing reads
@@ -102,8 +103,7 @@ def _serving(config: Config) -> list[str]:
     rank = next((r for r in LORA_RANKS if r >= model.lora.r), model.lora.r)
     # an inference node's GPUs are the servers' alone: most of each, where rollout.vllm_gpu_memory_utilization (the
     # share beside a trainer by default) is not set
-    given = rollout.vllm_gpu_memory_utilization
-    memory = given if given != default_of("rollout.vllm_gpu_memory_utilization") else 0.9
+    memory = rollout.vllm_gpu_memory_utilization if is_set(config, "rollout.vllm_gpu_memory_utilization") else 0.9
     serve = [*head, model.name_or_path, "--served-model-name", BASE_NAME, "--dtype", dtype, "--host", "0.0.0.0",
              "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(rollout.max_staleness + 1),
              "--seed", str(config.trainer.seed), "--logprobs-mode", "processed_logprobs",

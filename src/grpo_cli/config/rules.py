@@ -12,7 +12,14 @@ import sys
 from operator import attrgetter
 
 from grpo_cli.base.errors import ConfigError
+from grpo_cli.config.rule import shown
 from grpo_cli.config.schema import AlgoConfig, Config, RolloutConfig, default_of, fail
+
+
+def is_set(section, key: str, prefix: str = "") -> bool:
+    """Whether `key` (dotted) of a typed config, or of its section named `prefix`, holds other than its declared
+    default: an option the user (or a recipe) chose."""
+    return attrgetter(key)(section) != default_of(f"{prefix}.{key}" if prefix else key)
 
 
 def is_on_policy(algo: AlgoConfig) -> bool:
@@ -131,7 +138,7 @@ def inert_algo_options(algo: AlgoConfig) -> list[str]:
     adaptive entropy step without a target, the draws without filter_groups. Warnings, not refusals: a sweep may
     vary the setting that turns the option on."""
     def set_(key: str) -> bool:
-        return getattr(algo, key) != default_of(f"algo.{key}")
+        return is_set(algo, key, "algo")
 
     inert = [(key, "algo.beta=0 computes no KL term (the reference pass is skipped); set algo.beta > 0")
              for key in ("kl_estimator", "use_bias_correction_kl") if algo.beta == 0 and set_(key)]
@@ -159,9 +166,6 @@ def inert_algo_options(algo: AlgoConfig) -> list[str]:
     if set_("adv_eps") and not divides_by_the_std(algo):
         inert.append(("adv_eps", f"algo.advantage={algo.advantage} with scale_rewards={algo.scale_rewards} divides by "
                                  "no std"))
-    def shown(value) -> str:
-        return str(value).lower() if isinstance(value, bool) else str(value)
-
     return [f"algo.{key}={shown(getattr(algo, key))} has no effect here: {why}" for key, why in inert]
 
 
@@ -199,9 +203,9 @@ def _check_vllm(config: Config) -> None:
              f"{quantization}) with its adapter; use rollout.engine=hf or model.quantization=null")
     vllm_reads = engine == "vllm" or config.rollout.placement == "server"  # the engine, or the servers it starts
     for key in VLLM_OPTIONS:
-        value = getattr(config.rollout, key)
-        if value == default_of(f"rollout.{key}"):
+        if not is_set(config.rollout, key, "rollout"):
             continue
+        value = getattr(config.rollout, key)
         if key == "vllm_sync" and engine != "vllm":  # a server is always given the adapter as a LoRA request
             fail("rollout.vllm_sync", value, "is read only with rollout.engine=vllm; add it or drop rollout.vllm_sync")
         if not vllm_reads:
@@ -234,14 +238,13 @@ def _check_placement(config: Config, n_ranks: int) -> None:
     if rollout.worker_device != "auto" and rollout.placement != "worker":
         fail("rollout.worker_device", rollout.worker_device, "is read only with rollout.placement=worker; add it or "
              "drop rollout.worker_device")
-    if rollout.server_timeout_s != default_of("rollout.server_timeout_s") and rollout.placement != "server":
+    if is_set(rollout, "server_timeout_s", "rollout") and rollout.placement != "server":
         fail("rollout.server_timeout_s", rollout.server_timeout_s, "is read only with rollout.placement=server; add "
              "it or drop rollout.server_timeout_s")
-    beside = (("generator_timeout_s", rollout.generator_timeout_s), ("worker_threads", rollout.worker_threads))
-    for key, value in beside:
-        if rollout.placement == "local" and value != default_of(f"rollout.{key}"):
-            fail(f"rollout.{key}", value, f"is read only with rollout.placement=worker or server (generation beside "
-                 f"training); add one, or drop rollout.{key}")
+    for key in ("generator_timeout_s", "worker_threads"):
+        if rollout.placement == "local" and is_set(rollout, key, "rollout"):
+            fail(f"rollout.{key}", getattr(rollout, key), "is read only with rollout.placement=worker or server "
+                 f"(generation beside training); add one, or drop rollout.{key}")
     if rollout.placement == "local":
         return
     unsupported = [(rollout.tools or config.env._target_, "tools and environments (rollout.tools, env)"),
@@ -261,16 +264,15 @@ def _check_tool_options(config: Config) -> None:
     """The rollout's tool options, set to other than their defaults, are read only by episodes: with rollout.tools or
     an environment (env._target_); without either the run is single-turn and they would go unused. env.timeout_s
     needs an environment."""
-    if config.env._target_ is None and config.env.timeout_s != default_of("env.timeout_s"):
+    if config.env._target_ is None and is_set(config, "env.timeout_s"):
         fail("env.timeout_s", config.env.timeout_s, "is read only with an environment (env._target_); add one, or "
              "drop env.timeout_s")
     if config.rollout.tools or config.env._target_ is not None:
         return
     for name in TOOL_OPTIONS:
-        value = getattr(config.rollout, name)
-        if value != default_of(f"rollout.{name}"):
-            fail(f"rollout.{name}", value, "is read only with tools or an environment (rollout.tools, env._target_); "
-                 f"add them, or drop rollout.{name}")
+        if is_set(config.rollout, name, "rollout"):
+            fail(f"rollout.{name}", getattr(config.rollout, name), "is read only with tools or an environment "
+                 f"(rollout.tools, env._target_); add them, or drop rollout.{name}")
 
 
 def _check_parallel(config: Config, n_ranks: int) -> None:
