@@ -70,6 +70,20 @@ def test_objectives_by_hand(objective):
         assert 0 < float(stats["cispo_clip_fraction"]) < 1
 
 
+def test_on_policy_the_vespo_weight_is_1_whatever_its_shape():
+    """With old = logp (ratio 1: config.rules' warning that the shape options then change nothing), phi(1) =
+    exp(lam + k * 0 - lam * 1) = 1 for every (k, lam): the loss and its gradient are REINFORCE's, -A * logp."""
+    logp, _, _, adv, mask = batch()
+    results = []
+    for options in (ObjectiveOptions(), ObjectiveOptions(vespo_k_pos=0.5, vespo_lambda_pos=9.0, vespo_k_neg=7.0,
+                                                         vespo_lambda_neg=0.25)):
+        loss, _ = policy_loss(LossInputs(logp, adv, mask, None, None, settings=LossSettings(objective="vespo",
+                                                                                          options=options)))
+        results.append((loss, *torch.autograd.grad(loss, logp)))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    torch.testing.assert_close(results[0][0], grpo_mean(-adv[:, None] * logp, mask))
+
+
 def test_luspo_is_the_sequence_sum():
     loss, _, (logp, old, _, adv, mask) = loss_of(LossSettings(objective="luspo"), ratio_level="sequence")
     n = mask.sum(-1)

@@ -69,6 +69,8 @@ ON_POLICY = "every update is on-policy (algo.mini_batches=1, algo.num_iterations
      "algo.mini_batches > 1", ["algo.mini_batches=2"]),
     (["algo.objective=sapo", "algo.sapo_temperature_pos=0.5"], f"algo.sapo_temperature_pos=0.5 has no effect here: "
      f"{ON_POLICY} the gate's slope there is 1 whatever its temperature", ["algo.num_iterations=2"]),
+    (["algo.objective=vespo", "algo.vespo_lambda_neg=5"], f"algo.vespo_lambda_neg=5 has no effect here: {ON_POLICY} "
+     "the gamma weight there is phi(1) = 1 whatever its k and lambda", ["algo.mini_batches=2"]),
 ])
 @pytest.mark.slow  # 20 validations: make test-fast stays under 45 s
 def test_an_algo_option_the_rest_of_the_section_leaves_out_is_a_warning(compose, overrides, warning, turned_on):

@@ -133,10 +133,10 @@ def divides_by_the_std(algo: AlgoConfig) -> bool:
 
 def inert_algo_options(algo: AlgoConfig) -> list[str]:
     """A warning for each algo option set (other than its default) where the rest of the section leaves it out of the
-    loss: the KL options with beta=0, one objective's options under another, the caps and the gate temperature of
-    the objective in use on fully on-policy updates (ratio 1), the sampler bounds without a correction, the
-    adaptive entropy step without a target, the draws without filter_groups. Warnings, not refusals: a sweep may
-    vary the setting that turns the option on."""
+    loss: the KL options with beta=0, one objective's options under another, the caps, the gate temperatures and the
+    gamma weight's shape of the objective in use on fully on-policy updates (ratio 1), the sampler bounds without a
+    correction, the adaptive entropy step without a target, the draws without filter_groups. Warnings, not
+    refusals: a sweep may vary the setting that turns the option on."""
     def set_(key: str) -> bool:
         return is_set(algo, key, "algo")
 
@@ -163,6 +163,9 @@ def inert_algo_options(algo: AlgoConfig) -> list[str]:
         if algo.objective == "sapo":
             inert += [(key, why.format("the gate's slope there is 1 whatever its temperature"))
                       for key in ("sapo_temperature_pos", "sapo_temperature_neg") if set_(key)]
+        if algo.objective == "vespo":
+            inert += [(key, why.format("the gamma weight there is phi(1) = 1 whatever its k and lambda"))
+                      for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg") if set_(key)]
     if set_("adv_eps") and not divides_by_the_std(algo):
         inert.append(("adv_eps", f"algo.advantage={algo.advantage} with scale_rewards={algo.scale_rewards} divides by "
                                  "no std"))
