@@ -61,6 +61,26 @@ TRICKS = {
         "        except OSError:\n"
         "            pass\n"
         "os._exit(0)\n"),
+    "the runner's steps rewritten in place, found in the heap": (
+        "import gc, re\n"
+        "for found in gc.get_objects():\n"
+        "    if isinstance(found, list) and found and all(isinstance(step, (tuple, list)) and len(step) == 2\n"
+        "                                              and step[0] in ('test', 'setup') for step in found):\n"
+        "        for i, (kind, code) in enumerate(found):\n"
+        "            if kind == 'test' and not re.fullmatch(r\"assert '[0-9a-f]{8}' == '[0-9a-f]{8}'\", code):\n"
+        "                found[i] = ('test', 'pass')\n"),
+    "the tests as sent, read in the harness's frames, and the others rewritten": (
+        "import sys\n"
+        "f = sys._getframe(1)\n"
+        "while f is not None:\n"
+        "    sent, steps = f.f_locals.get('job'), f.f_locals.get('steps')\n"
+        "    if isinstance(sent, dict) and isinstance(steps, list):\n"
+        "        canary = next(i for i, step in enumerate(steps) if i >= len(sent['steps'])\n"
+        "                      or list(step) != list(sent['steps'][i]))\n"
+        "        for i, (kind, code) in enumerate(steps):\n"
+        "            if kind == 'test' and i != canary:\n"
+        "                steps[i] = ('test', 'pass')\n"
+        "    f = f.f_back\n"),
     "every pipe told it passed": (
         "import os\n"
         "for fd in range(3, 64):\n"

@@ -33,8 +33,11 @@ outcome/NAME and counted in the metrics as outcomes/NAME/KIND:
 A program and its tests share one interpreter, but not the harness's verdict: the tests run in a process that cannot
 write the sandbox's stdout, where a parent process that runs no code of the completion reports them, and a test
 that must fail is slipped in among them (a program that rewrites exec, json, os.write, builtins or sys, or prints a
-forged verdict, scores 0: `crashed: the program tampered with its tests`). A program that reads its tests and fakes
-each answer (an object equal to everything, say) is not caught. Results are cached per (program, tests, limits),
+forged verdict, or rewrites the tests it finds in the heap or the harness's frames, scores 0: `crashed: the program
+tampered with its tests`). Not caught: a program that reads its tests and fakes each answer (an object equal to
+everything, say), nor one that reads the runner's own state (its frame, its pipe) to speak the runner's protocol
+itself, spotting the canary: what shares an interpreter with the tests can do all the runner does. HumanEval's own
+check_correctness runs the program in its tests' interpreter too. Results are cached per (program, tests, limits),
 so a second entry of the same reward (all_or_nothing for reward.accuracy) does not run the program again.
 """
 
@@ -126,7 +129,8 @@ def split_tests(tests: str, entry_point: str | None = None) -> tuple[tuple[str, 
 
 # Runs in the sandbox, as two processes. The judge (this script's process) reads the job, hides its /proc entry
 # (not dumpable), writes "started", slips a canary (a test that must fail) in among the tests, and forks the runner,
-# which never sees the sandbox's stdout: its stdout and stderr both go to stderr. The runner binds the harness's own
+# which never sees the sandbox's stdout: its stdout and stderr both go to stderr, and it holds the steps as a tuple,
+# neither the job as sent nor the canary's place. The runner binds the harness's own
 # functions before any code of the job runs (a program that replaces exec, json, os.write or builtins changes what
 # the tests see, not what the harness reports), runs the preamble and the program, then each step, and writes one
 # byte per step to a pipe of its own (P/F a test passed/failed, S/X a set-up ran/raised), or C and why the program
@@ -134,7 +138,7 @@ def split_tests(tests: str, entry_point: str | None = None) -> tuple[tuple[str, 
 # of order or a count that does not match the steps is a program that tampered with its tests.
 _HARNESS = r"""
 import json, os, random, sys
-def _runner(job, steps, result):
+def _runner(sources, steps, result):
     _exec, _compile, _write, _exit, _str, _type, _Base = exec, compile, os.write, os._exit, str, type, BaseException
     def why(err):
         try:
@@ -143,9 +147,9 @@ def _runner(job, steps, result):
         except _Base:
             return "an exception that cannot be shown"
     space = {"__name__": "solution", "__builtins__": __builtins__}
-    for name in ("preamble", "program"):
+    for name, source in sources:
         try:
-            _exec(_compile(job[name], name + ".py", "exec"), space)
+            _exec(_compile(source, name + ".py", "exec"), space)
         except _Base as err:
             _write(result, b"C" + why(err).encode("utf-8", "replace") + b"\n")
             _exit(0)
@@ -190,13 +194,16 @@ def _judge():
     steps = [tuple(step) for step in job["steps"]]
     canary = random.randrange(len(steps) + 1)
     steps.insert(canary, ("test", "assert %r == %r" % (os.urandom(4).hex(), os.urandom(4).hex())))
+    steps = tuple(steps)
+    sources = (("preamble", job["preamble"]), ("program", job["program"]))
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
         os.close(out)
         os.dup2(2, 1)
-        _runner(job, steps, write_end)
+        del job, canary, nonce  # the program can read this frame: the tests as sent and the canary's place leave it
+        _runner(sources, steps, write_end)
     os.close(write_end)
     _, status = os.waitpid(pid, 0)
     if job["isolated"]:  # alone in its pid namespace: every process the runner left is ended and reaped first
