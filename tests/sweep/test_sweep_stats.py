@@ -6,6 +6,7 @@ import pytest
 
 from grpo_cli.sweep.stats import (
     BEST,
+    LEADS,
     TIED,
     UNTESTED,
     WORSE,
@@ -74,8 +75,8 @@ def test_cell_table_labels_and_failed_job():
     table = cell_table(rows, ["algo.beta", "trainer.seed"], ["final_reward"], rank_by="final_reward")
     by_beta = {c["algo.beta"]: c for c in table}
     assert [c["algo.beta"] for c in table] == [0.08, 0.0, 0.02, 0.04]
-    # the n = 1 cell has the highest mean: it is ranked first, and nobody can be tested against it
-    assert by_beta[0.08]["label"] == BEST and by_beta[0.08]["final_reward_ci_low"] is None
+    # the n = 1 cell has the highest mean: it is ranked first, and nobody can be tested against it, so none is best
+    assert by_beta[0.08]["label"] == LEADS and by_beta[0.08]["final_reward_ci_low"] is None
     assert by_beta[0.0]["label"] == UNTESTED and by_beta[0.0]["p_vs_best"] is None
 
     table = cell_table([r for r in rows if r["algo.beta"] != 0.08], ["algo.beta", "trainer.seed"],

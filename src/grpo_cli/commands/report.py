@@ -11,21 +11,20 @@ from __future__ import annotations
 import argparse
 import csv
 import html
-import math
 from pathlib import Path
 
 import yaml
 from matplotlib.figure import Figure  # no pyplot: renders headless via Agg, no global state
-from matplotlib.patches import Rectangle
 from rich.console import Console
 from rich.table import Table as RichTable
 
 from grpo_cli.base.console import print_table
-from grpo_cli.base.errors import ReportError, one_line, warn
+from grpo_cli.base.errors import MetricsError, ReportError, one_line, warn
 from grpo_cli.base.metrics import ADAPTER_DIR, SAMPLES, final_mean, read_metrics
+from grpo_cli.commands.cells import cell_name, cell_plot, html_cells, rich_cells
 from grpo_cli.config.schema import default_of
 from grpo_cli.run import monitors
-from grpo_cli.sweep.stats import ALL_TIED, BEST, SEED_KEY, TIED, WORSE, cell_keys, group_cells
+from grpo_cli.sweep.stats import SEED_KEY, group_cells
 from grpo_cli.sweep.summary import CELLS_CSV, SUMMARY_CSV, Summary, find_job_dirs, summarise, write_summary
 
 RUN_PLOTS = {  # file stem -> (metric key, y label)
@@ -151,101 +150,20 @@ def monitor_section(run: Path, rows: list[dict], out: Path) -> list[str]:
             *_imgs(["monitors.png"])]
 
 
-def _sort_key(v: str) -> tuple[int, float, str]:
-    try:
-        return (0, float(v), "")
-    except ValueError:
-        return (1, 0.0, v)
-
-
-CELL_STYLE = {BEST: ("bold green", "best", "★ "), TIED: ("yellow", "tied", "≈ "), ALL_TIED: ("yellow", "tied", "≈ "),
-              WORSE: ("red", "worse", "")}
-
-
-def half_width(cell: dict, metric: str) -> float | None:
-    """The ± of a cell's 95 % interval of `metric`; None when it has none (n < 2)."""
-    low, high = cell.get(f"{metric}_ci_low"), cell.get(f"{metric}_ci_high")
-    return None if low is None or high is None else (high - low) / 2
-
-
-def cell_name(cell: dict, keys: list[str]) -> str:
-    return " ".join(f"{k}={cell[k]}" for k in cell_keys(keys)) or "all jobs"
-
-
-def _estimate(cell: dict, metric: str, digits: int = 3) -> str:
-    mean, half = cell.get(f"{metric}_mean"), half_width(cell, metric)
-    if mean is None:
-        return "-"
-    if half is None:
-        return f"{mean:.{digits}f} (n = {cell[f'{metric}_n']})"
-    return f"{mean:.{digits}f} ± {half:.{digits}f}"
-
-
-def cell_plot(png: Path, table: list[dict], keys: list[str]) -> str:
-    """Each cell's mean of the ranking metric with its 95 % interval, the best cell marked: a heatmap over the
-    first two cell keys, else bars with error bars. Returns a line on what the figure leaves out ("" if nothing)."""
-    rank_by, axes_keys = table[0]["rank_by"], cell_keys(keys)
-    fig = Figure(figsize=(7, 5), layout="constrained")
-    ax = fig.add_subplot()
-    note = ""
-    if len(axes_keys) >= 2:
-        xk, yk = axes_keys[:2]
-        if len(axes_keys) > 2:
-            note = (f"the heatmap shows {xk} x {yk}; {', '.join(axes_keys[2:])} also swept: each square shows its "
-                    "best cell (the table lists them all)")
-        xs = sorted({str(c[xk]) for c in table}, key=_sort_key)
-        ys = sorted({str(c[yk]) for c in table}, key=_sort_key)
-        grid: list[list[dict | None]] = [[None] * len(xs) for _ in ys]
-        for cell in table:  # best first: a square keeps its best cell
-            i, j = ys.index(str(cell[yk])), xs.index(str(cell[xk]))
-            grid[i][j] = grid[i][j] or cell
-        means = [[math.nan if c is None or c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in row]
-                 for row in grid]
-        # the colours span the intervals, not just the means: cells whose difference is noise look alike
-        ends = [c[f"{rank_by}_mean"] + sign * (half_width(c, rank_by) or 0.0) for c in table
-                if c[f"{rank_by}_mean"] is not None for sign in (-1, 1)]
-        im = ax.imshow(means, origin="lower", cmap="viridis", aspect="auto", vmin=min(ends, default=None),
-                       vmax=max(ends, default=None))
-        fig.colorbar(im, ax=ax, label=rank_by)
-        ax.set_xticks(range(len(xs)), xs)
-        ax.set_yticks(range(len(ys)), ys)
-        ax.set(xlabel=xk, ylabel=yk)
-        for i, row in enumerate(grid):
-            for j, square in enumerate(row):
-                if square is None or square[f"{rank_by}_mean"] is None:
-                    continue
-                best = square["label"] == BEST
-                label = {BEST: "best\n", TIED: "tied with best\n", ALL_TIED: "tied\n", WORSE: "worse\n"}.get(
-                    square["label"], "")
-                ax.text(j, i, label + _estimate(square, rank_by).replace(" ± ", "\n± "),
-                        ha="center", va="center", color="w", fontweight="bold" if best else "normal")
-                if best:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=3))
-    else:
-        bars = sorted(table, key=lambda c: [_sort_key(str(c[k])) for k in axes_keys])  # in the swept values' order
-        heights = [math.nan if c[f"{rank_by}_mean"] is None else c[f"{rank_by}_mean"] for c in bars]
-        ax.bar(range(len(bars)), heights, yerr=[half_width(c, rank_by) or 0.0 for c in bars], capsize=6,
-               color=["tab:red" if c["label"] == BEST else "tab:blue" for c in bars])
-        ticks = [f"{cell_name(c, keys)}\n{_estimate(c, rank_by)}" + ("\nbest" if c["label"] == BEST else "")
-                 for c in bars]
-        ax.set_xticks(range(len(bars)), ticks, rotation=20 if len(bars) > 4 else 0)
-        ax.set(ylabel=rank_by)
-    n = sorted({c[f"{rank_by}_n"] for c in table})
-    seeds = f"n = {n[0]}" if len(n) == 1 else f"n = {n[0]}..{n[-1]}"
-    ax.set_title(f"{rank_by}: cell mean ± 95 % CI ({seeds} seeds; best marked)")
-    fig.savefig(png, dpi=100)
-    return note
-
-
 def cell_curves(png: Path, sweep: Path, rows: list[dict], keys: list[str]) -> None:
     """Reward over steps, one line per cell: the mean over its seeds, a band from their min to their max."""
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
     for _values, jobs in group_cells(rows, keys):
-        ok = [j for j in jobs if j["status"] == "ok"] or jobs
+        ok = [j for j in jobs if j["status"] == "ok"]  # a failed job's curve is no seed of its cell's mean
         per_step: dict[float, list[float]] = {}
-        for job in ok:
-            for step, value in zip(*series(read_metrics(sweep / job["dir"] / "metrics.jsonl"), "reward"), strict=True):
+        for job in list(ok):
+            try:
+                metrics = read_metrics(sweep / job["dir"] / "metrics.jsonl")
+            except MetricsError:  # damaged: the summary's line names it
+                ok.remove(job)
+                continue
+            for step, value in zip(*series(metrics, "reward"), strict=True):
                 per_step.setdefault(step, []).append(value)
         if not per_step:
             continue
@@ -261,51 +179,14 @@ def cell_curves(png: Path, sweep: Path, rows: list[dict], keys: list[str]) -> No
     fig.savefig(png, dpi=100)
 
 
-def _p(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2g}"
-
-
-def rich_cells(table: list[dict], keys: list[str]) -> RichTable:
-    """The ranked cells for the terminal; the best in green, ties with it in yellow, worse in red."""
-    rank_by = table[0]["rank_by"]
-    out = RichTable(title=f"sweep cells ranked by {rank_by}: mean ± 95 % CI over seeds, "
-                          "Welch's t-test against the best")
-    for column in ["rank", *cell_keys(keys), "n", "mean ± CI", "p vs best", "paired p", "label"]:
-        is_p_value = column.startswith(("p ", "paired"))
-        out.add_column(column, justify="right" if column != "label" else "left",
-                       no_wrap=column in ("mean ± CI", "label"), min_width=4 if is_p_value else None)
-    for cell in table:
-        style, _css, mark = CELL_STYLE.get(cell["label"], ("dim", "", ""))
-        p = cell["p_vs_best"]
-        label = mark + cell["label"] + (f"; {cell['note']}" if cell["note"] else "")
-        out.add_row("-" if cell["rank"] is None else str(cell["rank"]), *(str(cell[k]) for k in cell_keys(keys)),
-                    str(cell[f"{rank_by}_n"]), _estimate(cell, rank_by, 4), _p(p), _p(cell.get("p_paired_vs_best")),
-                    label, style=style)
-    return out
-
-
-def html_cells(table: list[dict], keys: list[str]) -> str:
-    rank_by = table[0]["rank_by"]
-    head = ["rank", *cell_keys(keys), "n", f"{rank_by} mean ± 95 % CI", "p vs best (Welch)", "paired p (same seeds)",
-            "label"]
-    lines = ["<table class='cells'><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
-    for cell in table:
-        _style, css, mark = CELL_STYLE.get(cell["label"], ("", "untested", ""))
-        p = cell["p_vs_best"]
-        values = ["-" if cell["rank"] is None else cell["rank"], *(cell[k] for k in cell_keys(keys)),
-                  cell[f"{rank_by}_n"], _estimate(cell, rank_by, 4), _p(p), _p(cell.get("p_paired_vs_best")),
-                  mark + cell["label"] + (f"; {cell['note']}" if cell["note"] else "")]
-        lines.append(f"<tr class='{css}'>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in values) + "</tr>")
-    return "".join(lines) + "</table>"
-
-
 def _page(title: str, body: list[str]) -> str:
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}img{max-width:100%}"
         "pre{background:#f4f4f4;padding:8px;overflow:auto}td,th{border:1px solid #ccc;padding:2px 6px}"
         "table{border-collapse:collapse}tr.best{background:#c8f0c8;font-weight:bold}tr.tied{background:#fff0b8}"
-        "tr.worse{color:#a33}tr.untested{color:#888}.unfinished{background:#ffe0b0;padding:6px;font-weight:bold}"
+        "tr.worse{color:#a33}tr.untested{color:#888}tr.leads{background:#e4f4e4}"
+        ".unfinished{background:#ffe0b0;padding:6px;font-weight:bold}"
         "table.samples pre{white-space:pre-wrap;margin:0;padding:2px}tr.prompt{background:#eef}</style></head><body>"
         f"<h1>{html.escape(title)}</h1>\n" + "\n".join(body) + "\n</body></html>\n"
     )
@@ -389,15 +270,23 @@ def run_report(run: Path, out: Path) -> str:
 
 def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
     """The sweep's page, and its ranked cell table for the terminal (None when no job has a result)."""
-    dirs = find_job_dirs(sweep)
-    jobs = [(d, read_metrics(d / "metrics.jsonl")) for d in dirs if (d / "metrics.jsonl").exists()]
-    jobs = [(d, rows) for d, rows in jobs if rows]
+    summary = _current_summary(sweep)
+    summary_rows, keys = summary.rows, summary.keys
+    dirs = [sweep / row["dir"] for row in summary_rows]  # this sweep's jobs, as its summary counts them
+    earlier = [job_name(sweep, d) for d in find_job_dirs(sweep) if d not in dirs]
+    jobs, damaged = [], []
+    for d in dirs:
+        try:
+            rows = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").exists() else []
+        except MetricsError as err:  # one damaged job must not hide the others (the summary's line names it)
+            damaged.append(f"{job_name(sweep, d)} ({err})")
+            continue
+        if rows:
+            jobs.append((d, rows))
     skipped = [job_name(sweep, d) for d in dirs if d not in {j[0] for j in jobs}]
     if not jobs:
         raise ReportError(f"no job with metrics.jsonl in sweep, {sweep}; wait for a job to log a step")
     labels = [" ".join(overrides(d)) or f"job {job_name(sweep, d)}" for d, _ in jobs]
-    summary = _current_summary(sweep)
-    summary_rows, keys = summary.rows, summary.keys
     swept = {row["dir"]: row["overrides"] for row in summary_rows}  # a legend names only what differs
     legends = [swept.get(job_name(sweep, d)) or lab for lab, (d, _) in zip(labels, jobs, strict=True)]
     pngs = []
@@ -407,7 +296,11 @@ def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
         pngs.append(f"sweep_{key}.png")
     body = [f"<p>{len(jobs)} jobs with metrics.</p>"]
     if skipped:
-        body.append(f"<p class='skipped'>Skipped jobs without metrics: {html.escape(', '.join(skipped))}</p>")
+        body.append(f"<p class='skipped'>Skipped jobs without metrics: {html.escape(', '.join(skipped))}"
+                    + (f"; damaged: {html.escape('; '.join(damaged))}" if damaged else "") + "</p>")
+    if earlier:
+        body.append(f"<p class='skipped'>Left out, as an earlier sweep's in this dir (their status records name "
+                    f"another sweep): {html.escape(', '.join(earlier))}</p>")
     table = summary.cells
     terminal = None
     if any(c["rank"] is not None for c in table):
@@ -416,7 +309,8 @@ def sweep_report(sweep: Path, out: Path) -> tuple[str, RichTable | None]:
         terminal = rich_cells(table, keys)
         body += ["<h2>Cells</h2>", f"<p>Jobs that differ only in {SEED_KEY} form a cell; each cell's mean has a 95 % "
                  "Student-t interval over its seeds, and is compared with the best cell by Welch's t-test "
-                 "(p &ge; 0.05: tied with best).</p>", html_cells(table, keys)]
+                 "(p &ge; 0.05: tied with best); the first is best only where another tested worse.</p>",
+                 html_cells(table, keys)]
         body += [f"<p class='note'>{html.escape(note)}</p>"] if note else []
         body += _imgs(["sweep_heatmap.png", "sweep_cell_curves.png"])
     else:

@@ -7,7 +7,8 @@ a cell with n = 1 gets no interval (its std and bounds are None). Cells are rank
 (higher is better) and each is compared with the best cell by Welch's t-test (unequal variances: seeds of
 different settings need not spread alike): `best`, `tied with best` (p >= 0.05, or the same mean) or `worse`. A
 comparison that needs two seeds on both sides says `n = 1: not tested` instead of guessing. When every other cell
-is tied with the first, no cell is best: each is `tied`.
+is tied with the first, no cell is best: each is `tied`. The first cell is `best` only when another tested worse;
+else (cells of one seed, a lone cell) it is `highest mean, none tested worse`.
 
 Jobs of one seed see the same prompts in the same order, so the seed often moves a job more than the swept
 setting does. Beside Welch's p (which labels) each cell also gets `p_paired_vs_best`: a paired t-test of its
@@ -30,6 +31,7 @@ CONFIDENCE = 0.95
 ALPHA = 0.05
 BEST, TIED, WORSE, UNTESTED = "best", "tied with best", "worse", "n = 1: not tested"
 ALL_TIED = "tied"  # every cell, when none differs from the first: none is best
+LEADS = "highest mean, none tested worse"  # the first cell, where no comparison found another worse
 
 
 def describe(values: Sequence[float]) -> dict:
@@ -149,4 +151,6 @@ def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], r
     if len(ranked_cells) > 1 and all(c["label"] == TIED for c in ranked_cells[1:]):
         for cell in ranked_cells:
             cell["label"] = ALL_TIED
+    elif ranked_cells and not any(c["label"] == WORSE for c in ranked_cells):
+        ranked_cells[0]["label"] = LEADS
     return ranked

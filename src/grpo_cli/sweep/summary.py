@@ -232,7 +232,9 @@ def _row(sweep_dir: Path, job: Job, keys: list[str], problems: list[str]) -> dic
     state, error = _state(job)
     where = job.dir.relative_to(sweep_dir).as_posix()
     if job.status_problem not in (None, "missing"):
-        problems.append(f"{where}/{JOB_STATUS} is {job.status_problem}; its job is read as {state} from its dir")
+        which = " (nor can it say which sweep it ran in: an earlier one in this dir, maybe)" \
+            if (sweep_dir / SWEEP_ID_FILE).is_file() else ""
+        problems.append(f"{where}/{JOB_STATUS} is {job.status_problem}; its job is read as {state} from its dir{which}")
     row: dict[str, Any] = {"job": int(job.num) if isinstance(job.num, int) or str(job.num).isdigit() else job.num,
            "overrides": " ".join(job.overrides[k][0] for k in keys if k in job.overrides)}
     for key in keys:
@@ -246,12 +248,13 @@ def _row(sweep_dir: Path, job: Job, keys: list[str], problems: list[str]) -> dic
     if state == "ok" and not (job.dir / "metrics.jsonl").is_file():
         problems.append(f"{where}/metrics.jsonl is missing, though job {where} finished; it has no reward columns; "
                         f"{REDO_JOB}")
-    final_eval, damage = read_record(job.dir / FINAL_EVAL)
-    row["final_eval_accuracy"] = _number(final_eval.get("eval/accuracy"))
-    if damage not in (None, "missing") or (damage is None and math.isnan(row["final_eval_accuracy"])):
-        damage = damage or "without a numeric eval/accuracy"
-        error = error or f"{FINAL_EVAL} is {damage}"
-        if state == "ok":
+    row["final_eval_accuracy"] = math.nan  # an unfinished job has none: one in its dir is an earlier attempt's
+    if state == "ok":
+        final_eval, damage = read_record(job.dir / FINAL_EVAL)
+        row["final_eval_accuracy"] = _number(final_eval.get("eval/accuracy"))
+        if damage not in (None, "missing") or (damage is None and math.isnan(row["final_eval_accuracy"])):
+            damage = damage or "without a numeric eval/accuracy"
+            error = error or f"{FINAL_EVAL} is {damage}"
             problems.append(f"{where}/{FINAL_EVAL} is {damage}; job {where} has no final_eval_accuracy; {REDO_JOB}")
     row.update({"status": state, "error": error or "", "dir": where})
     return row
