@@ -86,7 +86,7 @@ SUMMARY_LABELS = {
     "first_reward": "reward, first {window}",
     "last_reward": "reward, last {window}",
     "final_reward": "final reward (last 10%)",
-    "time_s": "total time",
+    "time_s": "time, this attempt",  # the steps count every attempt (metrics.jsonl), the time only this one
     "adapter": "adapter",
 }
 
