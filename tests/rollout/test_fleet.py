@@ -91,3 +91,46 @@ def test_server_url_takes_a_list_and_servers_is_refused_where_it_is_not_read(com
     assert "a list of different ones" in refusal(
         "rollout.placement=server", "rollout.server_url=[http://node1:8000/v1,http://node1:8000/v1]")
     assert "rollout.servers=0 is invalid" in refusal("rollout.placement=server", "rollout.servers=0")
+
+
+def test_a_call_with_a_deadline_waits_no_longer_for_a_connection_while_the_others_are_out():
+    """ServerRollouts.close unloads its adapters with timeout=5 while completions may hold every connection of the
+    pool (it blocks at `concurrency`): the unload waited for one to come back, up to rollout.server_timeout_s."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from grpo_cli.base.errors import WorkerError
+
+    release = threading.Event()
+
+    class Busy(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path.endswith("/completions"):
+                release.wait(30)  # a generation that takes its time
+            body = b'{"choices": [{"text": ""}]}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    api = ServerAPI(f"http://127.0.0.1:{server.server_address[1]}/v1", timeout_s=600, concurrency=1)
+    out = threading.Thread(target=api.call, args=("POST", "/completions", {"model": "m"}), daemon=True)
+    try:
+        out.start()
+        time.sleep(0.3)  # the one connection is out
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"^POST http://127\.0\.0\.1:\d+/v1/unload_lora_adapter failed "):
+            api.unload_adapter("grpo-1-v3", timeout=1)
+        assert time.monotonic() - start < 5  # 1 s and the time to say so, not the completion's 30
+    finally:
+        release.set()
+        out.join(10)
+        server.shutdown()
+        server.server_close()

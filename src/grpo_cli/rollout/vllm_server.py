@@ -167,8 +167,9 @@ class ServerAPI:
         import urllib3
 
         where = f"{method} {self.url}{path}"
-        # no `timeout` keeps the pool's (rollout.server_timeout_s): urllib3 takes timeout=None as none at all
-        deadline: dict[str, Any] = {} if timeout is None else {"timeout": timeout}  # request's **urlopen_kw
+        # no `timeout` keeps the pool's (rollout.server_timeout_s): urllib3 takes timeout=None as none at all; a
+        # `timeout` bounds the wait for a free connection too (the pool blocks while its calls are out)
+        deadline: dict[str, Any] = {} if timeout is None else {"timeout": timeout, "pool_timeout": timeout}
         try:
             response = self.pool.request(method, self.url + path, **deadline,
                                          body=None if body is None else json.dumps(body).encode(),
