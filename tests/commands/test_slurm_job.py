@@ -65,7 +65,7 @@ def test_a_two_role_job_from_one_config_renders_runs_and_trains_on_its_servers(t
     assert shlex.split(serving) == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=n1,n2",
                                     "--gpus-per-node=4", "bash", "-c", "serve_gpus"]
     urls = [f"http://{node}:{8000 + gpu}/v1" for node in ("n1", "n2") for gpu in range(4)]
-    assert (tmp_path / "answered").read_text().splitlines() == [f"-sf {url}/models" for url in urls]
+    assert (tmp_path / "answered").read_text().splitlines() == [f"-sf --max-time 10 {url}/models" for url in urls]
     words = shlex.split(training)
     assert words[:4] == ["--nodes=1", "--ntasks=1", "--nodelist=n0", "--gpus-per-node=4"]
     assert Path(words[4]).name == "grpo-train"
@@ -73,6 +73,25 @@ def test_a_two_role_job_from_one_config_renders_runs_and_trains_on_its_servers(t
     assert overrides == [*TWO_NODE, f"rollout.server_url=[{','.join(urls)}]", f"hydra.run.dir={run}"]
     assert os.path.isdir(run / "tmp" / "77")  # the adapters' scratch dir (TMPDIR), in the shared run dir
     assert validate(compose(overrides[:-1])) == []  # the training step's config is one grpo-train runs
+
+
+def test_servers_that_never_answer_stop_the_job_in_one_line_at_the_deadline(tmp_path, config):
+    """A server that hangs while it loads (its step alive, its port silent): the job waited until SLURM's time
+    limit. The deadline is GRPO_SERVERS_START_S seconds (900 unless set; 1 here)."""
+    from grpo_cli.commands.slurm import render_job
+
+    run = tmp_path / "run"
+    job = tmp_path / "job.sh"
+    job.write_text(render_job(config([*TWO_NODE, "slurm.write_job=job.sh"]), TWO_NODE, str(run), str(tmp_path)))
+    env = stand_in_cluster(tmp_path, ["n0", "n1"])
+    (tmp_path / "bin" / "curl").write_text("#!/bin/bash\nexit 7\n")  # connection refused, every time
+    done = subprocess.run(["bash", str(job)], env={**env, "GRPO_SERVERS_START_S": "1"}, capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"grpo-train job: http://n1:8000/v1 did not answer within 1 s; see {run}/vllm-*.log (raise "
+        "GRPO_SERVERS_START_S for a slow start)")
+    assert len((tmp_path / "steps").read_text().splitlines()) == 1  # the servers' step; no training step
 
 
 def test_the_servers_take_most_of_their_gpus_or_the_share_the_config_sets(config):

@@ -22,7 +22,7 @@ from pathlib import Path
 from grpo_cli.base.errors import ConfigError
 from grpo_cli.config.rules import is_set
 from grpo_cli.config.schema import Config, fail
-from grpo_cli.rollout.vllm_server import BASE_NAME, LORA_RANKS, vllm_python
+from grpo_cli.rollout.vllm_server import BASE_NAME, LORA_RANKS, START_DEADLINE_S, vllm_python
 
 # overrides the job writes itself, or that only the writing reads
 _WRITTEN = ("hydra.run.dir", "rollout.server_url")
@@ -131,11 +131,17 @@ def _serving(config: Config) -> list[str]:
         'for node in "${SERVE_NODES[@]}"; do',
         f'  for gpu in $(seq 0 {gpus - 1}); do URLS+=("http://$node:$(({slurm.port} + gpu))/v1"); done',
         "done",
-        "# every server answers before training starts; a server step that ended stops the job in one line",
+        "# every server answers before training starts, within the deadline (GRPO_SERVERS_START_S seconds, "
+        f"{START_DEADLINE_S} unless set);",
+        "# a server step that ended, or one past the deadline, stops the job in one line",
+        f"deadline=$((SECONDS + ${{GRPO_SERVERS_START_S:-{START_DEADLINE_S}}}))",
         'for url in "${URLS[@]}"; do',
-        '  until curl -sf "$url/models" >/dev/null; do',
+        '  until curl -sf --max-time 10 "$url/models" >/dev/null; do',
         '    kill -0 "$SERVERS" 2>/dev/null || { echo "grpo-train job: the vLLM servers ended before $url answered;'
         ' see $RUN_DIR/vllm-*.log" >&2; exit 1; }',
+        '    (( SECONDS < deadline )) || { echo "grpo-train job: $url did not answer within'
+        f' ${{GRPO_SERVERS_START_S:-{START_DEADLINE_S}}} s; see $RUN_DIR/vllm-*.log (raise GRPO_SERVERS_START_S for a'
+        ' slow start)" >&2; kill "$SERVERS"; exit 1; }',
         "    sleep 5",
         "  done",
         "done",

@@ -47,7 +47,7 @@ from grpo_cli.rollout.common import SamplingParams, eos_ids
 from grpo_cli.rollout.fleet import CALLS_PER_SERVER, Answered, PendingBatch, Replica, none_left, pick, placements
 from grpo_cli.rollout.messages import Batch, Close, Failed, Generate, Ready, Sync, Synced
 from grpo_cli.rollout.vllm import DTYPES, SEED_RANGE, lora_rank, sampled_rollout, save_checkpoint
-from grpo_cli.rollout.vllm_server import ServerAPI, Unreachable, VLLMServer, wait_until_up
+from grpo_cli.rollout.vllm_server import START_DEADLINE_S, ServerAPI, Unreachable, VLLMServer, wait_until_up
 from grpo_cli.tasks.prompts import EncodedPrompts
 
 # A test hook, read by the client thread: "1" makes each sync after the first load the previous version's adapter
@@ -55,8 +55,7 @@ from grpo_cli.tasks.prompts import EncodedPrompts
 # that server alone do so (tests/rollout/test_vllm_fleet.py). Nothing else sets it.
 SKIP_SYNC_TEST_HOOK = "GRPO_CLI_TEST_SERVER_SKIPS_SYNC"
 SERVER_LOG = "vllm-server.log"  # in the run dir: what the server grpo-train started printed (-N.log: server N)
-START_DEADLINE_S = 900  # a server of a 7B model on a slow disk takes minutes; one of a running server: 60 s
-URL_DEADLINE_S = 60
+URL_DEADLINE_S = 60  # a server given by URL, running already (one grpo-train starts: START_DEADLINE_S)
 
 
 def server_urls(value) -> list[str]:

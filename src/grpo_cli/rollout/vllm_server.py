@@ -25,6 +25,7 @@ from typing import Any
 from grpo_cli.base.errors import ConfigError, WorkerError, program
 
 BASE_NAME = "grpo-base"  # the name our server serves the base under; requests name an adapter instead
+START_DEADLINE_S = 900  # a server of a 7B model on a slow disk takes minutes to answer (a SLURM job's servers too)
 STOP_WAIT_S = 3  # after SIGTERM the server has this long to close its open requests before SIGINT
 # vLLM accepts these LoRA ranks as --max-lora-rank (the adapter's rank rounded up to one)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
