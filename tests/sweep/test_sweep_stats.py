@@ -89,6 +89,20 @@ def test_cell_table_labels_and_failed_job():
     assert by_beta[0.04]["final_reward_n"] == 3 and by_beta[0.04]["final_reward_mean"] == pytest.approx(0.41)
 
 
+def test_runs_of_one_seed_are_one_sample_not_seeds():
+    """A point a sweeper drew twice, with the seed not swept (both run the config's seed): two identical runs were
+    n = 2 with a zero-width interval, and the other cell `worse` at p = 0."""
+    repeated = [{"a": a, "final_reward": v, "status": "ok"} for a, v in ((1, 0.9), (1, 0.9), (2, 0.8), (2, 0.8))]
+    table = cell_table(repeated, ["a"], ["final_reward"], rank_by="final_reward")
+    assert [(c["a"], c["final_reward_n"], c["final_reward_mean"], c["final_reward_ci_low"], c["label"])
+            for c in table] == [(1, 1, 0.9, None, LEADS), (2, 1, 0.8, None, UNTESTED)]
+    # seeds swept, seed 0 run twice: seeds 0 and 1 are the cell's two samples, seed 0's at the mean of its runs
+    twice = [job(0.0, 0, 0.9), job(0.0, 0, 0.7), job(0.0, 1, 0.6)]
+    [cell] = cell_table(twice, ["algo.beta", "trainer.seed"], ["final_reward"], rank_by="final_reward")
+    assert cell["final_reward_n"] == 2 and cell["final_reward_mean"] == pytest.approx(0.7)
+    assert cell["jobs"] == 3 and cell["seeds"] == [0, 0, 1]
+
+
 def test_paired_p_by_hand_takes_out_what_the_seed_shares():
     # the CPU sweep's held-out accuracy (docs/results/beta-clip-eps-sweeps.md): seed 0 is lower in both cells
     best, other = {0: 0.62, 1: 0.68, 2: 0.69}, {0: 0.59, 1: 0.67, 2: 0.68}

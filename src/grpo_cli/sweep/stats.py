@@ -2,7 +2,8 @@
 that says which differences are real.
 
 A *cell* is the set of jobs whose swept overrides match except for the seed (`trainer.seed`). For every
-metric column a cell gets n, mean, std (over its seeds, ddof 1) and a 95 % Student-t confidence interval;
+metric column a cell gets n (its seeds: runs of one seed count once, at their mean), mean, std (over its seeds,
+ddof 1) and a 95 % Student-t confidence interval;
 a cell with n = 1 gets no interval (its std and bounds are None). Cells are ranked by the sweep metric
 (higher is better) and each is compared with the best cell by Welch's t-test (unequal variances: seeds of
 different settings need not spread alike): `best`, `tied with best` (p >= 0.05, or the same mean) or `worse`. A
@@ -100,13 +101,15 @@ def _metric_values(jobs: list[dict], metric: str) -> list[float]:
 
 
 def _results(jobs: list[dict], metric: str) -> list[tuple[object, float]]:
-    """(seed, value) of each job that finished with a finite value of `metric`."""
-    out = []
+    """(seed, value) for each seed of the jobs that finished with a finite value of `metric`. Runs of one seed (a
+    point a sweeper drew again; a cell whose seed is not swept, all of the config's one seed) are one sample, their
+    mean: repeating a run is no new seed, and counted as one it would give an interval the seeds never showed."""
+    by_seed: dict = {}
     for job in jobs:
         v = job.get(metric)
         if job.get("status", "ok") == "ok" and isinstance(v, (int, float)) and math.isfinite(v):
-            out.append((job.get(SEED_KEY), float(v)))
-    return out
+            by_seed.setdefault(_hashable(job.get(SEED_KEY)), []).append(float(v))
+    return [(seed, sum(values) / len(values)) for seed, values in by_seed.items()]
 
 
 def cell_table(rows: list[dict], swept: Sequence[str], metrics: Sequence[str], rank_by: str) -> list[dict]:
