@@ -245,6 +245,24 @@ def test_placement_is_a_function_of_the_environment():
     assert placement("cuda:1", torchrun_env(1, 0), cuda_devices=2) == "cuda:1"
 
 
+def test_the_collective_timeout_is_read_from_the_environment_or_refused_in_one_line():
+    """GRPO_DIST_TIMEOUT_S=10m was a ValueError traceback at import, on every rank."""
+    from datetime import timedelta
+
+    import pytest
+
+    from grpo_cli.base.errors import ConfigError
+    from grpo_cli.step.distributed import collective_timeout
+
+    assert collective_timeout({}) == timedelta(seconds=600)
+    assert collective_timeout({"GRPO_DIST_TIMEOUT_S": "1800"}) == timedelta(seconds=1800)
+    assert collective_timeout({"GRPO_DIST_TIMEOUT_S": "2.5"}) == timedelta(seconds=2.5)
+    for bad in ("10m", "0", "-5", "inf", "nan", ""):
+        with pytest.raises(ConfigError, match=rf"^GRPO_DIST_TIMEOUT_S={bad} is invalid: give the seconds a collective "
+                                              r"waits for the other ranks, a number > 0 \(default 600\)$"):
+            collective_timeout({"GRPO_DIST_TIMEOUT_S": bad})
+
+
 def test_placement_refuses_what_would_share_or_miss_a_gpu():
     from grpo_cli.base.errors import ConfigError
     from grpo_cli.step.distributed import placement

@@ -9,6 +9,7 @@ an error instead of a hang. Each rank binds cuda:LOCAL_RANK and joins the group 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -20,7 +21,20 @@ import torch.distributed as dist
 
 from grpo_cli.base.errors import ConfigError
 
-TIMEOUT = timedelta(seconds=int(os.environ.get("GRPO_DIST_TIMEOUT_S", "600")))
+DEFAULT_TIMEOUT_S = 600
+
+
+def collective_timeout(env: Mapping[str, str]) -> timedelta:
+    """How long a collective waits for the other ranks: GRPO_DIST_TIMEOUT_S seconds (600 unless set)."""
+    given = env.get("GRPO_DIST_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"GRPO_DIST_TIMEOUT_S={given} is invalid: give the seconds a collective waits for the other "
+                          f"ranks, a number > 0 (default {DEFAULT_TIMEOUT_S})")
+    return timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -72,9 +86,9 @@ def setup(device_name: str) -> tuple[Dist, str]:
     world, rank, local_rank = int(env["WORLD_SIZE"]), int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         if cuda:  # NCCL bound to this rank's GPU from the start (no guessing, no hang on a wrong device)
-            dist.init_process_group(backend="nccl", timeout=TIMEOUT, device_id=torch.device(device))
+            dist.init_process_group(backend="nccl", timeout=collective_timeout(env), device_id=torch.device(device))
         else:
-            dist.init_process_group(backend="gloo", timeout=TIMEOUT)
+            dist.init_process_group(backend="gloo", timeout=collective_timeout(env))
     return Dist(rank, world, local_rank), device
 
 
@@ -115,8 +129,9 @@ def any_rank(flag: bool) -> bool:
 
 
 def collective_failure(error: BaseException) -> str | None:
-    """What a failed collective says, in a few words, when `error` is one (another rank died, hung past TIMEOUT or
-    closed its connection: gloo's RuntimeError, NCCL's and the store's DistError); None for any other error."""
+    """What a failed collective says, in a few words, when `error` is one (another rank died, hung past
+    GRPO_DIST_TIMEOUT_S or closed its connection: gloo's RuntimeError, NCCL's and the store's DistError); None for any
+    other error."""
     text = str(error)
     if not (isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in text)):
         return None
