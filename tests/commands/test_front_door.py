@@ -111,6 +111,65 @@ def test_reward_only_trains_with_your_function_alone(tmp_path):
     assert sorted(k for k in row if k.startswith("reward/")) == ["reward/mine"]
 
 
+CHAT = "What is 2 + 2?"
+
+
+def test_on_chat_prompts_a_trl_reward_gets_trls_conversational_form_and_grpo_clis_own_get_text():
+    """TRL passes a conversational dataset's prompts as their messages and each completion as [{"role":
+    "assistant", "content": ...}]; its own trl.rewards.think_format_reward and its docs' rewards read
+    completion[0]["content"], which on the text grpo-cli gave was a TypeError that stopped the run."""
+    from trl.rewards import think_format_reward
+
+    from grpo_cli.rewards import RewardFunction, RewardSet
+    from grpo_cli.rewards.arithmetic import correct_last_number
+
+    seen = {}
+
+    def mine(prompts, completions, **kwargs):
+        seen.update(prompts=prompts, completions=completions)
+        return [float(len(c[0]["content"] if isinstance(c, list) else c) < 20) for c in completions]
+
+    rewards = RewardSet([RewardFunction("mine", mine, 1.0), RewardFunction("think", think_format_reward, 1.0),
+                         RewardFunction("correct", correct_last_number, 1.0)])
+    chat = [[{"role": "user", "content": CHAT}]] * 2
+    texts = ["<think>2 and 2</think> 4", "it is 5"]
+    _, per_function, _ = rewards.score(["<rendered prompt>"] * 2, texts, {"answer": ["4", "4"]}, chat_prompts=chat)
+    assert seen == {"prompts": chat, "completions": [[{"role": "assistant", "content": text}] for text in texts]}
+    assert per_function == {"mine": [0.0, 1.0], "think": [1.0, 0.0], "correct": [1.0, 0.0]}  # ours read the text
+    RewardSet([RewardFunction("mine", mine, 1.0)]).score([CHAT] * 2, texts, {})  # prompts given as text: texts
+    assert seen == {"prompts": ["What is 2 + 2?"] * 2, "completions": texts}
+
+
+TRL_STYLE = """
+def content_length(completions, **kwargs):  # as TRL's docs write a reward for conversational data
+    return [min(len(completion[0]["content"]), 10) / 10 for completion in completions]
+
+
+def prompts_seen(prompts, completions, **kwargs):
+    assert all(isinstance(p, list) and p[-1] == {"role": "user", "content": "What is 2 + 2?"} for p in prompts), prompts
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.slow  # one training step and a final eval on the tiny model
+def test_a_trl_reward_trains_and_judges_the_final_eval_on_chat_prompts_unchanged(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": CHAT}], "answer": "4"}] * 2
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "test.jsonl", rows)
+    (tmp_path / "trl_style.py").write_text(TRL_STYLE)
+    run = tmp_path / "run"
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "data=jsonl", "data.path=train.jsonl",
+                    "data.eval_path=test.jsonl", "data.question_suffix=''",
+                    "reward.only=[trl_style.content_length,trl_style.prompts_seen,trl.rewards.think_format_reward]",
+                    "reward.accuracy=think_format_reward", "eval.final=true", "trainer.max_steps=1",
+                    "data.prompts_per_step=2", "algo.num_generations=2", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert sorted(k for k in row if k.startswith("reward/")) == [
+        "reward/content_length", "reward/prompts_seen", "reward/think_format_reward"]
+    assert json.loads((run / "final_eval.json").read_text())["eval/accuracy"] == 0.0  # no <think> from tiny
+
+
 def test_adding_a_function_by_a_mapping_says_how_instead_of_naming_the_option_in_use(tmp_path):
     """It said `reward.functions is a key of reward=arithmetic, code, gsm8k, not of the reward option in use`, naming
     the very option in use (arithmetic)."""

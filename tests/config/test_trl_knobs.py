@@ -7,8 +7,9 @@ import json
 
 import pytest
 from conftest import read_jsonl, run_cli
+from transformers import TrainerState
 
-from grpo_cli.rewards import RewardFunction, RewardSet, TrainerState
+from grpo_cli.rewards import RewardFunction, RewardSet
 
 
 # ---- trainer_state ---------------------------------------------------------------------------------------------
@@ -39,6 +40,10 @@ def progress(completions, trainer_state, **kwargs):
 
 def epoch(completions, **kwargs):
     return [kwargs["trainer_state"].epoch] * len(completions)
+
+def trl_fields(completions, trainer_state, **kwargs):  # what transformers' TrainerState holds beside them, as in TRL
+    assert trainer_state.is_world_process_zero and trainer_state.is_local_process_zero
+    return [trainer_state.num_train_epochs] * len(completions)
 """
 
 
@@ -51,12 +56,14 @@ def test_rewards_see_the_step_and_the_epoch_during_training_by_epochs(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(["+recipe=quickstart", "model=tiny", "data=jsonl", "data.path=rows.jsonl", "data.prompts_per_step=2",
                     "algo.num_generations=2", "rollout.max_new_tokens=2", "trainer.epochs=1.5",
-                    "reward.only=[shaping.progress,shaping.epoch]", f"hydra.run.dir={run}"], tmp_path)
+                    "reward.only=[shaping.progress,shaping.epoch,shaping.trl_fields]", f"hydra.run.dir={run}"],
+                   tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "trainer.epochs=1.5: 3 steps of 2 prompts over the 4 training prompts (trainer.max_steps=3)" in proc.stderr
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["reward/progress"] for r in rows] == pytest.approx([0.0, 1 / 3, 2 / 3])
     assert [r["reward/epoch"] for r in rows] == pytest.approx([0.0, 0.5, 1.0])  # 2 of 4 prompts a step
+    assert [r["reward/trl_fields"] for r in rows] == [2, 2, 2]  # 3 steps of half a pass: 2 passes begun
 
 
 # ---- trainer.epochs -------------------------------------------------------------------------------------------

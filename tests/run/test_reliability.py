@@ -133,7 +133,7 @@ def test_unknown_recipe_exit_2(tmp_path):
 def test_data_row_missing_field_names_file_line_and_the_accepted_forms(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n\n{"question": "What is 2 + 1?", "answer": "3"}\n')
-    proc = run_cli(["+recipe=quickstart", "model=tiny", "data.source=jsonl", f"data.path={data}"], tmp_path)
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "data=jsonl", f"data.path={data}"], tmp_path)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"grpo-train: {data}:3 lacks a prompt; every row needs "), lines

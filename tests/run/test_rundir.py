@@ -341,7 +341,7 @@ def test_a_stop_request_ends_the_wait_for_a_reward(hang):
 def test_invalid_utf8_in_a_data_file_names_the_file_and_line(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_bytes(b'{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
-    proc = run_cli(["+recipe=quickstart", "model=tiny", "data.source=jsonl", f"data.path={data}",
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "data=jsonl", f"data.path={data}",
                     f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     one_line_exit_2(proc, f"{data}:2 is not valid UTF-8", "0xe9")
 

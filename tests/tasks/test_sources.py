@@ -75,7 +75,7 @@ def test_a_source_option_the_source_does_not_read_is_a_warning_naming_the_source
     """HumanEval's 164 problems are fixed: +data.size=50 there trained on all of them without a word."""
     assert unread_said(compose, ["+recipe=code", "data=humaneval", "+data.size=50"]) == [
         "data.size=50 changes nothing: data.source=humaneval does not read it (code_tasks, reasoning_gym, sums do); "
-        "remove it (~data.size), or pick a data option whose source reads it (data=NAME)"]
+        "remove it (~data.size); a data option (data=humaneval) sets only what its source reads"]
     assert not unread_said(compose, ["+recipe=code", "data=code_tasks", "data.size=50"])
 
 
@@ -85,8 +85,7 @@ def test_a_recipes_source_options_beside_another_data_option_are_one_warning_and
     base = ["+recipe=calculator", "model=tiny", "data=gsm8k_sample"]
     assert unread_said(compose, base) == [
         "data.low=100, data.high=999, data.operation=* change nothing: data.source=hf does not read them (sums does); "
-        "remove them (~data.low ~data.high ~data.operation), or pick a data option whose source reads them "
-        "(data=NAME)"]
+        "remove them (~data.low ~data.high ~data.operation); a data option (data=hf) sets only what its source reads"]
     assert not unread_said(compose, [*base, "~data.low", "~data.high", "~data.operation"])
 
 

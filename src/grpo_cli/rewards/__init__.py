@@ -11,8 +11,9 @@ A function is called as TRL calls one: by keyword, `fn(prompts=..., completions=
 `fn(completions, **kwargs)` and `fn(environments, **kwargs)` run unchanged, as does `fn(prompts, completions, **kw)`;
 one whose first two parameters take them under other names (`lambda p, c, **_`) gets those two by position. Beside
 the row's fields it gets what TRL passes that is known here: `completion_ids` (each completion's token ids),
-`trainer_state` (a TrainerState: the step, max_steps, the epoch) and, in episodes, `environments` (each episode's
-instance), when its signature names them or takes **kwargs; `messages`
+`trainer_state` (transformers' TrainerState, as TRL's: global_step, max_steps, epoch, num_train_epochs,
+is_world_process_zero, is_local_process_zero) and, in episodes, `environments` (each episode's instance), when its
+signature names them or takes **kwargs; `messages`
 (the prompt's chat messages; in episodes the whole conversation) only when it names it. A function may be async.
 
 A function must return
@@ -135,17 +136,6 @@ def call_reward(fn, prompts, completions, fields: dict):
     return user_code.awaited(fn(*args, **kwargs))
 
 
-@dataclass(frozen=True)
-class TrainerState:
-    """TRL's `trainer_state` (transformers' TrainerState) as far as it is known here, given to a reward function that
-    names it or takes **kwargs: `global_step` the steps done (the one being scored is step global_step, counted from
-    0), `max_steps` (trainer.max_steps), `epoch` the passes over the training prompts so far (fractional)."""
-
-    global_step: int
-    max_steps: int
-    epoch: float
-
-
 def said(err: BaseException) -> str:
     """`: message` of an exception for the end of a line; for one without a message (MemoryError()) what it means,
     never an empty `: `."""
@@ -221,6 +211,28 @@ class RewardFunction:
     def __post_init__(self):
         self.label = self.label or f"reward {self.name}"
 
+    @property
+    def native(self) -> bool:
+        """grpo-cli's own (grpo_cli.rewards.*): it reads completions as text whatever the prompts' form."""
+        return is_native(self.fn)
+
+
+def is_native(fn) -> bool:
+    """Whether `fn` (a function, its partial, or an instance of a reward class) is grpo-cli's own."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    module = getattr(target, "__module__", None) if inspect.isroutine(target) or inspect.isclass(target) \
+        else type(target).__module__
+    return str(module or "").startswith("grpo_cli.")
+
+
+def as_conversation(prompts: list, completions: list[str], chat_prompts: list | None) -> tuple[list, list]:
+    """(prompts, completions) as TRL gives them to a reward function: for prompts the data gave as chat messages
+    (`chat_prompts`, each prompt's messages) those messages and each completion as [{"role": "assistant",
+    "content": text}], TRL's conversational form; else the texts."""
+    if chat_prompts is None:
+        return prompts, completions
+    return list(chat_prompts), [[{"role": "assistant", "content": text}] for text in completions]
+
 
 class CompletionsFailed(Exception):
     """Raised by a reward that scored some completions and could not score the others (a service that refused,
@@ -256,7 +268,7 @@ class RewardSet:
         self.aggregation = aggregation
         self.on_error = on_error
         self.timeout_s, self.stop = timeout_s, stop
-        self.trainer_state: TrainerState | None = None  # the step's, set by the trainer before it scores
+        self.trainer_state = None  # the step's transformers.TrainerState, set by the trainer before it scores
 
     @classmethod
     def from_config(cls, cfg_reward: RewardConfig, device=None, dtype=None, stop=None, environment=None) -> RewardSet:
@@ -306,20 +318,25 @@ class RewardSet:
         return f"{rf.label} raised {type(failure.error).__name__} on completion {i}{said(failure.error)}"
 
     def score(self, prompts: list, completions: list[str], fields: dict[str, list],
-              group_size: int | None = None) -> tuple[list[float], dict[str, list[float | None]], int]:
+              group_size: int | None = None, chat_prompts: list | None = None,
+              ) -> tuple[list[float], dict[str, list[float | None]], int]:
         """Return (totals per reward.aggregation, raw scores per function (None: not applicable), number of scores
-        zeroed by on_error=zero). `group_size` is G, which normalize_then_sum needs."""
-        scoring = self.score_all(prompts, completions, fields, group_size)
+        zeroed by on_error=zero). `group_size` is G, which normalize_then_sum needs. `chat_prompts`: each prompt's
+        chat messages where the data gave them so: a function of the user's then gets TRL's conversational form
+        (as_conversation), grpo-cli's own the texts."""
+        scoring = self.score_all(prompts, completions, fields, group_size, chat_prompts)
         return scoring.totals, scoring.per_function, scoring.errors
 
-    def score_all(self, prompts: list, completions: list[str], fields: dict[str, list],
-                  group_size: int | None = None) -> Scoring:
+    def score_all(self, texts_of_prompts: list, texts: list[str], fields: dict[str, list],
+                  group_size: int | None = None, chat_prompts: list | None = None) -> Scoring:
         """`score`, with the outcomes of the functions that give them."""
         per_fn: dict[str, list[float | None]] = {}
         outcomes: dict[str, Outcomes] = {}
-        failures: list[str | None] = [None] * len(completions)
+        failures: list[str | None] = [None] * len(texts)
         errors = 0
+        conversation = as_conversation(texts_of_prompts, texts, chat_prompts)
         for rf in self.functions:
+            prompts, completions = (texts_of_prompts, texts) if rf.native else conversation
             try:
                 returned = self._call(rf, prompts, completions, fields)
             except user_code.FAILED as failure:

@@ -25,11 +25,11 @@ from grpo_cli.base.errors import ConfigError, Interrupted
 from grpo_cli.config.schema import Config, RewardConfig
 from grpo_cli.model.adapter_fit import check_base_name, check_shapes
 from grpo_cli.model.loading import config_context_length
-from grpo_cli.rewards import build_reward, call_reward, to_scores
+from grpo_cli.rewards import as_conversation, build_reward, call_reward, is_native, to_scores
 from grpo_cli.rewards.columns import check_columns
 from grpo_cli.rollout import Engine, SamplingParams, as_engine, make_engine
 from grpo_cli.rollout.episodes import EpisodeRunner, reward_field_names
-from grpo_cli.tasks.prompts import encode_prompts, where_of
+from grpo_cli.tasks.prompts import encode_prompts, given_as_chat, where_of
 from grpo_cli.tasks.sources import load_rows
 
 EVAL_BATCH_PROMPTS = 16
@@ -96,10 +96,14 @@ class Evaluator:
     def for_training(cls, cfg: Config, lm) -> Evaluator:
         return cls.from_config(cfg, lm.tokenizer)
 
-    def _score(self, texts: list[str], rows: list[dict]) -> list[float]:
+    def _score(self, texts: list[str], rows: list[dict], prompts: list[str]) -> list[float]:
+        """reward.accuracy's scores of `texts`, each of the row and prompt (its text) at the same place; called as in
+        training (rewards.as_conversation: a function of the user's gets chat prompts in TRL's conversational form)."""
         fields = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
         name = getattr(self.judge, "__name__", "accuracy")
-        scores = to_scores(name, call_reward(self.judge, [None] * len(texts), texts, fields), len(texts))
+        chat = [r["messages"] for r in rows] if given_as_chat(rows[0]) and not is_native(self.judge) else None
+        prompts, completions = as_conversation(prompts, texts, chat)
+        scores = to_scores(name, call_reward(self.judge, prompts, completions, fields), len(texts))
         return cast("list[float]", scores)  # without allow_none every score is a float
 
     @staticmethod
@@ -124,22 +128,24 @@ class Evaluator:
         greedy_correct, pass_k, majority_k, calls = [], [], [], []
         for start in range(0, len(self.rows), EVAL_BATCH_PROMPTS):
             rows = self.rows[start:start + EVAL_BATCH_PROMPTS]
-            ids = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens).ids
+            encoded = encode_prompts(self.tokenizer, rows, self.max_prompt_tokens)
+            ids, prompts = encoded.ids, encoded.texts
             roll = self._generate(engine, rows, ids, 1, replace(self.sampling, greedy=True), stop)
             self._check(roll, stop)
-            greedy_correct += self._score(roll.texts, rows)
+            greedy_correct += self._score(roll.texts, rows, prompts)
             calls += roll.tool_use()
             if self.samples > 1:
                 k = self.samples
                 sampled = self._generate(engine, rows, ids, k, replace(self.sampling, temperature=self.temperature),
                                          stop)
                 self._check(sampled, stop)
-                scores = self._score(sampled.texts, [r for r in rows for _ in range(k)])
+                scores = self._score(sampled.texts, [r for r in rows for _ in range(k)],
+                                     [p for p in prompts for _ in range(k)])
                 for i, row in enumerate(rows):
                     group = sampled.texts[i * k:(i + 1) * k]
                     pass_k.append(float(max(scores[i * k:(i + 1) * k])))
                     vote = majority(group, self.read_answer)
-                    majority_k.append(0.0 if vote is None else self._score([group[vote]], [row])[0])
+                    majority_k.append(0.0 if vote is None else self._score([group[vote]], [row], [prompts[i]])[0])
         n = len(greedy_correct)
         result = {"eval/accuracy": sum(greedy_correct) / n, "eval/num_prompts": n}
         if self.episodes is not None:  # the greedy episodes' tool use

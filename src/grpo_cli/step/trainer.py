@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
+from transformers import TrainerState
 
 from grpo_cli import algorithm
 from grpo_cli.base.errors import Interrupted, InvariantError, OutOfMemory
@@ -32,7 +33,7 @@ from grpo_cli.config.rules import is_on_policy
 from grpo_cli.config.schema import Config
 from grpo_cli.model import adapters, sharding
 from grpo_cli.model.loading import LoadedModel, load_policy, load_within_context
-from grpo_cli.rewards import RewardSet, TrainerState
+from grpo_cli.rewards import RewardSet
 from grpo_cli.rewards.columns import check_columns
 from grpo_cli.rollout import Generation, SamplingParams, completion_logprobs, episodes, make_engine, sampling_seed
 from grpo_cli.rollout.ahead import AheadOfTheUpdate, Versions, versions_as_tensors, versions_from_tensors
@@ -42,7 +43,7 @@ from grpo_cli.step.batch import Batch, MiniBatch, Scores, make_batch, mini_batch
 from grpo_cli.step.evaluate import check_held_out_columns, eval_rows
 from grpo_cli.step.optim import LRSchedule, build_optimizer
 from grpo_cli.step.stats import StepStats, UpdateSums, check_first_update, check_invariants, metrics_row, over_ranks
-from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts, where_of
+from grpo_cli.tasks.prompts import EncodedPrompts, encode_prompts, given_as_chat, where_of
 from grpo_cli.tasks.sources import PromptSampler, final_eval_on, load_rows
 
 if TYPE_CHECKING:
@@ -154,9 +155,10 @@ class GRPOTrainer:
         function ran. A row's `messages` go only to the functions that name them (rewards.reward_arguments)."""
         G, roll = self.algo.num_generations, generation.rollout
         fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}
+        chat = fields["messages"] if given_as_chat(generation.rows[0]) else None  # TRL: the first prompt's form
         try:
             scoring = self.rewards.score_all(generation.prompts, roll.texts, fields | roll.reward_fields(),
-                                             group_size=G)
+                                             group_size=G, chat_prompts=chat)
         except Interrupted:
             return None
         return Scores(torch.tensor(scoring.totals), scoring.per_function, scoring.errors, scoring.outcomes,  # float32
@@ -284,8 +286,7 @@ class GRPOTrainer:
         nothing of it has touched the weights, the optimiser or the logs). `on_phase(step, what)` hears the phases."""
         t0 = time.perf_counter()
         on_phase(step, "generating and scoring")
-        epoch = step * self.cfg.data.prompts_per_step / len(self.sampler.rows)  # TRL's trainer_state, for the rewards
-        self.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.tcfg.max_steps, epoch=epoch)
+        self.rewards.trainer_state = self.trainer_state(step)
         if self.algo.filter_groups:
             batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
         else:
@@ -308,6 +309,14 @@ class GRPOTrainer:
         row = metrics_row(step, batch, stats, time.perf_counter() - t0, self.algo.num_generations, {
             "lr": self.lr_schedule.lr, "skipped_updates": self.skipped_updates, **self.sampler_correction.metrics()})
         return over_ranks(row, self.dist, self.lm.device), batch
+
+    def trainer_state(self, step: int) -> TrainerState:
+        """TRL's `trainer_state` for the rewards of `step` (transformers' TrainerState, as its Trainer keeps it):
+        the steps done, max_steps, the passes over the training prompts so far and in all, which rank speaks."""
+        per_epoch = len(self.sampler.rows) / self.cfg.data.prompts_per_step  # steps a pass over the prompts takes
+        return TrainerState(global_step=step, max_steps=self.tcfg.max_steps, epoch=step / per_epoch,
+                            num_train_epochs=math.ceil(self.tcfg.max_steps / per_epoch),
+                            is_world_process_zero=self.dist.is_main, is_local_process_zero=self.dist.local_rank == 0)
 
     # ---- what a run asks of the step ------------------------------------------------------------
     def state_dict(self) -> dict:

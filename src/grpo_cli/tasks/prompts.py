@@ -9,11 +9,17 @@ from grpo_cli.base.errors import DataError, error_line
 
 class Row(dict):
     """A data row (a dict: its fields reach the rewards) that knows where it was read (`where`: FILE:LINE, FILE row
-    N), so that what fails on it later (the tokenizer) names that place; `where` is no field of the row."""
+    N), so that what fails on it later (the tokenizer) names that place, and whether the data gave its prompt as chat
+    messages (`chat`: TRL's conversational form, in which rewards get it); neither is a field of the row."""
 
-    def __init__(self, fields: dict, where: str):
+    def __init__(self, fields: dict, where: str, chat: bool = False):
         super().__init__(fields)
-        self.where = where
+        self.where, self.chat = where, chat
+
+
+def given_as_chat(row: dict) -> bool:
+    """Whether the data gave the row's prompt as chat messages (a generated row's is a question: text)."""
+    return bool(getattr(row, "chat", False))
 
 
 def where_of(row: dict) -> str:

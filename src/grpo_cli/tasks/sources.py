@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from grpo_cli.base.errors import ConfigError, DataError, error_line, inform
 from grpo_cli.base.registry import Registry
+from grpo_cli.config.compose import CONF_DIR
 from grpo_cli.config.rule import shown
 from grpo_cli.config.rules import is_set
 from grpo_cli.tasks import code_tasks
@@ -261,10 +262,10 @@ def unread_options(cfg_data: DataConfig) -> list[str]:
     it, one = ("it", True) if len(unread) == 1 else ("them", False)
     named = ", ".join(f"data.{key}={shown(getattr(cfg_data, key))}" for key in unread)
     readers = sorted(name for name, cls in SOURCES.items() if set(unread) & set(getattr(cls, "reads", None) or ()))
+    own = f"data={cfg_data.source}" if (CONF_DIR / "data" / f"{cfg_data.source}.yaml").is_file() else "data=NAME"
     return [f"{named} {'changes' if one else 'change'} nothing: data.source={cfg_data.source} does not read {it} "
             f"({', '.join(readers) or 'no built-in source'} {'does' if len(readers) == 1 else 'do'}); remove {it} "
-            f"({' '.join(f'~data.{key}' for key in unread)}), or pick a data option whose source reads {it} "
-            "(data=NAME)"]
+            f"({' '.join(f'~data.{key}' for key in unread)}); a data option ({own}) sets only what its source reads"]
 
 
 def check_before_model_load(cfg: Config) -> None:

@@ -124,7 +124,8 @@ class Columns:
             raise DataError(f'{where} has a field "answer" besides data.answer_column={self.answer}, which reaches the '
                             "rewards as answer; rename one of them, or set data.answer_column=null")
         value = row[key]
-        if isinstance(value, str) and key != "messages":
+        chat = not (isinstance(value, str) and key != "messages")  # given as chat messages: TRL's conversational form
+        if not chat:
             messages = chat_messages(value, system_prompt, suffix)
         elif isinstance(value, list) or key == "messages":
             messages = _chat(where, key, value, system_prompt, suffix)
@@ -138,7 +139,7 @@ class Columns:
             if (found := lone_surrogate(value)) is not None:
                 raise DataError(f'{where}: "{name}" holds a lone surrogate ({found}), which is not text; remove it or '
                                 "give the whole character (a surrogate pair)")
-        return Row({**fields, "messages": messages}, where)
+        return Row({**fields, "messages": messages}, where, chat=chat)
 
 
 def read_table(label: str, load: Callable, files: list[Path] | None = None) -> Table:
