@@ -42,6 +42,7 @@ import inspect
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Any
 
 from grpo_cli.base import user_code
 from grpo_cli.base.errors import RewardError
@@ -268,7 +269,7 @@ class RewardSet:
         self.aggregation = aggregation
         self.on_error = on_error
         self.timeout_s, self.stop = timeout_s, stop
-        self.trainer_state = None  # the step's transformers.TrainerState, set by the trainer before it scores
+        self.trainer_state: Any = None  # the step's transformers.TrainerState, set by the trainer before it scores
 
     @classmethod
     def from_config(cls, cfg_reward: RewardConfig, device=None, dtype=None, stop=None, environment=None) -> RewardSet:
