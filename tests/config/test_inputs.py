@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -76,6 +77,32 @@ async def async_reward(completions, **kwargs):  # TRL: a reward function may be 
 class Board:
     def __init__(self, score: float):
         self.score = score
+
+
+class LoopBoundJudge:
+    """An async reward class whose state is bound to the event loop of its first call, as an asyncio.Semaphore or an
+    async HTTP client's connections are: TRL runs every async reward on one loop."""
+
+    def __init__(self):
+        self.loop = None
+        self.lock = asyncio.Lock()
+
+    async def __call__(self, completions, **kwargs):
+        loop = asyncio.get_running_loop()
+        self.loop = self.loop or loop
+        if loop is not self.loop:
+            raise RuntimeError("bound to a different event loop")
+        async with self.lock:
+            await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+
+def test_an_async_reward_keeps_its_event_loop_from_call_to_call():
+    """Each call ran on a new loop (asyncio.run): the second step's call of a judge holding loop-bound state
+    raised RuntimeError (... bound to a different event loop)."""
+    rewards = RewardSet([RewardFunction("judge", LoopBoundJudge(), 1.0)])
+    for _ in range(3):
+        assert rewards.score(["p"] * 2, ["a", "b"], {})[1] == {"judge": [1.0, 1.0]}
 
 
 def test_rewards_are_called_by_keyword_as_trl_calls_them():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import os
 import signal
 import threading
 import time
@@ -69,8 +70,27 @@ def call(fn: Callable, *args, name: str, timeout_s: float | None = None, stop: C
 
 def awaited(value):
     """`value`, or what it gives when it is a coroutine (an async reward, tool or get_reward, as TRL allows), run to
-    its end on an event loop of its own in the calling thread."""
-    return asyncio.run(value) if inspect.iscoroutine(value) else value
+    its end on the process's one event loop for user code (`event_loop`), the calling thread waiting for it."""
+    if not inspect.iscoroutine(value):
+        return value
+    return asyncio.run_coroutine_threadsafe(value, event_loop()).result()
+
+
+_loop: tuple[int, asyncio.AbstractEventLoop] | None = None  # (the process that made it, the loop)
+_loop_lock = threading.Lock()
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for all async user code of this process, running in a daemon thread, as TRL runs its async
+    rewards: what an async reward or tool binds to the loop of its first call (an asyncio.Semaphore, a client's
+    connections) still works at the next. A forked child (a rollout worker) makes its own: the thread is not forked."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="user-code-async", daemon=True).start()
+            _loop = (os.getpid(), loop)
+        return _loop[1]
 
 
 def shown(value) -> str:

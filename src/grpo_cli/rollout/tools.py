@@ -214,7 +214,7 @@ def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float | None = 
 
 def rendered_result(fn: Callable, arguments: dict) -> str:
     """What the model reads of a tool's result: `str()` of what it returned (TRL's rendering: True, not true),
-    an async tool's awaited on an event loop of its own (TRL allows them)."""
+    an async tool's awaited on the process's event loop for user code (TRL allows them; user_code.event_loop)."""
     return str(user_code.awaited(fn(**arguments)))
 
 
