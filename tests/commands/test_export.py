@@ -256,6 +256,78 @@ def test_non_empty_out_dir_is_refused_before_any_work(tiny_cfg, tmp_path, capsys
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def test_an_out_dir_in_what_the_run_keeps_is_refused_even_with_overwrite(tiny_cfg, tmp_path, capsys):
+    """`grpo-export RUN RUN/adapter --overwrite` replaced the trained adapter with the merged model, and a checkpoint
+    exported over itself lost its optimizer state."""
+    run = fake_run(tmp_path / "run", tiny_cfg)
+    step = run / "checkpoints" / "step-000001"
+    (step / "adapter").mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (step / "adapter" / name).write_text("{}")
+    (step / "state.json").write_text('{"step": 1}')
+    for source, out, kept in ((run, run / "adapter", "adapter"), (step, step, "checkpoints"),
+                              (run, run / "checkpoints" / "merged", "checkpoints"), (run, run / ".hydra", ".hydra")):
+        line = one_line_exit_2(capsys, [str(source), str(out), "--overwrite"])
+        assert line == (f"grpo-export: OUT_DIR={out} is in the run's {kept}, which the run keeps (its adapter, "
+                        "checkpoints, config); pick a directory outside them")
+    assert sorted(p.name for p in (run / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert (step / "state.json").is_file() and not (run / "checkpoints" / "merged").exists()
+
+
+def test_a_checkpoint_of_another_run_is_refused(tiny_cfg, tmp_path, capsys):
+    """--checkpoint PATH of another run exported it under this run's name, config and seed."""
+    run, other = fake_run(tmp_path / "run", tiny_cfg), fake_run(tmp_path / "other", tiny_cfg)
+    step = other / "checkpoints" / "step-000001"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text('{"step": 1}')
+    line = one_line_exit_2(capsys, [str(run), str(tmp_path / "out"), "--checkpoint", str(step)])
+    assert line == (f"grpo-export: --checkpoint {step} is not a checkpoint of {run} (it is one of {other}: give that "
+                    "checkpoint folder alone); available: none (give N, latest or a checkpoints/step-N path)")
+
+
+def test_files_written_to_out_dir_while_exporting_are_kept_without_overwrite(tmp_path):
+    """OUT_DIR was found empty at the start; what another export wrote there meanwhile was replaced at the end."""
+    from grpo_cli.base.errors import ExportError
+    from grpo_cli.commands.export import _rename_into_place
+
+    tmp, out = tmp_path / ".out.tmp-1", tmp_path / "out"
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_text("this export")
+    out.mkdir()
+    (out / "model.safetensors").write_text("another export's")
+    with pytest.raises(ExportError, match=r"^OUT_DIR=.* was written to while this export ran"):
+        _rename_into_place(tmp, out)
+    assert (out / "model.safetensors").read_text() == "another export's"
+    _rename_into_place(tmp, out, overwrite=True)
+    assert (out / "model.safetensors").read_text() == "this export"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / ".new").mkdir()
+    _rename_into_place(tmp_path / ".new", empty)  # an empty OUT_DIR made beforehand: taken
+    assert empty.is_dir() and not (tmp_path / ".new").exists()
+
+
+def test_a_checkpoints_model_card_gives_the_final_reward_of_its_own_records(tiny_cfg, tmp_path):
+    """The card of checkpoint step-1 gave the whole run's final reward (0.9 here), not its own (0.0)."""
+    import json
+
+    from grpo_cli.commands.export import find_source, model_card
+
+    run = fake_run(tmp_path / "run", tiny_cfg)
+    step = run / "checkpoints" / "step-000001"
+    (step / "adapter").mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (step / "adapter" / name).write_text("{}")
+    (step / "state.json").write_text('{"step": 1}')
+    (step / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward": 0.0}) + "\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward": r}) + "\n"
+                                               for i, r in enumerate([0.0, 0.9, 0.9])))
+    assert "final reward (mean of the last 10 % of steps): 0.0000" in model_card(
+        find_source(run, "1"), "tiny-random", merged=False, dtype=None)
+    assert "final reward (mean of the last 10 % of steps): 0.9000" in model_card(
+        find_source(run, None), "tiny-random", merged=False, dtype=None)
+
+
 @pytest.mark.slow
 def test_mismatched_base_is_one_line(tiny_cfg, tiny_run, tmp_path, capsys):
     # shapes: the run config says the tiny model is half as wide as the one the adapter was trained on

@@ -33,6 +33,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_cli.base.errors import CheckpointError, ExportError, error_line, one_line
+from grpo_cli.base.metrics import ADAPTER_DIR
 from grpo_cli.config.schema import default_of
 from grpo_cli.model.adapter_fit import check_base_name, check_shapes
 
@@ -89,9 +90,11 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
             found = ckpt.step_dir(run_dir, int(checkpoint))
         else:
             found = Path(checkpoint).expanduser().resolve()
-        if found is None or not ckpt.is_checkpoint(found):
+        if found is None or not ckpt.is_checkpoint(found) or found.parent != ckpt.checkpoint_root(run_dir):
             steps = [p.name for p in ckpt.checkpoints(run_dir)]
-            raise CheckpointError(f"--checkpoint {checkpoint} is not a checkpoint of {run_dir}; available: "
+            other = (f" (it is one of {found.parent.parent}: give that checkpoint folder alone)"
+                     if found is not None and ckpt.is_checkpoint(found) else "")
+            raise CheckpointError(f"--checkpoint {checkpoint} is not a checkpoint of {run_dir}{other}; available: "
                                   f"{', '.join(steps) or 'none'} (give N, latest or a checkpoints/step-N path)")
         adapter_dir, label = found / "adapter", f"checkpoint {found.name}"
     for name in ADAPTER_FILES:
@@ -115,11 +118,19 @@ def _model_settings(cfg: DictConfig, base: str | None) -> tuple[str, bool, dict,
     return name, trust, tiny, int(seed), quantization
 
 
-def _prepare_out(out_dir: Path, run_dir: Path, overwrite: bool) -> Path:
+def _prepare_out(out_dir: Path, source: Source, overwrite: bool) -> Path:
     """A fresh temporary sibling of OUT_DIR to write into; it is renamed into place at the end."""
-    out_dir = out_dir.expanduser().resolve()
+    from grpo_cli.run.checkpoint import checkpoint_root
+
+    out_dir, run_dir = out_dir.expanduser().resolve(), source.run_dir
     if out_dir == run_dir or out_dir in run_dir.parents:
         raise ExportError(f"OUT_DIR={out_dir} is the run dir or holds it; pick a new directory")
+    # what the export reads and what the run keeps: replacing one (--overwrite) or writing into it loses it
+    kept = (source.adapter_dir, run_dir / ADAPTER_DIR, checkpoint_root(run_dir), run_dir / ".hydra")
+    inside = next((folder for folder in kept if out_dir == folder or folder in out_dir.parents), None)
+    if inside is not None:
+        raise ExportError(f"OUT_DIR={out_dir} is in the run's {inside.relative_to(run_dir)}, which the run keeps (its "
+                          "adapter, checkpoints, config); pick a directory outside them")
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"OUT_DIR={out_dir} is a file; pick a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -131,23 +142,35 @@ def _prepare_out(out_dir: Path, run_dir: Path, overwrite: bool) -> Path:
     return tmp
 
 
-def _finish_out(tmp: Path, out_dir: Path) -> None:
+def _finish_out(tmp: Path, out_dir: Path, overwrite: bool) -> None:
     with _signals_held():  # the old OUT_DIR set aside and the new one renamed in: both or neither
-        _rename_into_place(tmp, out_dir)
+        _rename_into_place(tmp, out_dir, overwrite)
 
 
-def _rename_into_place(tmp: Path, out_dir: Path) -> None:
+def _rename_into_place(tmp: Path, out_dir: Path, overwrite: bool = False) -> None:
+    """`tmp` renamed to OUT_DIR; an OUT_DIR that holds something is replaced only with --overwrite (files written
+    into it while this export ran, by another export say, are refused, never deleted)."""
     out_dir = out_dir.expanduser().resolve()
     umask = os.umask(0)
     os.umask(umask)
     for file in tmp.rglob("*"):  # some writers create 0600 temp files; the export is for others to read
         if file.is_file():
             file.chmod(0o666 & ~umask)
+    written_meanwhile = ExportError(f"OUT_DIR={out_dir} was written to while this export ran (another export to "
+                                    "it?); its files are kept and this export is not written: run it again to another "
+                                    "directory, or with --overwrite")
     old = None
-    if out_dir.is_dir():
+    if out_dir.is_dir() and (overwrite or any(out_dir.iterdir())):
+        if not overwrite:
+            raise written_meanwhile
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
         os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError as err:  # ENOTEMPTY, EEXIST: filled between the look and the rename
+        if old is not None or not out_dir.is_dir():
+            raise
+        raise written_meanwhile from err
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -178,7 +201,7 @@ def model_card(source: Source, base_name: str, merged: bool, dtype: str | None) 
     overrides_file = source.run_dir / ".hydra" / "overrides.yaml"
     overrides: Iterable[Any] = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
     steps = OmegaConf.select(source.cfg, "trainer.max_steps")
-    final = _final_reward(source.run_dir)
+    final = _final_reward(source.adapter_dir.parent)  # the run's, or the checkpoint's copy of its records then
     hub = hub_id(base_name)
     lines = ["---", *([f"base_model: {json.dumps(hub)}"] if hub else [])]
     lines += ["library_name: transformers" if merged else "library_name: peft", "tags:", "- grpo", "- lora",
@@ -238,7 +261,7 @@ def export(run_dir: Path, out_dir: Path, *, base: str | None = None, checkpoint:
     tmp = None
     try:
         with _signals_held():  # made and known here together: a stop removes it
-            tmp = _prepare_out(Path(out_dir), source.run_dir, overwrite)
+            tmp = _prepare_out(Path(out_dir), source, overwrite)
         _say(f"[2/{steps}] checking {source.label} ({source.adapter_dir}) against base {base_name}")
         import torch
 
@@ -266,7 +289,7 @@ def export(run_dir: Path, out_dir: Path, *, base: str | None = None, checkpoint:
             _say(f"[5/{steps}] writing weights (safetensors), config, tokenizer and generation config to {out_dir}")
             _save_model(merged, tokenizer, tmp)
             (tmp / "README.md").write_text(model_card(source, base_name, merged=True, dtype=dtype))
-        _finish_out(tmp, Path(out_dir))
+        _finish_out(tmp, Path(out_dir), overwrite)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
