@@ -307,6 +307,42 @@ def test_files_written_to_out_dir_while_exporting_are_kept_without_overwrite(tmp
     assert empty.is_dir() and not (tmp_path / ".new").exists()
 
 
+def test_a_stop_that_comes_as_out_dir_is_renamed_in_says_it_is_whole(tmp_path, monkeypatch):
+    """The signal is held during the rename and came right after it: the line said OUT_DIR `was not written` (exit
+    130), while it was there, whole, and an export it replaced was gone."""
+    import os
+    import signal
+
+    from grpo_cli.commands import export as export_module
+
+    rename = export_module._rename_into_place
+
+    def interrupted_rename(tmp, out, overwrite=False):
+        os.kill(os.getpid(), signal.SIGINT)  # held until the rename is done, on whatever thread it lands
+        rename(tmp, out, overwrite)
+
+    monkeypatch.setattr(export_module, "_rename_into_place", interrupted_rename)
+    tmp, out = tmp_path / ".out.tmp-1", tmp_path / "out"
+    tmp.mkdir()
+    (tmp / "README.md").write_text("card")
+    with export_module._stops_on_signals(), pytest.raises(export_module.ExportStopped) as stopped:
+        export_module._finish_out(tmp, out, overwrite=False)
+    assert stopped.value.written and (out / "README.md").read_text() == "card"
+
+
+def test_the_base_flag_stands_in_for_a_config_without_one(tiny_cfg, tmp_path, capsys):
+    """The line for a run config without model.name_or_path said to pass --base, and --base was refused the same."""
+    cfg = OmegaConf.create(OmegaConf.to_container(tiny_cfg))
+    del cfg.model["name_or_path"]
+    run = fake_run(tmp_path / "run", cfg)
+    one_line_exit_2(capsys, [str(run), str(tmp_path / "out"), "--adapter-only"],
+                    "has no model.name_or_path; pass the base with --base NAME_OR_PATH")
+    # past the name now: the placeholder weights are what fails, in one line (a SafetensorError traceback before)
+    line = one_line_exit_2(capsys, [str(run), str(tmp_path / "out"), "--adapter-only", "--base", "tiny-random"])
+    assert line.startswith(f"grpo-export: {run}/adapter/adapter_model.safetensors cannot be read (") and line.endswith(
+        "): it is damaged or cut short; give another adapter or checkpoint")
+
+
 def test_a_checkpoints_model_card_gives_the_final_reward_of_its_own_records(tiny_cfg, tmp_path):
     """The card of checkpoint step-1 gave the whole run's final reward (0.9 here), not its own (0.0)."""
     import json

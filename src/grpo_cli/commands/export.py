@@ -75,8 +75,6 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
     if not config_file.is_file():
         raise ExportError(f"{config_file} is missing; pass the run dir grpo-train wrote (it holds .hydra/config.yaml)")
     cfg = cast(DictConfig, OmegaConf.load(config_file))  # grpo-train writes a mapping there
-    if not OmegaConf.select(cfg, "model.name_or_path"):
-        raise ExportError(f"{config_file} has no model.name_or_path; pass the base with --base NAME_OR_PATH")
     if checkpoint is None:
         adapter_dir, label = run_dir / "adapter", "the run's final adapter"
         if not (adapter_dir / "adapter_config.json").is_file():
@@ -108,7 +106,11 @@ def find_source(path: Path, checkpoint: str | None = None) -> Source:
 def _model_settings(cfg: DictConfig, base: str | None) -> tuple[str, bool, dict, int, str | None]:
     """What the export needs of a run's saved config, which an older grpo-cli may have written without some keys:
     a key it lacks is one that run did not set (an unquantized base, no remote code, the default seed)."""
-    name = base or str(OmegaConf.select(cfg, "model.name_or_path"))
+    recorded = OmegaConf.select(cfg, "model.name_or_path")
+    if not base and not recorded:
+        raise ExportError("the run's .hydra/config.yaml has no model.name_or_path; pass the base with --base "
+                          "NAME_OR_PATH")
+    name = base or str(recorded)
     quantization = OmegaConf.select(cfg, "model.quantization")
     trust = OmegaConf.select(cfg, "model.trust_remote_code") is True
     tiny_node = OmegaConf.select(cfg, "model.tiny")
@@ -143,8 +145,14 @@ def _prepare_out(out_dir: Path, source: Source, overwrite: bool) -> Path:
 
 
 def _finish_out(tmp: Path, out_dir: Path, overwrite: bool) -> None:
-    with _signals_held():  # the old OUT_DIR set aside and the new one renamed in: both or neither
-        _rename_into_place(tmp, out_dir, overwrite)
+    renamed = False
+    try:
+        with _signals_held():  # the old OUT_DIR set aside and the new one renamed in: both or neither
+            _rename_into_place(tmp, out_dir, overwrite)
+            renamed = True
+    except ExportStopped as stopped:  # a signal held during the rename comes now: the export is whole then
+        stopped.written = renamed
+        raise
 
 
 def _rename_into_place(tmp: Path, out_dir: Path, overwrite: bool = False) -> None:
@@ -358,6 +366,10 @@ class ExportStopped(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.written = False  # the stop came once OUT_DIR was in place, whole
+
+
+_held: list[int] | None = None  # inside _signals_held: the stop signals that came meanwhile
 
 
 def _raise_stopped(signum, _frame) -> None:
@@ -367,6 +379,9 @@ def _raise_stopped(signum, _frame) -> None:
         discard_dead_outputs()
     for s in STOP_SIGNALS:  # the first signal stops it; the cleanup that follows is not cut short by another
         signal.signal(s, signal.SIG_IGN)
+    if _held is not None:
+        _held.append(signum)  # said when the held block ends
+        return
     raise ExportStopped(signum)
 
 
@@ -382,12 +397,16 @@ def _stops_on_signals() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Stop signals wait (blocked, not lost) until the block ends."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    """A stop signal that comes during the block waits (noted, not lost) until it ends, then stops the export. Not a
+    signal mask: one that lands on another thread (torch's) would have its handler run in this one at once."""
+    global _held
+    outer, _held = _held, [] if _held is None else _held
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        came, _held = _held, outer
+        if outer is None and came:
+            raise ExportStopped(came[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
             out = export(args.run_dir, args.out_dir, base=args.base, checkpoint=args.checkpoint, dtype=args.dtype,
                          adapter_only=args.adapter_only, overwrite=args.overwrite)
     except ExportStopped as stopped:
+        if stopped.written:
+            _say(f"done: {args.out_dir} (written whole as {stopped} came; nothing was cut short)")
+            return 0
         with contextlib.suppress(OSError):  # stderr on a terminal that hung up
             print(f"{PROG}: stopped by {stopped}; {args.out_dir} was not written (nothing partial is left); run the "
                   "same command again to export", file=sys.stderr, flush=True)

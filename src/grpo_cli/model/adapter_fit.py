@@ -7,17 +7,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpo_cli.base.errors import ExportError
+from grpo_cli.base.errors import CheckpointError, ExportError
 
 PEFT_PREFIX = "base_model.model."
 PASS_TRAINED_BASE = "pass the base it was trained on with --base"  # grpo-export's fix
 
 
 def _adapter_shapes(adapter_dir: Path) -> dict[str, list[int]]:
-    from safetensors import safe_open
+    """The shape of each tensor of the adapter's weights; one line for weights that cannot be read (missing, cut
+    short, another format: peft's safe_serialization=False writes adapter_model.bin)."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
-        return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        other = " (it holds adapter_model.bin: load it with peft and save it again, as safetensors)" \
+            if (adapter_dir / "adapter_model.bin").is_file() else ""
+        raise CheckpointError(f"{weights} is missing{other}; give an adapter as peft saves it by default")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{weights} cannot be read ({' '.join(str(err).split())[:120]}): it is damaged or cut "
+                              "short; give another adapter or checkpoint") from None
 
 
 def check_shapes(model, adapter_dir: Path, base_name: str, fix: str = "pass the right one with --base") -> None:
