@@ -166,7 +166,13 @@ def test_grpo_eval_base_and_adapter(tiny_run, tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         results[label] = json.loads((out / "eval.json").read_text())
         assert "accuracy" in proc.stdout
-    assert results["base"]["adapter"] == "base" and results["adapter"]["adapter"].endswith("adapter")
+    assert results["base"]["adapter"] == "base" and "adapter_sha256" not in results["base"]
+    # the adapter scored, named by where it was (resolved) and by its content: a folder may be trained again later
+    import hashlib
+
+    weights = (tiny_run / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert results["adapter"]["adapter"] == str((tiny_run / "adapter").resolve())
+    assert results["adapter"]["adapter_sha256"] == hashlib.sha256(weights).hexdigest()
     for r in results.values():
         assert r["eval/num_prompts"] == 3 and 0.0 <= r["eval/pass@2"] <= 1.0 and "eval/majority@2" in r
 

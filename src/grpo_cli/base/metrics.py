@@ -1,12 +1,13 @@
 """The names of a run dir's records, reading `metrics.jsonl` (one JSON object per step, appended by
 tracking.JsonlSink), and the one rule for a run's "final" value. The run's summary, the sweep summary and
 grpo-report all use these. `final_eval.json` (FINAL_EVAL) holds eval.final's result: the run writes it, the
-sweep summary reads it."""
+sweep summary reads it. A record written in one piece is written whole or not at all (`replace_text`)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from grpo_cli.base.errors import MetricsError
@@ -52,3 +53,10 @@ def final_mean(values: list[float]) -> float:
         return math.nan
     tail = values[-max(1, len(values) // 10):]
     return sum(tail) / len(tail)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file beside it (named for this process), then a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -124,7 +124,7 @@ def _write_hydra_records(directory: Path, cfg, arguments: list[str]) -> None:
     and grpo-export read of a run."""
     from omegaconf import OmegaConf
 
-    from grpo_cli.run.rundir import replace_text
+    from grpo_cli.base.metrics import replace_text
 
     folder = directory / ".hydra"
     folder.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from grpo_cli.base.errors import CheckpointError, UserError
-from grpo_cli.base.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES, TENSORBOARD_DIR
+from grpo_cli.base.metrics import ADAPTER_DIR, CHECKPOINTS_DIR, METRICS, SAMPLES, TENSORBOARD_DIR, replace_text
 from grpo_cli.base.redaction import is_recorded_secret, is_secret_key, redact
 from grpo_cli.config.rules import ranks
 from grpo_cli.config.schema import Config, default_of
@@ -273,13 +273,6 @@ def redact_hydra_records(run_dir: Path) -> None:
         text = path.read_text(encoding="utf-8")
         if redact(text) != text:
             replace_text(path, redact(text))
-
-
-def replace_text(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: a temporary file beside it (named for this process), then a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _rows_before(lines: list[str], step: int) -> list[str]:

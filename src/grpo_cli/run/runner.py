@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 import grpo_cli.config.compose  # noqa: F401  registers the config's resolvers: a program's cfg resolves as grpo-train's does
 from grpo_cli.base.errors import ConfigError, Interrupted, OutOfMemory, RunError, UserCodeError, WorkerError
-from grpo_cli.base.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics
+from grpo_cli.base.metrics import ADAPTER_DIR, FINAL_EVAL, METRICS, final_mean, read_metrics, replace_text
 from grpo_cli.base.ranks import is_rank_zero
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config.schema import Config
@@ -292,7 +292,7 @@ class Run:
             raise Interrupted(self.stop.signum or signal.SIGTERM, self.checkpoint_at(steps), completed=steps) from None
         if result is not None:
             result = {"step": steps, **result}
-            rundir.replace_text(self.run_dir / FINAL_EVAL, json.dumps(result, indent=2) + "\n")
+            replace_text(self.run_dir / FINAL_EVAL, json.dumps(result, indent=2) + "\n")
         distributed.barrier()
         return result
 

@@ -6,6 +6,7 @@ the last step with `eval.final` (its result in the run dir's `final_eval.json`, 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import signal
@@ -22,6 +23,7 @@ from rich.table import Table
 
 from grpo_cli.base.console import print_table
 from grpo_cli.base.errors import ConfigError, Interrupted
+from grpo_cli.base.metrics import replace_text
 from grpo_cli.config.schema import Config, RewardConfig
 from grpo_cli.model.adapter_fit import check_base_name, check_shapes
 from grpo_cli.model.loading import config_context_length
@@ -185,17 +187,20 @@ def run_eval(cfg: Config, run_dir: Path, stop=None) -> dict:
     adapter = cfg.eval.adapter
     lm = load_within_context(cfg, ("eval.max_new_tokens",), lambda: load_trained(
         cfg.model, cfg.trainer.device, adapter, seed=cfg.trainer.seed, check_fit=partial(_fits_base, cfg)))
-    label = str(Path(adapter).expanduser()) if adapter else "base"
+    label = str(Path(adapter).expanduser().resolve()) if adapter else "base"
+    # the weights scored, named by their content: the folder may be trained again or replaced later
+    weights = {"adapter_sha256": hashlib.sha256((Path(label) / "adapter_model.safetensors").read_bytes()).hexdigest()} \
+        if adapter else {}
     evaluator = Evaluator.from_config(cfg, lm.tokenizer, rows)
     engine = make_engine(cfg.rollout, lm, max_prompt_tokens=cfg.data.max_prompt_tokens)
     console = Console()
     console.print(f"evaluating {label} on {len(evaluator.rows)} held-out prompts", markup=False, highlight=False)
     try:
-        result = {"model": cfg.model.name_or_path, "adapter": label, **evaluator.run(engine, stop)}
+        result = {"model": cfg.model.name_or_path, "adapter": label, **weights, **evaluator.run(engine, stop)}
     finally:
         engine.close()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+    replace_text(run_dir / "eval.json", json.dumps(result, indent=2) + "\n")  # whole or not at all
     table = Table(title=f"grpo-eval: {cfg.model.name_or_path} + {label}")
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -56,6 +56,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def trainer_state(step: int, max_steps: int, steps_per_epoch: float, dist: distributed.Dist) -> TrainerState:
+    """TRL's `trainer_state` for the rewards of `step` (transformers' TrainerState, as its Trainer keeps it): the
+    steps done, max_steps, the passes over the training prompts so far and in all, which rank speaks."""
+    return TrainerState(global_step=step, max_steps=max_steps, epoch=step / steps_per_epoch,
+                        num_train_epochs=math.ceil(max_steps / steps_per_epoch), is_world_process_zero=dist.is_main,
+                        is_local_process_zero=dist.local_rank == 0)
+
+
 class GRPOTrainer:
     """Owns the objects a step needs; `step()` is one GRPO step (its optimizer updates). A run around the steps
     (its dir, resume, records, checkpoints) is grpo_cli.run.Run's: it asks, the trainer answers (`state_dict`,
@@ -157,8 +165,7 @@ class GRPOTrainer:
         fields = {k: [row[k] for row in generation.rows for _ in range(G)] for k in generation.rows[0]}
         chat = fields["messages"] if given_as_chat(generation.rows[0]) else None  # TRL: the first prompt's form
         try:
-            scoring = self.rewards.score_all(generation.prompts, roll.texts, fields | roll.reward_fields(),
-                                             group_size=G, chat_prompts=chat)
+            scoring = self.rewards.score_all(generation.prompts, roll.texts, fields | roll.reward_fields(), G, chat)
         except Interrupted:
             return None
         return Scores(torch.tensor(scoring.totals), scoring.per_function, scoring.errors, scoring.outcomes,  # float32
@@ -286,7 +293,8 @@ class GRPOTrainer:
         nothing of it has touched the weights, the optimiser or the logs). `on_phase(step, what)` hears the phases."""
         t0 = time.perf_counter()
         on_phase(step, "generating and scoring")
-        self.rewards.trainer_state = self.trainer_state(step)
+        self.rewards.trainer_state = trainer_state(step, self.tcfg.max_steps,
+                                                   len(self.sampler.rows) / self.cfg.data.prompts_per_step, self.dist)
         if self.algo.filter_groups:
             batch = dynamic_sampling.filtered_batch(self, step)  # None: a stop request came first
         else:
@@ -309,14 +317,6 @@ class GRPOTrainer:
         row = metrics_row(step, batch, stats, time.perf_counter() - t0, self.algo.num_generations, {
             "lr": self.lr_schedule.lr, "skipped_updates": self.skipped_updates, **self.sampler_correction.metrics()})
         return over_ranks(row, self.dist, self.lm.device), batch
-
-    def trainer_state(self, step: int) -> TrainerState:
-        """TRL's `trainer_state` for the rewards of `step` (transformers' TrainerState, as its Trainer keeps it):
-        the steps done, max_steps, the passes over the training prompts so far and in all, which rank speaks."""
-        per_epoch = len(self.sampler.rows) / self.cfg.data.prompts_per_step  # steps a pass over the prompts takes
-        return TrainerState(global_step=step, max_steps=self.tcfg.max_steps, epoch=step / per_epoch,
-                            num_train_epochs=math.ceil(self.tcfg.max_steps / per_epoch),
-                            is_world_process_zero=self.dist.is_main, is_local_process_zero=self.dist.local_rank == 0)
 
     # ---- what a run asks of the step ------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -60,10 +60,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from grpo_cli.base.errors import ConfigError, RunError, UserError, error_line, exit_with, one_line, program, warn
+from grpo_cli.base.metrics import replace_text
 from grpo_cli.base.redaction import find_secrets, recorded, redact, redact_log_records, remember, remember_overrides
 from grpo_cli.base.stopping import StopRequest
 from grpo_cli.config import override_key
-from grpo_cli.run.rundir import RunLock, job_config, replace_text
+from grpo_cli.run.rundir import RunLock, job_config
 from grpo_cli.sweep.rerun import (
     continues_sweep,
     job_dir_of,

@@ -27,9 +27,8 @@ from typing import Any
 import yaml
 
 from grpo_cli.base.errors import MetricsError
-from grpo_cli.base.metrics import FINAL_EVAL, final_mean, read_metrics
+from grpo_cli.base.metrics import FINAL_EVAL, final_mean, read_metrics, replace_text
 from grpo_cli.config import override_key
-from grpo_cli.run.rundir import replace_text
 from grpo_cli.sweep.stats import SEED_KEY, cell_keys, cell_table
 
 SUMMARY_CSV = "sweep_summary.csv"
