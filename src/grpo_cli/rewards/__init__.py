@@ -16,11 +16,16 @@ is_world_process_zero, is_local_process_zero) and, in episodes, `environments` (
 signature names them or takes **kwargs; `messages`
 (the prompt's chat messages; in episodes the whole conversation) only when it names it. A function may be async.
 
+On prompts the data gave as chat
+messages a function of the user's gets TRL's conversational form (`as_conversation`: the prompts' messages, each
+completion as [{"role": "assistant", "content": text}]); grpo-cli's own read text.
+
 A function must return
 one real number per completion: int, float, bool (True = 1.0: a pass/fail check is a reward), or a numpy /
-torch scalar. Anything else (a string, even "1.0", None, a list per completion, the wrong count) is a bug in
-the function and stops the run with one line, whatever reward.on_error says; on_error=zero is for functions
-that raise on some inputs. A function that also says what happened to each completion returns a `Scored`
+torch scalar, or None where it does not apply (aggregation.combine leaves it out; a completion that no function
+scores stops the run). Anything else (a string, even "1.0", a list per completion, the wrong count; a NaN, below)
+is a bug in the function and stops the run with one line, whatever reward.on_error says; on_error=zero is for
+functions that raise on some inputs. A function that also says what happened to each completion returns a `Scored`
 list: its outcomes go to samples.jsonl (outcome/NAME) and are counted in the metrics (outcomes/NAME/KIND). A
 function that scored some completions and could not score the others (a service that refused) raises
 `CompletionsFailed` with the scores it has: on_error=zero keeps them without calling it again.
