@@ -370,6 +370,13 @@ def test_grpo_eval_into_a_training_run_or_an_earlier_eval_is_one_line_and_leaves
                    command="grpo-eval")
     one_line_exit_2(proc, f"hydra.run.dir={earlier} holds an eval already (eval.json)")
     assert (earlier / "eval.json").read_text() == '{"accuracy": 0.5}' and not (earlier / ".hydra").exists()
+    # the run's adapter folder itself (or an export of it): .hydra/, the log and eval.json were written among its files
+    adapter = used / "adapter"
+    files = sorted(p.name for p in adapter.iterdir())
+    proc = run_cli(["+recipe=quickstart", "model=tiny", "eval.num_prompts=2", f"eval.adapter={adapter}",
+                    f"hydra.run.dir={adapter}"], tmp_path, command="grpo-eval")
+    one_line_exit_2(proc, f"hydra.run.dir={adapter} holds an adapter (adapter_config.json)", "a dir of its own")
+    assert sorted(p.name for p in adapter.iterdir()) == files
 
 
 # a file may not grow past 20 kB, and a write past it fails (EFBIG; Python ignores SIGXFSZ) instead of killing the
