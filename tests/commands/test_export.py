@@ -219,6 +219,16 @@ def fake_run(run: Path, cfg, adapter: bool = True) -> Path:
     return run
 
 
+def fake_checkpoint(run: Path, step: int) -> Path:
+    """A checkpoint folder of `run` as export looks at it: its state.json and placeholder adapter files."""
+    folder = run / "checkpoints" / f"step-{step:06d}"
+    (folder / "adapter").mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (folder / "adapter" / name).write_text("{}")
+    (folder / "state.json").write_text(json.dumps({"step": step}))
+    return folder
+
+
 def test_run_without_adapter_is_one_line(tiny_cfg, tmp_path, capsys):
     run = fake_run(tmp_path / "unfinished", tiny_cfg, adapter=False)
     one_line_exit_2(capsys, [str(run), str(tmp_path / "out")], "no adapter")
@@ -260,11 +270,7 @@ def test_an_out_dir_in_what_the_run_keeps_is_refused_even_with_overwrite(tiny_cf
     """`grpo-export RUN RUN/adapter --overwrite` replaced the trained adapter with the merged model, and a checkpoint
     exported over itself lost its optimizer state."""
     run = fake_run(tmp_path / "run", tiny_cfg)
-    step = run / "checkpoints" / "step-000001"
-    (step / "adapter").mkdir(parents=True)
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        (step / "adapter" / name).write_text("{}")
-    (step / "state.json").write_text('{"step": 1}')
+    step = fake_checkpoint(run, 1)
     for source, out, kept in ((run, run / "adapter", "adapter"), (step, step, "checkpoints"),
                               (run, run / "checkpoints" / "merged", "checkpoints"), (run, run / ".hydra", ".hydra")):
         line = one_line_exit_2(capsys, [str(source), str(out), "--overwrite"])
@@ -345,16 +351,10 @@ def test_the_base_flag_stands_in_for_a_config_without_one(tiny_cfg, tmp_path, ca
 
 def test_a_checkpoints_model_card_gives_the_final_reward_of_its_own_records(tiny_cfg, tmp_path):
     """The card of checkpoint step-1 gave the whole run's final reward (0.9 here), not its own (0.0)."""
-    import json
-
     from grpo_cli.commands.export import find_source, model_card
 
     run = fake_run(tmp_path / "run", tiny_cfg)
-    step = run / "checkpoints" / "step-000001"
-    (step / "adapter").mkdir(parents=True)
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        (step / "adapter" / name).write_text("{}")
-    (step / "state.json").write_text('{"step": 1}')
+    step = fake_checkpoint(run, 1)
     (step / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward": 0.0}) + "\n")
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward": r}) + "\n"
                                                for i, r in enumerate([0.0, 0.9, 0.9])))

@@ -158,8 +158,8 @@ def _check_eval_dir(run_dir: Path) -> None:
         raise ConfigError(f"hydra.run.dir={run_dir} holds an eval already (eval.json), which another would replace; "
                           "give this one another hydra.run.dir")
     if (run_dir / "adapter_config.json").exists() or (run_dir / "config.json").exists():
-        what = "an adapter (adapter_config.json)" if (run_dir / "adapter_config.json").exists() else \
-            "a model (config.json)"
+        adapter = (run_dir / "adapter_config.json").exists()
+        what = "an adapter (adapter_config.json)" if adapter else "a model (config.json)"
         raise ConfigError(f"hydra.run.dir={run_dir} holds {what}: grpo-eval would write its .hydra/, log and "
                           f"eval.json among its files; give the eval a dir of its own, with eval.adapter={run_dir} to "
                           "score that adapter")
