@@ -9,6 +9,7 @@ import pytest
 from conftest import run_cli
 
 from grpo_cli.base.errors import ConfigError
+from grpo_cli.base.metrics import OWN_METRIC_PREFIXES, OWN_METRICS
 from grpo_cli.run.validate import validate
 from grpo_cli.tasks.sources import load_rows
 
@@ -140,9 +141,42 @@ def test_on_chat_prompts_a_trl_reward_gets_trls_conversational_form_and_grpo_cli
     assert seen == {"prompts": ["What is 2 + 2?"] * 2, "completions": texts}
 
 
+def test_log_metric_and_log_extra_reach_a_reward_as_trl_passes_them():
+    """TRL passes `log_metric(name, value)` and `log_extra(column, values)` to every reward; here they were not
+    passed: a function that used them logged nothing."""
+    from grpo_cli.base.errors import RewardError
+    from grpo_cli.rewards import RewardFunction, RewardSet
+
+    def lengths(completions, log_extra=None, log_metric=None, **kwargs):  # as TRL's docs write one
+        if log_extra:
+            log_extra("length", [len(c) for c in completions])
+        if log_metric:
+            log_metric("mean_length", sum(len(c) for c in completions) / len(completions))
+            log_metric("mean_length", 0.0)
+        return [0.0] * len(completions)
+
+    scoring = RewardSet([RewardFunction("lengths", lengths, 1.0)]).score_all(["p"] * 2, ["ab", "abcd"], {})
+    assert scoring.logged == {"mean_length": 1.5} and scoring.extra == {"length": [2, 4]}  # 3.0 and 0.0: their mean
+    misuses = [lambda metric, extra: metric("kl", 1.0), lambda metric, extra: metric("reward/x", 1.0),
+               lambda metric, extra: extra("completion", ["a", "b"]), lambda metric, extra: metric("m", float("nan"))]
+    for misuse in misuses:  # a name of grpo-cli's own metrics or sample fields, or not a number
+        def bad(completions, log_metric, log_extra, _misuse=misuse, **kwargs):
+            _misuse(log_metric, log_extra)
+            return [0.0] * len(completions)
+
+        with pytest.raises(RewardError, match=r"^reward bad raised RewardError on completion 0: log_"):
+            RewardSet([RewardFunction("bad", bad, 1.0)]).score_all(["p"] * 2, ["a", "b"], {})
+
+
 TRL_STYLE = """
 def content_length(completions, **kwargs):  # as TRL's docs write a reward for conversational data
     return [min(len(completion[0]["content"]), 10) / 10 for completion in completions]
+
+
+def logs(completions, log_extra=None, log_metric=None, **kwargs):
+    log_extra("words", [len(completion[0]["content"].split()) for completion in completions])
+    log_metric("completions_scored", len(completions))
+    return [0.0] * len(completions)
 
 
 def prompts_seen(prompts, completions, **kwargs):
@@ -160,14 +194,19 @@ def test_a_trl_reward_trains_and_judges_the_final_eval_on_chat_prompts_unchanged
     run = tmp_path / "run"
     proc = run_cli(["+recipe=quickstart", "model=tiny", "data=jsonl", "data.path=train.jsonl",
                     "data.eval_path=test.jsonl", "data.question_suffix=''",
-                    "reward.only=[trl_style.content_length,trl_style.prompts_seen,trl.rewards.think_format_reward]",
-                    "reward.accuracy=think_format_reward", "eval.final=true", "trainer.max_steps=1",
-                    "data.prompts_per_step=2", "algo.num_generations=2", f"hydra.run.dir={run}"], tmp_path)
+                    "reward.only=[trl_style.content_length,trl_style.prompts_seen,trl_style.logs,"
+                    "trl.rewards.think_format_reward]", "reward.accuracy=logs", "eval.final=true",
+                    "trainer.max_steps=1", "trainer.log_samples_every=1", "data.prompts_per_step=2",
+                    "algo.num_generations=2", f"hydra.run.dir={run}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert sorted(k for k in row if k.startswith("reward/")) == [
-        "reward/content_length", "reward/prompts_seen", "reward/think_format_reward"]
-    assert json.loads((run / "final_eval.json").read_text())["eval/accuracy"] == 0.0  # no <think> from tiny
+        "reward/content_length", "reward/logs", "reward/prompts_seen", "reward/think_format_reward"]
+    assert row["completions_scored"] == 4  # log_metric's, under its name
+    assert all(k in OWN_METRICS or k.startswith(OWN_METRIC_PREFIXES) for k in row if k != "completions_scored")
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["words"] for s in samples] == [len(s["completion"].split()) for s in samples]  # log_extra's column
+    assert json.loads((run / "final_eval.json").read_text())["eval/accuracy"] == 0.0  # judged with TRL's loggers
 
 
 def test_adding_a_function_by_a_mapping_says_how_instead_of_naming_the_option_in_use(tmp_path):

@@ -19,6 +19,16 @@ ADAPTER_DIR = "adapter"  # the trained LoRA weights
 CHECKPOINTS_DIR = "checkpoints"  # checkpoint.step_dir: one folder per checkpoint
 TENSORBOARD_DIR = "tensorboard"  # logger=tensorboard's event files
 
+# the names of a step's row of metrics.jsonl (step.stats.metrics_row; eval's, the monitors' warning, the sampler
+# correction's) and their prefixes: what a reward's TRL-style log_metric may not take
+# (tests/step/test_trainer.py holds metrics_row to them)
+OWN_METRICS = ("step", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_fraction", "loss", "grad_norm",
+               "entropy", "completion_len", "truncated_frac", "lr", "step_time_s", "gen_tokens_per_s", "gen_time_s",
+               "gen_compile_s", "gen_sync_s", "reward_errors", "skipped_updates", "prompts_truncated",
+               "prompts_dropped", "warning", "entropy_coef")
+OWN_METRIC_PREFIXES = ("reward/", "clip_fraction/", "filter_", "rollout/", "sync/", "episodes/", "outcomes/", "eval/",
+                       "sampler/", "monitor/")
+
 
 def read_metrics(path: Path) -> list[dict]:
     """The step rows (objects with a `step`) of a metrics.jsonl; [] when the file does not exist.

@@ -12,8 +12,8 @@ A function is called as TRL calls one: by keyword, `fn(prompts=..., completions=
 one whose first two parameters take them under other names (`lambda p, c, **_`) gets those two by position. Beside
 the row's fields it gets what TRL passes that is known here: `completion_ids` (each completion's token ids),
 `trainer_state` (transformers' TrainerState, as TRL's: global_step, max_steps, epoch, num_train_epochs,
-is_world_process_zero, is_local_process_zero) and, in episodes, `environments` (each episode's instance), when its
-signature names them or takes **kwargs; `messages`
+is_world_process_zero, is_local_process_zero), TRL's `log_metric` and `log_extra` (`Logged`) and, in episodes,
+`environments` (each episode's instance), when its signature names them or takes **kwargs; `messages`
 (the prompt's chat messages; in episodes the whole conversation) only when it names it. A function may be async.
 
 On prompts the data gave as chat
@@ -51,6 +51,7 @@ from typing import Any
 
 from grpo_cli.base import user_code
 from grpo_cli.base.errors import RewardError
+from grpo_cli.base.metrics import OWN_METRIC_PREFIXES, OWN_METRICS
 from grpo_cli.base.user_code import shown
 from grpo_cli.config.schema import RewardConfig
 from grpo_cli.rewards.aggregation import combine
@@ -109,7 +110,8 @@ def to_scores(name: str, returned, expected: int, allow_none: bool = False,
 
 
 # ---- how a reward is called ------------------------------------------------------------------------------
-EXTRA_FIELDS = ("messages", "environments", "completion_ids", "trainer_state")  # only for one that can take them
+EXTRA_FIELDS = ("messages", "environments", "completion_ids", "trainer_state", "log_metric",  # only for one that
+                "log_extra")                                                                   # can take them
 BY_NAME_ONLY = ("messages",)  # of those, only for one that names it (TRL passes the prompt as `prompts`)
 
 
@@ -201,6 +203,8 @@ class Scoring:
     errors: int
     outcomes: dict[str, Outcomes]
     failures: list[str | None] = dataclasses.field(default_factory=list)  # per completion: what failed, or None
+    logged: dict[str, float] = dataclasses.field(default_factory=dict)  # log_metric's, each name's mean
+    extra: dict[str, list] = dataclasses.field(default_factory=dict)  # log_extra's columns, a value per completion
 
     @property
     def first_error(self) -> str | None:
@@ -265,6 +269,38 @@ def environment_reward(environment_class) -> RewardFunction | None:
     return RewardFunction(name, get_reward, 1.0, label=f"environment {name}.get_reward")
 
 
+# what a sample row holds already: a column logged under one of these names would replace it
+SAMPLE_KEYS = ("step", "prompt", "completion", "reward", "advantage")
+
+
+class Logged:
+    """TRL's `log_metric(name, value)` and `log_extra(column, values)` for the reward functions of one scoring:
+    the metrics' values (their mean goes to the step's row under the name given) and the extra columns (one value
+    per completion; to samples.jsonl). A column logged with another count than the completions' is left out."""
+
+    def __init__(self):
+        self.metrics: dict[str, list[float]] = {}
+        self.columns: dict[str, list] = {}
+
+    def log_metric(self, name: str, value) -> None:
+        number = _as_number(value)
+        if not isinstance(name, str) or number is None or not math.isfinite(number):
+            raise RewardError(f"log_metric({name!r}, {shown(value)}): give a name and a finite number")
+        if name in OWN_METRICS or name.startswith(OWN_METRIC_PREFIXES):
+            raise RewardError(f"log_metric({name!r}, ...): {name} is a name of grpo-cli's own metrics "
+                              "(docs/algorithm.md), which it would replace; pick another name")
+        self.metrics.setdefault(name, []).append(number)
+
+    def log_extra(self, column: str, values) -> None:
+        if not isinstance(column, str) or column in SAMPLE_KEYS or column.startswith(("reward/", "outcome/")):
+            raise RewardError(f"log_extra({column!r}, ...): the column name is one samples.jsonl holds already "
+                              f"({', '.join(SAMPLE_KEYS)}, reward/..., outcome/...); pick another")
+        self.columns.setdefault(column, []).extend(list(values))
+
+    def means(self) -> dict[str, float]:
+        return {name: sum(values) / len(values) for name, values in self.metrics.items()}
+
+
 class RewardSet:
     """The weighted sum of the configured reward functions, with per-function means for the metrics."""
 
@@ -275,6 +311,7 @@ class RewardSet:
         self.on_error = on_error
         self.timeout_s, self.stop = timeout_s, stop
         self.trainer_state: Any = None  # the step's transformers.TrainerState, set by the trainer before it scores
+        self.logged = Logged()  # what the functions log with log_metric / log_extra while one scoring runs
 
     @classmethod
     def from_config(cls, cfg_reward: RewardConfig, device=None, dtype=None, stop=None, environment=None) -> RewardSet:
@@ -289,6 +326,8 @@ class RewardSet:
     def _call(self, rf: RewardFunction, prompts, completions, fields):
         """The function's return value; Interrupted on a stop request, user_code.FAILED when it raised or timed out."""
         state = {} if self.trainer_state is None else {"trainer_state": self.trainer_state}
+        if not rf.native:  # grpo-cli's own log nothing; the verifier and the judge send every other field on
+            state |= {"log_metric": self.logged.log_metric, "log_extra": self.logged.log_extra}
         return user_code.call(functools.partial(call_reward, rf.fn, prompts, completions, fields | state),
                               name=f"reward-{rf.name}", timeout_s=self.timeout_s, stop=self.stop)
 
@@ -341,6 +380,7 @@ class RewardSet:
         failures: list[str | None] = [None] * len(texts)
         errors = 0
         conversation = as_conversation(texts_of_prompts, texts, chat_prompts)
+        self.logged = Logged()
         for rf in self.functions:
             prompts, completions = (texts_of_prompts, texts) if rf.native else conversation
             try:
@@ -381,7 +421,8 @@ class RewardSet:
             terms = ", ".join(f"{rf.name} {per_fn[rf.name][bad]} x weight {rf.weight:g}" for rf in self.functions)
             raise RewardError(f"the total reward of completion {bad} is {totals[bad]} ({terms}, reward.aggregation="
                               f"{self.aggregation}); rewards must sum to a finite number: lower the weights")
-        return Scoring(totals, per_fn, errors, outcomes, failures)
+        extra = {column: values for column, values in self.logged.columns.items() if len(values) == len(texts)}
+        return Scoring(totals, per_fn, errors, outcomes, failures, self.logged.means(), extra)
 
     def _one_line(self, rf: RewardFunction, failure: user_code.Raised | user_code.TimedOut, prompts, completions,
                   fields) -> RewardError:

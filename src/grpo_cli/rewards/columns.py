@@ -14,11 +14,13 @@ from grpo_cli.base.errors import DataError
 from grpo_cli.config.schema import RewardConfig
 from grpo_cli.rewards import BY_NAME_ONLY, EXTRA_FIELDS, resolve_callable, with_free_options
 
-TRAINER_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "environments", "messages")  # TRL's
+TRAINER_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "environments", "messages",  # TRL's
+                  "log_metric", "log_extra")
 # what each of them holds, for the line that refuses a data column of that name (`messages` is the prompt's form)
 PASSED_MEANING = {"prompts": "the prompts", "completions": "the model's completions",
                   "completion_ids": "the completions' token ids", "trainer_state": "the trainer's state",
-                  "environments": "the episodes' environments"}
+                  "environments": "the episodes' environments", "log_metric": "TRL's metric logger",
+                  "log_extra": "TRL's column logger"}
 
 
 def _call_target(target, options: dict):

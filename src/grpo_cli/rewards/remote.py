@@ -23,7 +23,6 @@ batch again (rewards.CompletionsFailed).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import queue
@@ -176,6 +175,10 @@ def score_each(items: list, score, concurrency: int) -> list[float]:
     return [s for s, _ in results]
 
 
+# what a verifier gets of trainer_state (transformers' TrainerState holds more: logging steps, a log history)
+STATE_SENT = ("global_step", "max_steps", "epoch", "num_train_epochs")
+
+
 class RemoteVerifier:
     """`RemoteVerifier(url=...)(prompts, completions, **row) -> list[float]`, one POST per completion."""
 
@@ -197,7 +200,7 @@ class RemoteVerifier:
         if messages is not None:
             fields = {**fields, "messages": messages}
         state = fields.pop("trainer_state", None)  # the step's, one for every completion (the others: one each)
-        whole = {} if state is None else {"trainer_state": dataclasses.asdict(state)}
+        whole = {} if state is None else {"trainer_state": {key: getattr(state, key) for key in STATE_SENT}}
         bodies = [{"prompt": prompt, "completion": completion, **{k: v[i] for k, v in fields.items()}, **whole}
                   for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True))]
         return score_each(bodies, lambda body: score_of(self.service.post(body)), self.concurrency)

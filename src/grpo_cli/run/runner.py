@@ -238,7 +238,7 @@ class Run:
                          "advantage": float(batch.advantages[i]),
                          **{f"reward/{k}": v[i] for k, v in batch.per_function.items()},
                          **{f"outcome/{k}": v.texts[i] for k, v in batch.outcomes.items()},
-                         **batch.rollout.sample_fields(i)})
+                         **batch.rollout.sample_fields(i), **{k: v[i] for k, v in batch.extra.items()}})
         tracker.samples(step, rows)
 
     # ---- checkpoints and the adapter ------------------------------------------------------------

@@ -26,6 +26,8 @@ class Scores:
     errors: int                      # reward calls that raised (reward.on_error=zero)
     outcomes: dict[str, Outcomes] = field(default_factory=dict)  # of the functions that give them (rewards.Scored)
     failures: list[str | None] | None = None  # per completion: what failed under on_error=zero, or None
+    logged: dict[str, float] = field(default_factory=dict)  # the functions' log_metric, each name's mean
+    extra: dict[str, list] = field(default_factory=dict)  # their log_extra columns, a value per completion
 
 
 @dataclass
@@ -42,6 +44,8 @@ class Batch:
     stats: dict = field(default_factory=dict)
     outcomes: dict[str, Outcomes] = row_ops.per_row_dict(default_factory=dict)  # of the rewards that say them
     reward_failures: list[str | None] | None = row_ops.per_row(default=None)  # what each of reward_errors was
+    logged: dict[str, float] = field(default_factory=dict)  # the rewards' log_metric means (a draw's: the first's)
+    extra: dict[str, list] = row_ops.per_row_dict(default_factory=dict)  # their log_extra columns, to samples.jsonl
 
     def select_groups(self, groups: list[int]) -> Batch:
         """The batch of the given groups, in that order (rows stay grouped)."""
@@ -72,7 +76,7 @@ def make_batch(generation: Generation, scores: Scores, algo: AlgoConfig, device)
                                          scale=algo.scale_rewards, lengths=mask.sum(1))
     return Batch(roll, generation.prompts, scores.totals, scores.per_function, advantages.to(device), mask,
                  scores.errors, stats=generation.stats, outcomes=scores.outcomes,
-                 reward_failures=scores.failures)
+                 reward_failures=scores.failures, logged=scores.logged, extra=scores.extra)
 
 
 def mini_batch_groups(num_groups: int, mini_batches: int) -> list[list[int]]:

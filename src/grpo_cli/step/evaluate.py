@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from rich.console import Console
@@ -101,8 +101,10 @@ class Evaluator:
     def _score(self, texts: list[str], rows: list[dict], prompts: list[str]) -> list[float]:
         """reward.accuracy's scores of `texts`, each of the row and prompt (its text) at the same place; called as in
         training (rewards.as_conversation: a function of the user's gets chat prompts in TRL's conversational form)."""
-        fields = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
+        fields: dict[str, Any] = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
         name = getattr(self.judge, "__name__", "accuracy")
+        if not is_native(self.judge):  # TRL's loggers, as in training; an eval's scores log nothing
+            fields |= {"log_metric": lambda name, value: None, "log_extra": lambda column, values: None}
         chat = [r["messages"] for r in rows] if given_as_chat(rows[0]) and not is_native(self.judge) else None
         prompts, completions = as_conversation(prompts, texts, chat)
         scores = to_scores(name, call_reward(self.judge, prompts, completions, fields), len(texts))

@@ -101,7 +101,7 @@ def metrics_row(step: int, batch: Batch, stats: StepStats, seconds: float, num_g
     beyond the step (lr, skipped_updates, the sampler correction's metrics)."""
     G, r = num_generations, batch.rewards
     lengths = batch.rollout.loss_mask().sum(dim=1).float()
-    return {
+    row = {
         "step": step,
         "reward": float(r.mean()),
         "reward_std": algorithm.group_std_mean(r, G),
@@ -125,6 +125,7 @@ def metrics_row(step: int, batch: Batch, stats: StepStats, seconds: float, num_g
         **trainer_values,
         **{f"outcomes/{name}/{kind}": n for name, o in batch.outcomes.items() for kind, n in o.counts().items()},
     }
+    return row | batch.logged  # none of base.metrics.OWN_METRICS: log_metric refuses them
 
 
 def over_ranks(row: dict, dist: distributed.Dist, device) -> dict:

@@ -169,7 +169,7 @@ class GRPOTrainer:
         except Interrupted:
             return None
         return Scores(torch.tensor(scoring.totals), scoring.per_function, scoring.errors, scoring.outcomes,  # float32
-                      scoring.failures)
+                      scoring.failures, scoring.logged, scoring.extra)
 
     def generation(self, step: int) -> Generation | None:
         """The step's completions: generated here, or by the generator ahead of the update (rollout.placement)."""
