@@ -130,7 +130,8 @@ def test_rewards_get_messages_and_environments_by_name_and_the_env_reward_joins(
     scores = trainer.score(generation)
     assert len(SEEN["environments"]) == 4 and SEEN["environments"][0].count == 3
     assert [m["role"] for m in SEEN["messages"][0]] == ["user", "assistant", "tool", "assistant"]
-    assert sorted(SEEN["plain"]) == ["answer", "completion_ids", "environments", "start"]  # messages: by name only
+    # messages: by name only; TRL's loggers to every function of the user's that takes **kwargs, as TRL passes them
+    assert sorted(SEEN["plain"]) == ["answer", "completion_ids", "environments", "log_extra", "log_metric", "start"]
     roll = generation.rollout
     assert SEEN["plain"]["completion_ids"][0] == roll.completion_ids[0][roll.completion_mask[0].bool()].tolist()
     assert scores.per_function["CounterEnv"] == [3.0, 3.0, 0.0, 0.0]  # get_reward(), weight 1

@@ -15,7 +15,7 @@ from grpo_cli.step.dynamic_sampling import concat_batches
 
 PAD = 99
 G = 2
-WHOLE_RECORD = {"group_size", "interrupted", "stats"}  # fields that are the record's, not its rows'
+WHOLE_RECORD = {"group_size", "interrupted", "stats", "logged"}  # fields that are the record's, not its rows'
 
 
 class Env:
