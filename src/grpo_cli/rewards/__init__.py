@@ -217,14 +217,11 @@ class RewardFunction:
     fn: object
     weight: float
     label: str = ""  # how a message names it: `reward NAME` unless set (an environment's `CLASS.get_reward`)
+    native: bool = dataclasses.field(init=False)  # grpo-cli's own: it reads text whatever the prompts' form
 
     def __post_init__(self):
         self.label = self.label or f"reward {self.name}"
-
-    @property
-    def native(self) -> bool:
-        """grpo-cli's own (grpo_cli.rewards.*): it reads completions as text whatever the prompts' form."""
-        return is_native(self.fn)
+        self.native = is_native(self.fn)  # once, not at every scoring
 
 
 def is_native(fn) -> bool:

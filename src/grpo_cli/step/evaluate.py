@@ -78,6 +78,7 @@ class Evaluator:
                  max_prompt_tokens: int, sampling: SamplingParams | None = None,
                  episodes: EpisodeRunner | None = None):
         self.rows, self.tokenizer, self.judge = rows, tokenizer, judge
+        self.judge_is_native = is_native(judge)  # grpo-cli's own reads text, whatever the prompts' form
         self.read_answer = answer_reader(judge)
         self.samples, self.temperature, self.max_prompt_tokens = samples, temperature, max_prompt_tokens
         # rollout's sampling (SamplingParams.of) at eval.max_new_tokens, no token forced: all of it for pass@k (at
@@ -103,10 +104,11 @@ class Evaluator:
         training (rewards.as_conversation: a function of the user's gets chat prompts in TRL's conversational form)."""
         fields: dict[str, Any] = {k: [r[k] for r in rows] for k in rows[0] if k != "messages"}
         name = getattr(self.judge, "__name__", "accuracy")
-        if not is_native(self.judge):  # TRL's loggers, as in training; an eval's scores log nothing
+        completions: list = texts
+        if not self.judge_is_native:  # called as in training: TRL's loggers (an eval keeps nothing), its chat form
             fields |= {"log_metric": lambda name, value: None, "log_extra": lambda column, values: None}
-        chat = [r["messages"] for r in rows] if given_as_chat(rows[0]) and not is_native(self.judge) else None
-        prompts, completions = as_conversation(prompts, texts, chat)
+            chat = [r["messages"] for r in rows] if given_as_chat(rows[0]) else None
+            prompts, completions = as_conversation(prompts, texts, chat)
         scores = to_scores(name, call_reward(self.judge, prompts, completions, fields), len(texts))
         return cast("list[float]", scores)  # without allow_none every score is a float
 
