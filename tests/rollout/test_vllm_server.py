@@ -21,7 +21,8 @@ import pytest
 from conftest import TINY_TRAINER, VARIED_REWARD, assert_learned, read_jsonl, run_cli, saved_base, vllm_servers
 from test_async_rollouts import alive, signal_at, stopped_after
 
-from grpo_cli.base.errors import ConfigError
+from grpo_cli.base.errors import ConfigError, WorkerError
+from grpo_cli.rollout.vllm_server import STARTS, ServerAPI, VLLMServer, wait_until_up
 
 pytest.importorskip("vllm")
 
@@ -175,10 +176,36 @@ def test_kill_9_of_grpo_train_takes_its_server_down_and_the_resume_is_the_straig
     assert_no_server(server)
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1]
 
+    killed_log = (run / "vllm-server.log").read_text()
+
     proc = run_cli([*SERVER, *every_step, "trainer.resume=auto"], tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]
     assert_same_adapter(straight[0], run)
+    log = (run / "vllm-server.log").read_text()  # the killed attempt's server log, then the resumed one's
+    assert log.startswith(killed_log) and killed_log.count(STARTS) == 1 and log.count(STARTS) == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_server_that_ends_before_it_answers_is_named_by_its_own_last_error(tmp_path):
+    """A server started into the log of an earlier attempt (a resumed run's) that ends at once (no model in the
+    folder): one line with its exit code and its own error, not the earlier attempt's; the earlier lines are kept."""
+    log, empty = tmp_path / "vllm-server.log", tmp_path / "no-model"
+    empty.mkdir()
+    earlier = f"{STARTS} by grpo-train (pid 1) at 2026-12-01 00:00:00\nValueError: an earlier attempt's error\n"
+    log.write_text(earlier)
+    server = VLLMServer(empty, log, dtype="float32", lora_rank=8, max_loras=2, seed=0, max_model_len=None,
+                        kv_cache_gib=1, gpu_memory_utilization=0.5, threads=1, cpu=True)
+    try:
+        with pytest.raises(WorkerError) as err:
+            wait_until_up(ServerAPI(server.url), server, 240, lambda: False)
+    finally:
+        server.stop()
+    line = str(err.value)
+    assert re.match(rf"vLLM's server \(pid {server.process.pid}\) ended with exit code [1-9]\d* before it answered: ",
+                    line), line
+    assert "earlier attempt" not in line and str(empty) in line and "\n" not in line
+    assert log.read_text().startswith(earlier) and log.read_text().count(STARTS) == 2
 
 
 def test_refusals_in_one_line(compose):

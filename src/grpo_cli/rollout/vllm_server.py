@@ -13,6 +13,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,6 +28,9 @@ from grpo_cli.base.guard import Guard, end_group
 
 BASE_NAME = "grpo-base"  # the name our server serves the base under; requests name an adapter instead
 START_DEADLINE_S = 900  # a server of a 7B model on a slow disk takes minutes to answer (a SLURM job's servers too)
+# a traceback's last line, `module.SomeError: what`, printed by the server or, behind its name, by an engine process
+RAISED = re.compile(r"(\(\w+ pid=\d+\) )?[\w.]*(Error|Exception)\b[^:\s]*:")
+STARTS = "==== vLLM's server started"  # the line before each server's own lines in its log
 STOP_WAIT_S = 3  # after SIGTERM the server has this long to close its open requests before SIGKILL
 # vLLM accepts these LoRA ranks as --max-lora-rank (the adapter's rank rounded up to one)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -113,7 +117,9 @@ class VLLMServer:
         if cpu and iomp is not None and iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)  # vLLM's CPU kernels
         log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("w") as out:
+        with log.open("a") as out:  # a resumed run's server logs after the killed attempt's, which says how it ended
+            out.write(f"{STARTS} by {program()} (pid {os.getpid()}) at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            out.flush()
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             preexec_fn=lambda: _die_with_the_trainer(cores))
@@ -227,10 +233,18 @@ def wait_until_up(api: ServerAPI, server: VLLMServer | None, deadline_s: float, 
 
 
 def last_line(log: Path) -> str:
-    """The last error-looking line of a server's log (or its last line)."""
+    """What the last server started into `log` last raised (a traceback's last line, with the one after it where
+    pydantic lists the failed check there, as vLLM's config does), else its last error-looking line, else its last."""
     try:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        text = log.read_text(errors="replace")
     except OSError:
         return "no log"
+    if (start := text.rfind(STARTS)) >= 0:
+        text = text[start:].partition("\n")[2]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    raised = [i for i, line in enumerate(lines) if RAISED.match(line)]
+    if raised:  # vLLM's server re-raises its engine's failure as "... See root cause above": that one is the cause
+        i = ([i for i in raised if "root cause above" not in lines[i]] or raised)[-1]
+        return " ".join(lines[i:i + 2] if "validation error" in lines[i] else lines[i:i + 1])[:400]
     errors = [line for line in lines if "Error" in line or "error" in line]
     return (errors or lines or ["an empty log"])[-1][:240]
