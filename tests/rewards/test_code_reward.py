@@ -132,6 +132,32 @@ def test_children_are_killed_with_the_program(kind):
     assert processes_named(name) == []
 
 
+# A trainer scoring one completion with the code reward in sandbox argv[1], for 100 s at most
+TRAINER = ("import sys\nfrom grpo_cli.rewards.code import passes_tests\n"
+           "passes_tests([None], [sys.argv[2]], ['assert add(1, 2) == 3'], sandbox=sys.argv[1], timeout_s=100)\n")
+
+
+@pytest.mark.parametrize("kind", [*ISOLATING, "rlimits"])
+def test_a_program_running_when_its_trainer_is_killed_ends_with_it(kind):
+    """kill -9 of the trainer while its program sleeps: no process of the sandbox is left (the program's own
+    children under rlimits aside: nothing contains them there)."""
+    name = f"late{secrets.token_hex(5)}"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, kind,
+                                fenced(renamed(name) + "import time\ntime.sleep(100)\n" + SOLUTION)])
+    try:
+        deadline = time.monotonic() + 60
+        while not processes_named(name) and time.monotonic() < deadline and trainer.poll() is None:
+            time.sleep(0.1)
+        assert processes_named(name), f"the program never ran (trainer exit code {trainer.poll()})"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 10  # the kernel's SIGKILL is at once; 10 s for a busy machine's reaping
+    while processes_named(name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_named(name) == []
+
+
 @pytest.mark.parametrize("kind", ISOLATING)
 def test_a_memory_bomb_scores_0(kind):
     scored = run([fenced("blocks = [bytearray(1 << 28) for _ in range(64)]\n" + SOLUTION)], sandbox=kind, memory_mb=512)

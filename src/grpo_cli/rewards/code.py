@@ -197,8 +197,14 @@ def _judge():
     steps = tuple(steps)
     sources = (("preamble", job["preamble"]), ("program", job["program"]))
     read_end, write_end = os.pipe()
-    pid = os.fork()
+    judge, pid = os.getpid(), os.fork()
     if pid == 0:
+        try:
+            ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL: the runner ends with the judge
+        except Exception:
+            pass
+        if os.getppid() != judge:
+            os._exit(0)
         os.close(read_end)
         os.close(out)
         os.dup2(2, 1)

@@ -21,7 +21,10 @@ root's files and be exempt from the process limit. Every kind: the program runs 
 of this process, without site-packages), after a preamble that sets its rlimits: address space, CPU seconds, file
 size, no core file and, in the namespaced kinds, processes (the user's processes in its user namespace; as root,
 nobody's processes). The wall clock limit and the output cap (stdout and stderr together) kill its process group;
-in the namespaced kinds the end of the sandbox's first process kills every process left in it.
+in the namespaced kinds the end of the sandbox's first process kills every process left in it. A trainer that ends
+without stopping its sandboxes (kill -9) takes them along: bwrap --die-with-parent; unshare and rlimits start behind
+`setpriv --pdeathsig KILL`, the kernel's SIGKILL to the sandbox's first process when the trainer ends (unshare then
+kills its namespace; under rlimits the program's own children stay, as nothing else contains them there).
 """
 
 from __future__ import annotations
@@ -196,6 +199,8 @@ class Sandbox:
             else:
                 argv, cwd, env = [python, "-I", "-S", "-c", code], scratch, _environment(scratch)
             argv[0] = shutil.which(argv[0], path=TOOL_PATH) or argv[0]
+            if self.kind != "bwrap" and (setpriv := shutil.which("setpriv", path=TOOL_PATH)):
+                argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]  # set after a switch to NOBODY, which clears it
             as_nobody: _RunAs = {}
             if self.kind == "rlimits" and self.as_nobody:  # another uid: it cannot signal the trainer
                 os.chmod(scratch, 0o777)
