@@ -211,6 +211,55 @@ def test_an_environment_that_owns_its_reward_may_be_the_only_one(compose, tmp_pa
     assert metrics["reward/IncrementEnv"] == metrics["reward"] == sum(rewards) / 4
 
 
+BUILT: list = []  # the instances `incrementing` built
+
+
+def incrementing():
+    """TRL's IncrementEnv built by a function, as TRL's environment_factory may be (a lambda or functools.partial
+    in a script, a function in a module here)."""
+    from test_episodes import IncrementEnv
+
+    BUILT.append(IncrementEnv())
+    return BUILT[-1]
+
+
+def no_environment():
+    return {"reset": None}
+
+
+def failing_factory():
+    raise RuntimeError("no license server")
+
+
+def test_an_environment_built_by_a_function_trains_as_its_class_does(compose, tmp_path):
+    """env._target_ naming a function that returns an environment: its instances' tools, get_reward() as the reward
+    (named after their class), an instance of the function's per episode."""
+    owned = ["env._target_=test_episode_training.incrementing", "reward.functions=null", "reward.accuracy=null"]
+    BUILT.clear()
+    config.validate(compose([*TINY_TRAINER, *owned]))  # get_reward() found through the function's instance
+    trainer = scripted(make_trainer(compose, tmp_path, *owned, "data.prompts_per_step=2", "algo.num_generations=2",
+                                    "rollout.max_new_tokens=48", rows=[script(call("increment", step=3), "Done.")] * 2))
+    BUILT.clear()
+    metrics, batch = trainer.step(0)
+    assert [id(env) for env in batch.rollout.environments] == [id(env) for env in BUILT[-4:]]  # the function's
+    assert sum(env.counter for env in BUILT) == 12  # each episode called its own instance's increment tool
+    rewards = [float(env.counter == env.target) for env in batch.rollout.environments]
+    assert list(batch.per_function) == ["IncrementEnv"] and batch.rewards.tolist() == rewards
+
+
+@pytest.mark.parametrize(("target", "line"), [
+    ("no_environment", "env._target_=test_episode_training.no_environment returns a dict, which has no reset(**row) "
+                       "method; an environment needs reset(**row) -> str | None"),
+    ("failing_factory", "env._target_=test_episode_training.failing_factory: environment failing_factory() raised "
+                        "RuntimeError: no license server; an environment is built without arguments (TRL's "
+                        "environment_factory): fix the function"),
+])
+def test_a_function_that_builds_no_environment_is_one_line_before_the_model_loads(compose, target, line):
+    with pytest.raises(ConfigError) as err:
+        EpisodeRunner.from_config(compose(["model=tiny", f"env._target_=test_episode_training.{target}"]))
+    assert str(err.value).startswith(line), str(err.value)
+
+
 class Multiplies:
     """An environment whose method has the name of a tool in rollout.tools."""
 

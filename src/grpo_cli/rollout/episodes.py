@@ -363,6 +363,7 @@ class EpisodeRunner:
     call_opener: str = ""
     tool_output_max_chars: int | None = None
     environment_timeout_s: float | None = None
+    environment_class: type | None = None  # what environment_factory builds (it may be a function)
     _formats: dict = field(default_factory=dict)
 
     @classmethod
@@ -372,14 +373,15 @@ class EpisodeRunner:
         if not dotted and target is None:
             return None
         tools = [import_object(d, f"rollout.tools[{i}]") for i, d in enumerate(dotted)]
-        factory = environment_class(target) if target is not None else None
+        factory = import_object(target, "env._target_") if target is not None else None  # a class, or a function
+        kind = environment_class(target, timeout_s=cfg.env.timeout_s) if target is not None else None
         # a tool without type hints or docstring, or two of one name, are refused now, not at the first call
-        names = [make_tool(fn).name for fn in [*tools, *environment_functions(factory).values()]]
+        names = [make_tool(fn).name for fn in [*tools, *environment_functions(kind).values()]]
         if twice := sorted({name for name in names if names.count(name) > 1}):
             raise ConfigError(f"rollout.tools and the environment's methods offer {' and '.join(twice)} twice; every "
                               "tool needs its own name: drop one from rollout.tools or rename one")
         return cls(tools, factory, roll.max_tool_calls, roll.tool_timeout_s, roll.tool_format, roll.call_opener,
-                   roll.tool_output_max_chars, cfg.env.timeout_s)
+                   roll.tool_output_max_chars, cfg.env.timeout_s, kind)
 
     def format_for(self, tokenizer) -> ToolFormat:
         """How `tokenizer` shows the tools; ConfigError for rollout.tool_format=native on a template without

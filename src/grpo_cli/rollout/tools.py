@@ -357,8 +357,9 @@ def new_environment(factory: Callable, stop=None, timeout_s: float | None = None
     except user_code.TimedOut:
         raise _too_slow(f"{name}()", timeout_s) from None
     except user_code.Raised as failure:
+        fix = "its __init__" if inspect.isclass(factory) else "the function"
         raise UserCodeError(f"environment {name}() raised {raised(failure.error)}; "
-                            "an environment is built without arguments (TRL's environment_factory): fix its __init__"
+                            f"an environment is built without arguments (TRL's environment_factory): fix {fix}"
                             ) from None
 
 
@@ -397,19 +398,34 @@ def reset_arguments(reset: Callable, row: dict) -> dict:
     return {"prompt": copy(), **fields, **({"messages": copy()} if takes_messages else {})}
 
 
-def environment_class(dotted: str, key: str = "env._target_"):
-    """The environment class (TRL's environment_factory contract), checked without building an instance."""
-    cls = import_object(dotted, key)
+def environment_class(dotted: str, key: str = "env._target_", timeout_s: float | None = None):
+    """The class of the environments `dotted` builds (TRL's environment_factory): the class it names, checked without
+    building an instance, or, for a function that returns one (TRL takes any callable), the class of the instance
+    one call returns (one call per process, within `timeout_s`: env.timeout_s)."""
+    factory = import_object(dotted, key)
+    if inspect.isclass(factory):
+        cls, what = factory, f"{key}={dotted}"
+    else:
+        if factory not in _PROBED:
+            try:
+                _PROBED[factory] = type(new_environment(factory, timeout_s=timeout_s))
+            except UserCodeError as err:
+                raise ConfigError(f"{key}={dotted}: {err}") from None
+        cls = _PROBED[factory]
+        what = f"{key}={dotted} returns a {cls.__qualname__}, which"
     if not callable(getattr(cls, "reset", None)):
-        raise ConfigError(f"{key}={dotted} has no reset(**row) method; an environment needs reset(**row) -> str | None "
+        raise ConfigError(f"{what} has no reset(**row) method; an environment needs reset(**row) -> str | None "
                           "and its tools as public methods (TRL's environment_factory)")
     return cls
 
 
-def reward_owning_environment(dotted: str | None):
+_PROBED: dict[Callable, type] = {}  # a factory function's instances' class, found once
+
+
+def reward_owning_environment(dotted: str | None, timeout_s: float | None = None):
     """The environment class of env._target_ (`dotted`) when it has a get_reward() method (imported: a bad path is
     its own one-line error), else None."""
     if dotted is None:
         return None
-    cls = environment_class(dotted)
+    cls = environment_class(dotted, timeout_s=timeout_s)
     return cls if callable(getattr(cls, "get_reward", None)) else None

@@ -61,7 +61,7 @@ def validate(cfg: DictConfig) -> list[str]:
     from grpo_cli.tasks.sources import check_files_are_read, final_eval_on
 
     check_optimizer(config.optimizer)
-    environment = reward_owning_environment(config.env._target_)  # a bad env._target_ is its own line first
+    environment = reward_owning_environment(config.env._target_, config.env.timeout_s)  # a bad one: its own line
     check_functions(config, environment)
     check_files_are_read(config.data)  # a data file is read or refused, never ignored
     if config.sweep.metric == "final_eval_accuracy" and not final_eval_on(config, multirun=True):

@@ -107,7 +107,7 @@ class GRPOTrainer:
                                   longest_row=data.max_prompt_tokens + self.roll.max_new_tokens)
         self.memory.apply(self.model)  # and with a budget, its line at start-up
         self.rewards = RewardSet.from_config(cfg.reward, device=self.lm.device, dtype=self.lm.dtype, stop=self.stop,
-                                             environment=self.episodes and self.episodes.environment_factory)
+                                             environment=self.episodes and self.episodes.environment_class)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer)
         self.lr_schedule = LRSchedule(self.optimizer, cfg.optimizer, self.tcfg.max_steps,
