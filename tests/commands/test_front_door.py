@@ -156,7 +156,7 @@ def test_log_metric_and_log_extra_reach_a_reward_as_trl_passes_them():
         return [0.0] * len(completions)
 
     scoring = RewardSet([RewardFunction("lengths", lengths, 1.0)]).score_all(["p"] * 2, ["ab", "abcd"], {})
-    assert scoring.logged == {"mean_length": 1.5} and scoring.extra == {"length": [2, 4]}  # 3.0 and 0.0: their mean
+    assert scoring.logged == {"mean_length": (3.0, 2)} and scoring.extra == {"length": [2, 4]}  # 3.0 and 0.0
     misuses = [lambda metric, extra: metric("kl", 1.0), lambda metric, extra: metric("reward/x", 1.0),
                lambda metric, extra: extra("completion", ["a", "b"]), lambda metric, extra: metric("m", float("nan"))]
     for misuse in misuses:  # a name of grpo-cli's own metrics or sample fields, or not a number

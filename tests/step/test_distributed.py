@@ -354,3 +354,43 @@ def test_grpo_train_nproc_gives_every_rank_one_run_dir(tmp_path):
     assert (runs[0] / "adapter" / "adapter_model.safetensors").is_file()
     samples = read_jsonl(runs[0] / "samples.jsonl")
     assert len(samples) == 2 * 2 * 8  # 2 steps x rank 0's 2 of the 4 prompts x G=8, written once
+
+
+LOGGED = textwrap.dedent('''
+    import json, sys
+    import torch.distributed as dist
+    from grpo_cli.rewards import Logged
+    from grpo_cli.step import distributed
+    from grpo_cli.step.stats import over_ranks
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    logger = Logged()
+    for name, value in [[("a", 1.0)], [("a", 4.0), ("b", 2.0), ("a", 4.0), ("a", 4.0)]][rank]:
+        logger.log_metric(name, value)
+    logged = logger.totals()
+    row = {key: float(rank) for key in ("reward", "reward_std", "frac_reward_zero_std", "completion_len",
+                                        "truncated_frac", "gen_tokens_per_s", "reward_errors", "prompts_truncated",
+                                        "prompts_dropped")}
+    row |= {name: total / calls for name, (total, calls) in logged.items()}  # the rank's own, as metrics_row gives
+    whole = over_ranks(row, distributed.Dist(rank, 2, rank), "cpu", logged)
+    with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
+        json.dump(whole, f)
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.slow
+def test_log_metric_over_two_ranks_is_the_mean_of_every_value_as_trl_gives_it(tmp_path):
+    """Rank 0 logs a = 1 once; rank 1 logs a = 4 three times and b = 2 once (names in another order on each rank):
+    both ranks' rows hold a = (1 + 3 * 4) / 4 and b = 2, as TRL's gather of sums and counts gives, beside the
+    rank-averaged rewards."""
+    (tmp_path / "worker.py").write_text(LOGGED)
+    out = tmp_path / "row"
+    proc = subprocess.run([*torchrun(), str(tmp_path / "worker.py"), str(out)], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(open(f"{out}.rank{r}").read()) for r in (0, 1)]
+    for row in rows:
+        assert row["a"] == 13 / 4 and row["b"] == 2.0  # sums of small integers: exact in float64
+        assert row["reward"] == 0.5 and row["reward_errors"] == 1.0

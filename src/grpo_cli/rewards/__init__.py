@@ -203,7 +203,7 @@ class Scoring:
     errors: int
     outcomes: dict[str, Outcomes]
     failures: list[str | None] = dataclasses.field(default_factory=list)  # per completion: what failed, or None
-    logged: dict[str, float] = dataclasses.field(default_factory=dict)  # log_metric's, each name's mean
+    logged: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)  # log_metric's: sum, calls
     extra: dict[str, list] = dataclasses.field(default_factory=dict)  # log_extra's columns, a value per completion
 
     @property
@@ -294,8 +294,9 @@ class Logged:
                               f"({', '.join(SAMPLE_KEYS)}, reward/..., outcome/...); pick another")
         self.columns.setdefault(column, []).extend(list(values))
 
-    def means(self) -> dict[str, float]:
-        return {name: sum(values) / len(values) for name, values in self.metrics.items()}
+    def totals(self) -> dict[str, tuple[float, int]]:
+        """Each name's sum and number of values: what TRL adds up over the ranks before it divides."""
+        return {name: (sum(values), len(values)) for name, values in self.metrics.items()}
 
 
 class RewardSet:
@@ -419,7 +420,7 @@ class RewardSet:
             raise RewardError(f"the total reward of completion {bad} is {totals[bad]} ({terms}, reward.aggregation="
                               f"{self.aggregation}); rewards must sum to a finite number: lower the weights")
         extra = {column: values for column, values in self.logged.columns.items() if len(values) == len(texts)}
-        return Scoring(totals, per_fn, errors, outcomes, failures, self.logged.means(), extra)
+        return Scoring(totals, per_fn, errors, outcomes, failures, self.logged.totals(), extra)
 
     def _one_line(self, rf: RewardFunction, failure: user_code.Raised | user_code.TimedOut, prompts, completions,
                   fields) -> RewardError:

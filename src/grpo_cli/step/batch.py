@@ -26,7 +26,7 @@ class Scores:
     errors: int                      # reward calls that raised (reward.on_error=zero)
     outcomes: dict[str, Outcomes] = field(default_factory=dict)  # of the functions that give them (rewards.Scored)
     failures: list[str | None] | None = None  # per completion: what failed under on_error=zero, or None
-    logged: dict[str, float] = field(default_factory=dict)  # the functions' log_metric, each name's mean
+    logged: dict[str, tuple[float, int]] = field(default_factory=dict)  # their log_metric: sum, calls
     extra: dict[str, list] = field(default_factory=dict)  # their log_extra columns, a value per completion
 
 
@@ -44,7 +44,7 @@ class Batch:
     stats: dict = field(default_factory=dict)
     outcomes: dict[str, Outcomes] = row_ops.per_row_dict(default_factory=dict)  # of the rewards that say them
     reward_failures: list[str | None] | None = row_ops.per_row(default=None)  # what each of reward_errors was
-    logged: dict[str, float] = field(default_factory=dict)  # the rewards' log_metric means (a draw's: the first's)
+    logged: dict[str, tuple[float, int]] = field(default_factory=dict)  # log_metric's sums (a draw's: the first's)
     extra: dict[str, list] = row_ops.per_row_dict(default_factory=dict)  # their log_extra columns, to samples.jsonl
 
     def select_groups(self, groups: list[int]) -> Batch:

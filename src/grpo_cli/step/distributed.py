@@ -128,6 +128,15 @@ def any_rank(flag: bool) -> bool:
     return bool(votes.item() > 0)
 
 
+def names_on_any_rank(names: list[str]) -> list[str]:
+    """The names given on any rank, sorted: the same list, in the same order, on every rank (TRL's gather_object)."""
+    if world_size() == 1:
+        return sorted(names)
+    gathered: list = [None] * world_size()
+    dist.all_gather_object(gathered, names)
+    return sorted({name for given in gathered for name in given})
+
+
 def collective_failure(error: BaseException) -> str | None:
     """What a failed collective says, in a few words, when `error` is one (another rank died, hung past
     GRPO_DIST_TIMEOUT_S or closed its connection: gloo's RuntimeError, NCCL's and the store's DistError); None for any

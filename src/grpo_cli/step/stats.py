@@ -125,13 +125,18 @@ def metrics_row(step: int, batch: Batch, stats: StepStats, seconds: float, num_g
         **trainer_values,
         **{f"outcomes/{name}/{kind}": n for name, o in batch.outcomes.items() for kind, n in o.counts().items()},
     }
-    return row | batch.logged  # none of base.metrics.OWN_METRICS: log_metric refuses them
+    # none of base.metrics.OWN_METRICS: log_metric refuses them
+    return row | {name: total / calls for name, (total, calls) in batch.logged.items()}
 
 
-def over_ranks(row: dict, dist: distributed.Dist, device) -> dict:
-    """The row over every rank: every rank has as many rows, so rank means average exactly; counts add up."""
+def over_ranks(row: dict, dist: distributed.Dist, device, logged: dict[str, tuple[float, int]]) -> dict:
+    """The row over every rank: every rank has as many rows, so rank means average exactly; counts add up; a name
+    given to log_metric on any rank is the mean of all its values on every rank, as TRL averages them."""
     if not dist.enabled:
         return row
+    names = distributed.names_on_any_rank(list(logged))
+    sums = distributed.sum_floats([float(x) for name in names for x in logged.get(name, (0.0, 0))], dist, device)
+    row = row | {name: sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(names)}
     summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped",
               *(k for k in row if k.startswith("outcomes/")))
     averaged = ["reward", "reward_std", "frac_reward_zero_std", "completion_len", "truncated_frac",

@@ -316,7 +316,7 @@ class GRPOTrainer:
             check_invariants(step, batch, stats, self.algo)
         row = metrics_row(step, batch, stats, time.perf_counter() - t0, self.algo.num_generations, {
             "lr": self.lr_schedule.lr, "skipped_updates": self.skipped_updates, **self.sampler_correction.metrics()})
-        return over_ranks(row, self.dist, self.lm.device), batch
+        return over_ranks(row, self.dist, self.lm.device, batch.logged), batch
 
     # ---- what a run asks of the step ------------------------------------------------------------
     def state_dict(self) -> dict:
