@@ -2,7 +2,7 @@
 
 Linux's parent-death signal (prctl PR_SET_PDEATHSIG) sends one signal, once; a server whose shutdown then stalls
 outlives its starter: vLLM's API server takes the first SIGTERM or SIGINT as "shut down" and ignores any further
-one (its launcher's signal_handler), and in CI (2026-12-05) one outlived a kill -9 of grpo-train by more than 60 s.
+one (its launcher's signal_handler), and one has outlived a kill -9 of grpo-train by more than a minute.
 `Guard` starts a watcher process for the group, in a session of its own (a Ctrl-C in the terminal or a signal to
 grpo-train's process group does not reach it), blocked on a pipe that only the starter holds open. End of file
 means the starter ended, or released it after ending the group itself; the watcher then does what `end_group`
@@ -86,8 +86,6 @@ class Guard:
 
 
 def _watch(pgid: int, starter: int, term_s: float) -> None:
-    for signum in (signal.SIGINT, signal.SIGHUP):  # a handler, not SIG_IGN: its own children keep the defaults
-        signal.signal(signum, lambda *_: None)
     heard = b""
     while chunk := os.read(0, 64):
         heard += chunk
