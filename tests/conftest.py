@@ -223,6 +223,27 @@ def finished_run(tmp_path_factory, label: str, args: list[str], env: dict) -> Pa
     return run
 
 
+def alive(pid: int) -> bool:
+    """`pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (zombies, dead but not reaped, are not)."""
+    members = []
+    for proc in Path("/proc").iterdir():
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if proc.name.isdigit() and int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(proc.name))
+    return members
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

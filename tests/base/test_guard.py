@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from conftest import alive, group_members
+
 from grpo_cli.base.guard import Guard, end_group
 
 # A process group that ignores SIGTERM and SIGINT, leader and child, as a server whose shutdown stalls: only SIGKILL
@@ -50,27 +52,6 @@ STARTER = textwrap.dedent("""
 GUARD_LINE = "ended without stopping it; ending the group"
 
 
-def members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (zombies, dead but not reaped, are not)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                found.append(int(entry.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def until(condition, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:
@@ -90,11 +71,11 @@ def started(tmp_path: Path, program: str, term_s: float, ready_lines: int) -> tu
 
 def test_kill_9_of_the_starter_ends_a_group_that_ignores_sigterm(tmp_path):
     starter, group, watcher, log = started(tmp_path, STUBBORN, 0.5, 1)
-    assert len(members(group)) == 2
+    assert len(group_members(group)) == 2
     starter.kill()
     starter.wait()
     # 0.5 s of SIGTERM, then SIGKILL, which nothing survives; 10 s: the watcher's polls (0.05 s) and a busy machine
-    assert until(lambda: not members(group), 10), f"still there: {members(group)}; {log.read_text()}"
+    assert until(lambda: not group_members(group), 10), f"still there: {group_members(group)}; {log.read_text()}"
     assert until(lambda: not alive(watcher), 10)
     assert f"pid {starter.pid}, which started process group {group}, {GUARD_LINE} (SIGTERM, SIGKILL 0.5 s later)" \
         in log.read_text()
@@ -105,7 +86,7 @@ def test_kill_9_of_the_starter_sends_sigterm_first(tmp_path):
     starter.kill()
     starter.wait()
     # 30 s before a SIGKILL: gone well before means SIGTERM ended it
-    assert until(lambda: not members(group), 20), log.read_text()
+    assert until(lambda: not group_members(group), 20), log.read_text()
     assert "got SIGTERM" in log.read_text()
     assert until(lambda: not alive(watcher), 10)
 
@@ -133,4 +114,4 @@ def test_end_group_kills_what_ignores_sigterm_after_term_s(tmp_path):
     began = time.monotonic()
     end_group(group.pid, 0.5, leader=group)
     assert time.monotonic() - began >= 0.5  # SIGTERM had its time
-    assert group.returncode == -signal.SIGKILL and not members(group.pid)
+    assert group.returncode == -signal.SIGKILL and not group_members(group.pid)

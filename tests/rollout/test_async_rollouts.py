@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TRAINER, VARIED_REWARD, assert_learned, fit, make_trainer, read_jsonl, run_cli
+from conftest import TINY_TRAINER, VARIED_REWARD, alive, assert_learned, fit, make_trainer, read_jsonl, run_cli
 
 from grpo_cli.base.errors import ConfigError
 
@@ -34,14 +34,6 @@ def assert_same_adapter(a: Path, b: Path) -> None:
     left, right = adapter_tensors(a), adapter_tensors(b)
     assert left.keys() == right.keys()
     assert all(torch.equal(left[k], right[k]) for k in left), "the adapters differ"
-
-
-def alive(pid: int) -> bool:
-    """`pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_staleness_needs_the_worker_placement_in_one_line(compose):

@@ -13,8 +13,8 @@ import os
 import re
 
 import pytest
-from conftest import assert_learned, read_jsonl, run_cli, saved_base, vllm_servers
-from test_async_rollouts import alive, signal_at, stopped_after
+from conftest import alive, assert_learned, read_jsonl, run_cli, saved_base, vllm_servers
+from test_async_rollouts import signal_at, stopped_after
 from test_vllm_server import LORA_SERVER_ARGS, LORA_SERVER_ENV, SERVER, STARTED, assert_no_server, served_models
 
 pytest.importorskip("vllm")

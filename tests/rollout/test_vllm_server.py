@@ -15,11 +15,20 @@ import re
 import signal
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
-from conftest import TINY_TRAINER, VARIED_REWARD, assert_learned, read_jsonl, run_cli, saved_base, vllm_servers
-from test_async_rollouts import alive, signal_at, stopped_after
+from conftest import (
+    TINY_TRAINER,
+    VARIED_REWARD,
+    alive,
+    assert_learned,
+    group_members,
+    read_jsonl,
+    run_cli,
+    saved_base,
+    vllm_servers,
+)
+from test_async_rollouts import signal_at, stopped_after
 
 from grpo_cli.base.errors import ConfigError, WorkerError
 from grpo_cli.rollout.vllm_server import STARTS, ServerAPI, VLLMServer, wait_until_up
@@ -41,19 +50,6 @@ def server_pid(stderr: str) -> int:
     found = STARTED.search(stderr)
     assert found, stderr[-3000:]
     return int(found.group(1))
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (the server and the engine processes it started)."""
-    members = []
-    for proc in Path("/proc").iterdir():
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if proc.name.isdigit() and int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(proc.name))
-    return members
 
 
 def assert_no_server(pid: int) -> None:

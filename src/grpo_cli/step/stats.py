@@ -134,16 +134,16 @@ def over_ranks(row: dict, dist: distributed.Dist, device, logged: dict[str, tupl
     given to log_metric on any rank is the mean of all its values on every rank, as TRL averages them."""
     if not dist.enabled:
         return row
-    names = distributed.names_on_any_rank(list(logged))
-    sums = distributed.sum_floats([float(x) for name in names for x in logged.get(name, (0.0, 0))], dist, device)
-    row = row | {name: sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(names)}
     summed = ("gen_tokens_per_s", "reward_errors", "prompts_truncated", "prompts_dropped",
               *(k for k in row if k.startswith("outcomes/")))
     averaged = ["reward", "reward_std", "frac_reward_zero_std", "completion_len", "truncated_frac",
                 *(k for k in row if k.startswith("reward/"))]
-    keys = [*averaged, *summed]
-    totals = distributed.sum_floats([float(row[k]) for k in keys], dist, device)
-    return {**row, **{k: v if k in summed else v / dist.world_size for k, v in zip(keys, totals, strict=True)}}
+    keys, names = [*averaged, *summed], distributed.names_on_any_rank(list(logged))
+    totals = distributed.sum_floats([*(float(row[k]) for k in keys),
+                                     *(float(x) for name in names for x in logged.get(name, (0.0, 0)))], dist, device)
+    sums = totals[len(keys):]  # each logged name's sum of values, then their count
+    return {**row, **{k: v if k in summed else v / dist.world_size for k, v in zip(keys, totals, strict=False)},
+            **{name: sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(names)}}
 
 
 def check_first_update(step: int, first: UpdateSums, on_policy: bool, fresh: bool, beta: float) -> None:
